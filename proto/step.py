@@ -1,0 +1,70 @@
+"""Scheduler <-> worker channel: the plan of one engine step and its result.
+
+A request travels in full once (`NewRequestData`, also when it resumes after a
+preemption); afterwards only deltas (`CachedRequestData`): new block ids and how far
+its KV has been computed. The worker appends the tokens it samples to its own copy of
+each request (the persistent batch), so sampled tokens never travel scheduler→worker.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvflow.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far (outputs only when resuming)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # KV already in the cache (prefix-cache hit) before this step
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step
+
+
+class StepPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    step_id: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    # Tokens to compute per request, in batch order (new and cached interleaved as the
+    # scheduler chose them).
+    scheduled_req_ids: list[str]
+    num_scheduled_tokens: list[int]
+    # Requests the worker must forget before this step (finished, aborted, preempted).
+    finished_req_ids: list[str] = []
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs at one position: index 0 is the chosen token, 1.. the top-N."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # 1-based rank of the chosen token in the model's distribution
+
+
+class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    step_id: int
+    req_ids: list[str]  # requests that sampled this step
+    sampled_token_ids: list[list[int]]  # aligned with req_ids
+    logprobs: list[list[TokenLogprobs]] = []  # aligned with req_ids when any asked
+    # Prompt logprobs computed this step, for positions [start, start + len) of the prompt.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+    prompt_logprobs_start: dict[str, int] = {}
+    execute_time_s: float = 0.0
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    """Tells workers to exit cleanly."""
+
+
+WorkerInput = StepPlan | Shutdown

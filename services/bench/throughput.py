@@ -1,0 +1,147 @@
+"""`kvflow bench throughput`: offline throughput on deterministic random-token prompts.
+
+With `--compare transformers`, HF transformers `generate` runs the same prompts in the
+same process (one static batch, sdpa attention, same dtype) and the ratio is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class ThroughputResult:
+    name: str
+    num_requests: int
+    elapsed_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "requests_per_s": round(self.requests_per_s, 3),
+            "output_tokens_per_s": round(self.output_tokens_per_s, 1),
+            "total_tokens_per_s": round(self.total_tokens_per_s, 1),
+        }
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--compare", choices=["transformers"], default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def random_token_prompts(
+    num_prompts: int, input_len: int, vocab_size: int, special_ids: list[int], seed: int
+) -> list[list[int]]:
+    """Deterministic prompts of exactly `input_len` ordinary (non-special) token ids."""
+    rng = np.random.default_rng(seed)
+    low = max(special_ids, default=-1) + 1 if max(special_ids, default=0) < 1000 else 0
+    ids = rng.integers(low, vocab_size, size=(num_prompts, input_len))
+    return ids.tolist()
+
+
+def run_kvflow(llm: Any, prompts: list[list[int]], output_len: int) -> ThroughputResult:
+    from kvflow.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return ThroughputResult(
+        name="kvflow",
+        num_requests=len(prompts),
+        elapsed_s=elapsed,
+        prompt_tokens=sum(len(p) for p in prompts),
+        output_tokens=sum(len(o.token_ids) for o in outputs),
+    )
+
+
+def run_transformers(
+    model_dir: str, dtype: str, prompts: list[list[int]], output_len: int
+) -> ThroughputResult:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+    ).eval()
+    input_ids = torch.tensor(prompts)  # equal lengths: one static batch, no padding
+    kwargs = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len)
+    with torch.inference_mode():
+        model.generate(input_ids[:2, :8], max_new_tokens=2, do_sample=False)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        elapsed = time.perf_counter() - start
+    return ThroughputResult(
+        name="transformers",
+        num_requests=len(prompts),
+        elapsed_s=elapsed,
+        prompt_tokens=input_ids.numel(),
+        output_tokens=(out.shape[1] - input_ids.shape[1]) * input_ids.shape[0],
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvflow.llm import LLM
+    from kvflow.services.cli_args import engine_options
+
+    llm = LLM(**engine_options(args))
+    tokenizer = llm.tokenizer
+    prompts = random_token_prompts(
+        args.num_prompts,
+        args.input_len,
+        llm.engine.vocab_size,
+        list(tokenizer.all_special_ids),
+        args.bench_seed,
+    )
+    results = [run_kvflow(llm, prompts, args.output_len)]
+    if args.compare == "transformers":
+        model_dir = str(llm.engine.model_dir)
+        dtype = llm.engine.config.model.dtype
+        del llm
+        results.append(run_transformers(model_dir, dtype, prompts, args.output_len))
+    _report(results, args.json)
+    return 0
+
+
+def _report(results: list[ThroughputResult], as_json: bool) -> None:
+    report: dict[str, Any] = {r.name: r.summary() for r in results}
+    if len(results) == 2:
+        report["speedup_output_tokens_per_s"] = round(
+            results[0].output_tokens_per_s / results[1].output_tokens_per_s, 2
+        )
+    if as_json:
+        print(json.dumps(report))
+        return
+    for r in results:
+        print(
+            f"{r.name:>13}: {r.requests_per_s:.2f} requests/s, "
+            f"{r.output_tokens_per_s:.1f} output tok/s, {r.total_tokens_per_s:.1f} total tok/s "
+            f"({r.num_requests} requests in {r.elapsed_s:.2f} s)"
+        )
+    if "speedup_output_tokens_per_s" in report:
+        print(f"kvflow / transformers output tok/s: {report['speedup_output_tokens_per_s']}x")

@@ -1,0 +1,129 @@
+"""`kvflow` command line: generate, chat, bench (serve comes with the serving stack)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from kvflow.sampling_params import SamplingParams
+from kvflow.services.cli_args import add_engine_args, engine_options
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return int(args.handler(args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
+    parser.add_argument("--log-level", default="warning", help="debug, info, warning, error")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    generate = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
+    generate.add_argument("prompt")
+    generate.add_argument("--raw", action="store_true", help="no chat template")
+    _add_sampling_args(generate)
+    add_engine_args(generate)
+    generate.set_defaults(handler=_run_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    _add_sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(handler=_run_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from kvflow.services.bench import throughput
+
+    tp = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
+    throughput.add_args(tp)
+    add_engine_args(tp)
+    tp.set_defaults(handler=throughput.run)
+    _add_kernel_bench(bench_sub)
+    return parser
+
+
+def _add_kernel_bench(bench_sub: Any) -> None:
+    try:
+        from kvflow.services.bench import kernels
+    except ImportError:  # triton missing on this platform
+        return
+    kb = bench_sub.add_parser("kernels", help="Triton kernels: time, bandwidth, % of roofline")
+    kernels.add_kernel_bench_args(kb)
+    kb.set_defaults(handler=kernels.run_kernel_bench)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--seed", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+
+
+def _stream(llm: Any, prompt: str | list[int], params: SamplingParams) -> str:
+    """Run one request, printing text as it is produced; returns the full text."""
+    engine = llm.engine
+    engine.add_request("cli", prompt, params)
+    printed = 0
+    text = ""
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    sys.stdout.write("\n")
+    return text
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from kvflow.llm import LLM
+    from kvflow.tokenizer import apply_chat_template
+
+    llm = LLM(**engine_options(args))
+    prompt: str | list[int] = args.prompt
+    if not args.raw and llm.tokenizer.chat_template:
+        prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": args.prompt}])
+    _stream(llm, prompt, _sampling_params(args))
+    return 0
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from kvflow.llm import LLM
+    from kvflow.tokenizer import apply_chat_template
+
+    llm = LLM(**engine_options(args))
+    history: list[dict[str, str]] = []
+    print("kvflow chat — empty line or Ctrl-D to quit")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        prompt = apply_chat_template(llm.tokenizer, history)
+        reply = _stream(llm, prompt, _sampling_params(args))
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

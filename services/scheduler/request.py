@@ -1,0 +1,124 @@
+"""The scheduler's view of one generation request.
+
+Glossary (vLLM's vocabulary)::
+
+    all_token_ids   = prompt_token_ids + output_token_ids
+                      |<--- num_prompt_tokens --->|<-- num_output_tokens -->|
+    KV in the cache   |<------- num_computed_tokens ------->|
+    still to compute                                        |<- num_tokens - num_computed ->|
+
+    num_tokens = len(all_token_ids)
+
+A request is *sampled* in a step when the tokens scheduled for it reach `num_tokens`
+(the end of what is known): a prefill chunk that stops short samples nothing. A
+preempted request drops its KV (`num_computed_tokens = 0`) and later recomputes prompt
+*and* outputs, so resuming is just another prefill.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from kvflow.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or the model's context length
+    FINISHED_ABORTED = 5  # client went away or asked to cancel
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        max_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = arrival_time
+        self.priority = priority  # lower value = served first (vLLM's convention)
+        self.cache_salt = cache_salt
+        self.max_tokens = max_tokens  # resolved: params.max_tokens or what fits the context
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 = not yet
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """After appending a token: set a finished status if a stop condition holds."""
+        params = self.sampling_params
+        last = self.all_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if params.stop_token_ids and last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def sort_key(self) -> tuple[int, float]:
+        """Order in the priority policy: priority first, then arrival."""
+        return (self.priority, self.arrival_time)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

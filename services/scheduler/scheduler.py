@@ -1,0 +1,297 @@
+"""The continuous-batching scheduler: a sans-IO core (messages in, messages out).
+
+One token budget per step and no prefill/decode modes: running requests first (each
+takes what it still needs to compute: 1 token for a decode, the rest of a prompt for
+a prefill, capped by `long_prefill_token_threshold`), then waiting requests in queue
+order, whose prompts are split into chunks when they do not fit the budget. When the
+KV pool is full, the lowest-priority running request (the newest under FCFS) is
+preempted by recompute: its blocks are freed and it goes back to the waiting queue.
+The scheduler never touches block internals; `KVCacheManager` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvflow.config import SchedulerConfig
+from kvflow.proto.engine import TokenDelta
+from kvflow.proto.step import (
+    CachedRequestData,
+    NewRequestData,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
+from kvflow.services.scheduler.request import Request, RequestStatus
+from kvflow.services.scheduler.request_queue import make_request_queue
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+@dataclass
+class _StepBuilder:
+    """Accumulates one step's plan while the budget is spent."""
+
+    budget: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    scheduled: dict[str, int]  # req_id -> tokens, insertion order = batch order
+    preempted: list[Request]
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.scheduled[request.request_id] = num_tokens
+        self.budget -= num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting = make_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._step_id = 0
+        self._worker_forget: list[str] = []  # finished/preempted since the last plan
+        self._scheduled_time: dict[str, float] = {}
+        self._first_token_time: dict[str, float] = {}
+        # Prompt logprobs arrive chunk by chunk; sent whole with the first token.
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+
+    # ---- requests in and out -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, request.request_id
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Abort (or stop, for stop strings) requests from outside the step loop."""
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # already finished: aborts race with completion
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif not request.is_finished:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ----------------------------------------------------------------
+
+    def schedule(self, now: float = 0.0) -> StepPlan:
+        step = _StepBuilder(self.config.max_num_batched_tokens, [], [], {}, [])
+        self._schedule_running(step)
+        if not step.preempted:  # admitting new work while preempting would thrash
+            self._schedule_waiting(step, now)
+        for req_id, num_tokens in step.scheduled.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        self._step_id += 1
+        plan = StepPlan(
+            step_id=self._step_id,
+            new_requests=step.new_requests,
+            cached_requests=step.cached_requests,
+            scheduled_req_ids=list(step.scheduled),
+            num_scheduled_tokens=list(step.scheduled.values()),
+            finished_req_ids=self._worker_forget,
+        )
+        self._worker_forget = []
+        return plan
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            num_new = min(num_new, threshold)
+        return min(num_new, budget)
+
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        index = 0
+        while index < len(self.running) and step.budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, step.budget)
+            if num_new == 0:
+                index += 1
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new, step)
+            if new_block_ids is None:
+                break  # the request itself was preempted: nothing further fits
+            step.cached_requests.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            step.add(request, num_new)
+            index = self.running.index(request) + 1  # victims may have been removed
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, step: _StepBuilder
+    ) -> list[int] | None:
+        while True:
+            new_block_ids = self.kv_cache.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self._pick_victim()
+            self._preempt(victim, step)
+            if victim is request:
+                return None
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: r.sort_key())
+        return self.running[-1]
+
+    def _preempt(self, request: Request, step: _StepBuilder) -> None:
+        self.running.remove(request)
+        if request.request_id in step.scheduled:  # already planned this step: take it back
+            step.budget += step.scheduled.pop(request.request_id)
+            step.cached_requests = [
+                c for c in step.cached_requests if c.req_id != request.request_id
+            ]
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._worker_forget.append(request.request_id)
+        self.waiting.push_front(request)
+        step.preempted.append(request)
+        logger.warning(
+            "preempted request %s by recompute (KV cache full; %d preemptions so far)",
+            request.request_id,
+            self.num_preemptions,
+        )
+
+    def _schedule_waiting(self, step: _StepBuilder, now: float) -> None:
+        while (
+            len(self.waiting) > 0
+            and step.budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            computed = self.kv_cache.get_computed_blocks(request)
+            request.num_computed_tokens = computed.num_computed_tokens
+            num_new = self._num_new_tokens(request, step.budget)
+            if self.kv_cache.allocate_slots(request, num_new, computed) is None:
+                request.num_computed_tokens = 0
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = computed.num_computed_tokens
+            self._scheduled_time.setdefault(request.request_id, now)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.new_requests.append(self._new_request_data(request))
+            step.add(request, num_new)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=list(self.kv_cache.get_block_ids(request.request_id)),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    # ---- results -----------------------------------------------------------------
+
+    def update_from_output(
+        self, plan: StepPlan, result: StepResult, now: float = 0.0
+    ) -> list[TokenDelta]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        for req_id, chunk in result.prompt_logprobs.items():
+            self._collect_prompt_logprobs(req_id, result.prompt_logprobs_start[req_id], chunk)
+        deltas = []
+        for index, req_id in enumerate(result.req_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            new_token_ids = []
+            for token_id in result.sampled_token_ids[index]:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                if request.check_stop(self.max_model_len):
+                    break
+            logprobs = result.logprobs[index][: len(new_token_ids)] if result.logprobs else []
+            deltas.append(self._make_delta(request, new_token_ids, logprobs, result, now))
+            if request.is_finished:
+                self.running.remove(request)
+                self._release(request)
+        return deltas
+
+    def _collect_prompt_logprobs(
+        self, req_id: str, start: int, chunk: list[TokenLogprobs]
+    ) -> None:
+        # Indexed by position so a chunk recomputed after preemption overwrites itself.
+        collected = self._prompt_logprobs.setdefault(req_id, [])
+        del collected[start:]
+        collected.extend(chunk)
+
+    def _make_delta(
+        self,
+        request: Request,
+        new_token_ids: list[int],
+        logprobs: list[TokenLogprobs],
+        result: StepResult,
+        now: float,
+    ) -> TokenDelta:
+        first = request.request_id not in self._first_token_time
+        if first:
+            self._first_token_time[request.request_id] = now
+        return TokenDelta(
+            req_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=logprobs,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            queued_time=request.arrival_time,
+            scheduled_time=self._scheduled_time.get(request.request_id, now),
+            first_token_time=self._first_token_time[request.request_id],
+            prompt_logprobs=self._prompt_logprobs.pop(request.request_id, []) if first else [],
+        )
+
+    def _release(self, request: Request) -> None:
+        """Free a finished request's blocks and tell the worker to forget it."""
+        self.kv_cache.free(request.request_id)
+        self.requests.pop(request.request_id, None)
+        self._scheduled_time.pop(request.request_id, None)
+        self._first_token_time.pop(request.request_id, None)
+        self._prompt_logprobs.pop(request.request_id, None)
+        self._worker_forget.append(request.request_id)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )

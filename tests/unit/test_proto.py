@@ -1,0 +1,76 @@
+"""Every wire message survives a MessagePack round trip unchanged (no pickle anywhere)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs, TokenDelta
+from kvflow.proto.step import (
+    CachedRequestData,
+    NewRequestData,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    WorkerInput,
+)
+from kvflow.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(
+    n=2, max_tokens=7, temperature=0.5, top_k=4, logit_bias={3: -1.5}, stop=["\n"], seed=3
+)
+LOGPROBS = TokenLogprobs(token_ids=[5, 1, 9], logprobs=[-0.1, -2.0, -3.5], rank=1)
+
+MESSAGES = [
+    AddRequest("r1", [1, 2, 3], PARAMS, arrival_time=12.5, priority=2, cache_salt="t"),
+    AbortRequests(["r1", "r2"], finish_reason="stop", stop_reason="###"),
+    EngineOutputs(
+        deltas=[
+            TokenDelta("r1", [4], finish_reason="length", logprobs=[LOGPROBS], num_cached_tokens=16),
+            TokenDelta("r2", [], error="boom"),
+        ],
+        timestamp=1.0,
+    ),
+    StepPlan(
+        step_id=3,
+        new_requests=[NewRequestData("r1", [1, 2, 3], 3, PARAMS, [0, 1], 0)],
+        cached_requests=[CachedRequestData("r0", [7], 41)],
+        scheduled_req_ids=["r0", "r1"],
+        num_scheduled_tokens=[1, 3],
+        finished_req_ids=["r9"],
+    ),
+    StepResult(
+        step_id=3,
+        req_ids=["r0"],
+        sampled_token_ids=[[11]],
+        logprobs=[[LOGPROBS]],
+        prompt_logprobs={"r1": [LOGPROBS]},
+        prompt_logprobs_start={"r1": 0},
+        execute_time_s=0.01,
+    ),
+    Shutdown(),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(message: msgspec.Struct) -> None:
+    data = msgspec.msgpack.encode(message)
+    assert msgspec.msgpack.decode(data, type=type(message)) == message
+
+
+def test_worker_channel_is_a_tagged_union() -> None:
+    decoder = msgspec.msgpack.Decoder(WorkerInput)
+    for message in (MESSAGES[3], Shutdown()):
+        assert decoder.decode(msgspec.msgpack.encode(message)) == message
+
+
+def test_defaults_are_omitted_on_the_wire() -> None:
+    small = msgspec.msgpack.encode(SamplingParams())
+    assert len(small) < 4  # an empty map: every field at its default
+
+
+def test_wrong_types_are_rejected() -> None:
+    bad = msgspec.msgpack.encode({"type": "AddRequest", "req_id": 5})
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(bad, type=AddRequest)
