@@ -23,7 +23,7 @@ from kvflow.proto.step import (
     StepResult,
     TokenLogprobs,
 )
-from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
+from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
 
@@ -167,12 +167,14 @@ class Scheduler:
 
     def _preempt(self, request: Request, step: _StepBuilder) -> None:
         self.running.remove(request)
-        if request.request_id in step.scheduled:  # already planned this step: take it back
+        planned = request.request_id in step.scheduled
+        if planned:  # already planned this step: take it back
             step.budget += step.scheduled.pop(request.request_id)
             step.cached_requests = [
                 c for c in step.cached_requests if c.req_id != request.request_id
             ]
-        self.kv_cache.free(request.request_id)
+        # A planned victim's KV of this step is never written: its hashes must go too.
+        self.kv_cache.free(request.request_id, step_discarded=planned)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -193,7 +195,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
-            computed = self.kv_cache.get_computed_blocks(request)
+            computed = ComputedBlocks([], 0)
+            if request.sampling_params.prompt_logprobs is None:  # those need every position
+                computed = self.kv_cache.get_computed_blocks(request)
             request.num_computed_tokens = computed.num_computed_tokens
             num_new = self._num_new_tokens(request, step.budget)
             if self.kv_cache.allocate_slots(request, num_new, computed) is None:

@@ -119,13 +119,13 @@ def test_stop_token_ids_report_the_stop_reason() -> None:
 
 
 def test_preemption_by_recompute_when_blocks_run_out() -> None:
-    # 6 blocks of 4 tokens: two requests of 8 prompt tokens fill 4 blocks; growing both
-    # past 12 tokens needs 6 + 2 more, so the newest (b) is preempted.
+    # 6 blocks of 4 tokens: two requests of 8 prompt tokens fill 4 blocks; computing
+    # token #13 of both needs 8, so the newest (b) is preempted.
     scheduler = make_scheduler(num_blocks=6, budget=64)
     scheduler.add_request(make_request("a", 8, max_tokens=20))
     scheduler.add_request(make_request("b", 8, max_tokens=20, start=300))
-    for _ in range(4):
-        run_step(scheduler)  # both reach 12 tokens (3 blocks each)
+    for _ in range(5):
+        run_step(scheduler)  # both have 12 computed tokens (3 full blocks each)
     plan, _ = run_step(scheduler)
     assert scheduler.num_preemptions == 1
     b = scheduler.requests["b"]

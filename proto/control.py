@@ -1,0 +1,45 @@
+"""Start-up acks, heartbeats and failures (launcher and liveness channels)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvflow.proto.step import StepResult
+
+
+class ProcessReady(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """Sent once by each child when it can serve (the launcher waits for all)."""
+
+    role: str  # scheduler | worker | detokenizer | frontend
+    rank: int = 0
+    pid: int = 0
+    # Facts the launcher reports, e.g. {"num_blocks": 1234, "load_s": 1.2}.
+    info: dict[str, float] = {}
+
+
+class ProcessFailed(msgspec.Struct, tag=True, array_like=True):
+    """A child could not start or hit a fatal error; `error` names what happened."""
+
+    role: str
+    rank: int
+    error: str
+
+
+class WorkerHeartbeat(msgspec.Struct, tag=True, array_like=True):
+    """Workers send one every second from a side thread, so a dead worker is noticed."""
+
+    rank: int
+    timestamp: float
+
+
+class WorkerInfo(msgspec.Struct, tag=True, array_like=True):
+    """Worker rank 0 tells the scheduler how many KV blocks fit after profiling."""
+
+    rank: int
+    num_blocks: int
+    vocab_size: int
+    max_model_len: int
+
+
+LauncherInput = ProcessReady | ProcessFailed
+WorkerOutput = StepResult | WorkerHeartbeat | WorkerInfo | ProcessFailed
