@@ -50,8 +50,8 @@ class ModelRunner:
             self.hf_config, config.cache.block_size, self.dtype
         )
         self.batch = InputBatch(config.cache.block_size, self.device, config.model.seed)
-        self.sampler = Sampler()
-        self.shared_generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
+        # Unseeded requests share one generator, seeded from the engine's seed.
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
         self.num_blocks = 0
 
     def determine_num_blocks(self) -> int:
@@ -106,7 +106,6 @@ class ModelRunner:
             eos_token_ids=set(self.config.eos_token_ids),
             vocab_size=self.vocab_size,
             device=self.device,
-            shared_generator=self.shared_generator,
         )
         output = self.sampler(logits, metadata)
         sampled = output.sampled_token_ids.tolist()

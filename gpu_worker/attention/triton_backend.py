@@ -1,0 +1,84 @@
+"""Attention backend on the Triton kernels: `store_kv`, then one `paged_attention` launch.
+
+Runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before
+`kvflow.kernels` was imported (slow, for tests). Every request of a step, whatever its
+kind (decode, chunked prefill over a cached prefix, fresh prefill), is served by the same
+launch, reading its context from the paged cache after this step's K/V were stored.
+
+Split-KV (flash-decoding) partials need an fp32 scratch buffer. The backend keeps one and
+grows it when a step needs more; to capture CUDA graphs, construct the backend with a
+fixed `num_splits` (the grid must not change between replays) and call `reserve_scratch`
+for the largest captured batch before capturing, so no allocation happens inside.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvflow.gpu_worker.attention.torch_backend import TorchAttentionBackend
+from kvflow.gpu_worker.attn_metadata import AttentionMetadata
+from kvflow.kernels.launch_utils import num_sms
+from kvflow.kernels.paged_attention import SplitKVScratch, choose_num_splits, paged_attention
+from kvflow.kernels.store_kv import store_kv
+
+
+class TritonAttentionBackend:
+    """Implements `AttentionBackend` (see backend.py) with kvflow's Triton kernels."""
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        # None: choose per step from its sizes (eager mode); an int: always that many.
+        self.num_splits = num_splits
+        self._scratch: SplitKVScratch | None = None
+        # An unbound (empty) cache only occurs in the memory-profiling pass, where every
+        # request is a whole prefill; the torch backend serves that pass.
+        self._no_cache_fallback = TorchAttentionBackend()
+
+    def reserve_scratch(
+        self, max_tokens: int, num_heads: int, head_dim: int, max_splits: int, device: torch.device
+    ) -> None:
+        """Preallocate split-KV scratch for launches up to these sizes."""
+        self._scratch = SplitKVScratch.allocate(max_tokens, num_heads, head_dim, max_splits, device)
+
+    def _scratch_for(
+        self, num_tokens: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
+    ) -> SplitKVScratch:
+        scratch = self._scratch
+        if scratch is None or not scratch.fits(num_tokens, num_heads, head_dim, num_splits):
+            if scratch is not None:  # grow, never shrink: steps alternate in size
+                num_tokens = max(num_tokens, scratch.acc.shape[0])
+                num_splits = max(num_splits, scratch.acc.shape[2])
+            scratch = SplitKVScratch.allocate(num_tokens, num_heads, head_dim, num_splits, device)
+            self._scratch = scratch
+        return scratch
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if kv_cache.numel() == 0:
+            return self._no_cache_fallback.forward(
+                query, key, value, kv_cache, metadata, scale, sliding_window
+            )
+        store_kv(key, value, kv_cache, metadata.slot_mapping)
+        num_tokens, num_heads, head_dim = query.shape
+        num_splits = self.num_splits
+        if num_splits is None:
+            num_splits = choose_num_splits(
+                metadata.num_reqs, kv_cache.shape[3], metadata.max_query_len,
+                metadata.max_seq_len, num_sms(query.device),
+            )  # fmt: skip
+        scratch = None
+        if num_splits > 1:
+            scratch = self._scratch_for(num_tokens, num_heads, head_dim, num_splits, query.device)
+        return paged_attention(
+            query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
+            metadata.block_tables, scale, sliding_window,
+            max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
+            num_splits=num_splits, scratch=scratch,
+        )  # fmt: skip

@@ -1,0 +1,184 @@
+"""The cases `kvflow bench kernels` times: each kernel at one shape, with the bytes it must
+move and the flops it must do (each input read once, each output written once), and the
+implementations to compare (the Triton kernel, torch references and baselines).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.kernels import activation, grammar_bitmask, rms_norm, rotary, store_kv
+from kvflow.kernels.paged_attention import paged_attention, paged_attention_ref
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel at one shape: its minimal traffic and work, and the ways to run it."""
+
+    name: str
+    bytes: int
+    flops: int
+    impls: dict[str, Callable[[], object]]
+
+
+def elementwise_cases(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> list[Case]:
+    t, h, inter, elt = a.num_tokens, a.hidden_size, a.intermediate_size, _elt(dt)
+    x, res = _randn(dev, dt, t, h), _randn(dev, dt, t, h)
+    weight = _randn(dev, dt, h)
+    q = _randn(dev, dt, t, a.num_heads, a.head_dim)
+    k = _randn(dev, dt, t, a.num_kv_heads, a.head_dim)
+    cos_sin = rotary.rope_cos_sin_cache(a.head_dim, t, 10000.0, dev)
+    positions = torch.arange(t, device=dev)
+    gate_up = _randn(dev, dt, t, 2 * inter)
+    qk_elems = t * (a.num_heads + a.num_kv_heads) * a.head_dim
+    return [
+        Case("fused_add_rms_norm", 4 * t * h * elt + h * elt, 5 * t * h, {
+            "triton": lambda: rms_norm.fused_add_rms_norm(x, res, weight, 1e-6),
+            "torch": lambda: rms_norm.fused_add_rms_norm_ref(x, res, weight, 1e-6),
+        }),
+        Case("rotary_neox", 2 * qk_elems * elt + t * a.head_dim * 4 + 8 * t, 3 * qk_elems, {
+            "triton": lambda: rotary.rotary_embedding(positions, q, k, cos_sin),
+            "torch": lambda: rotary.rotary_embedding_ref(positions, q, k, cos_sin),
+        }),
+        Case("silu_and_mul", 3 * t * inter * elt, 5 * t * inter, {
+            "triton": lambda: activation.silu_and_mul(gate_up),
+            "torch": lambda: activation.silu_and_mul_ref(gate_up),
+        }),
+    ]  # fmt: skip
+
+
+def store_and_mask_cases(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> list[Case]:
+    t, kvh, d, bs = a.num_tokens, a.num_kv_heads, a.head_dim, a.block_size
+    key, value = _randn(dev, dt, t, kvh, d), _randn(dev, dt, t, kvh, d)
+    num_blocks = -(-t // bs)
+    cache = torch.zeros(2, num_blocks, bs, kvh, d, dtype=dt, device=dev)
+    slots = torch.randperm(num_blocks * bs, device=dev)[:t]
+    flat = cache.view(2, num_blocks * bs, kvh, d)
+
+    def index_copy() -> None:  # what the torch backend does
+        flat[0].index_copy_(0, slots, key)
+        flat[1].index_copy_(0, slots, value)
+
+    rows, vocab = a.batch, a.vocab_size
+    logits = torch.randn(rows, vocab, device=dev)
+    words = torch.randint(-(2**31), 2**31 - 1, (rows, -(-vocab // 32)), device=dev)
+    bitmask = words.to(torch.int32)
+    allowed_bits = sum(bin(w & 0xFFFFFFFF).count("1") for w in words.flatten().tolist())
+    # The kernel writes only the masked logits (fp32) and never reads the others.
+    masked_writes = (rows * -(-vocab // 32) * 32 - allowed_bits) * 4
+    return [
+        Case("store_kv", 4 * t * kvh * d * _elt(dt) + 8 * t, 0, {
+            "triton": lambda: store_kv.store_kv(key, value, cache, slots),
+            "torch": index_copy,
+        }),
+        Case("grammar_bitmask", bitmask.numel() * 4 + masked_writes, 0, {
+            "triton": lambda: grammar_bitmask.apply_grammar_bitmask(logits, bitmask),
+            "torch": lambda: grammar_bitmask.apply_grammar_bitmask_ref(logits, bitmask),
+        }),
+    ]  # fmt: skip
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _randn(device: torch.device, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+@dataclass
+class _Paged:
+    """A step over a paged cache whose blocks are handed out in random order."""
+
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
+    scale: float
+
+    def inputs(self) -> tuple[Any, ...]:
+        return (self.query, self.kv_cache, self.query_start_loc, self.seq_lens,
+                self.block_tables, self.scale)  # fmt: skip
+
+    def gather(self, r: int, plane: int) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+        _, _, bs, kvh, d = self.kv_cache.shape
+        seq_len = int(self.seq_lens[r])
+        blocks = self.block_tables[r, : -(-seq_len // bs)].long()
+        return self.kv_cache[plane].index_select(0, blocks).view(-1, kvh, d)[:seq_len]
+
+
+def _paged(a: argparse.Namespace, dev: torch.device, dt: torch.dtype, seq: int, q_len: int,
+           num_reqs: int) -> _Paged:  # fmt: skip
+    per_req = -(-seq // a.block_size)
+    order = torch.randperm(num_reqs * per_req, device=dev).to(torch.int32)
+    return _Paged(
+        query=_randn(dev, dt, num_reqs * q_len, a.num_heads, a.head_dim),
+        kv_cache=_randn(dev, dt, 2, num_reqs * per_req, a.block_size, a.num_kv_heads, a.head_dim),
+        query_start_loc=torch.arange(0, num_reqs * q_len + 1, q_len, device=dev).to(torch.int32),
+        seq_lens=torch.full((num_reqs,), seq, dtype=torch.int32, device=dev),
+        block_tables=order.view(num_reqs, per_req),
+        scale=a.head_dim**-0.5,
+    )
+
+
+def _decode_attention_case(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> Case:
+    b, seq, h, kvh, d = a.batch, a.context, a.num_heads, a.num_kv_heads, a.head_dim
+    p = _paged(a, dev, dt, seq, 1, b)
+    q4 = p.query.view(b, h, 1, d)
+    dense = [torch.stack([p.gather(r, i) for r in range(b)]).transpose(1, 2).contiguous()
+             for i in (0, 1)]  # fmt: skip
+
+    def gather_sdpa() -> torch.Tensor:
+        k, v = (torch.stack([p.gather(r, i) for r in range(b)]).transpose(1, 2) for i in (0, 1))
+        return F.scaled_dot_product_attention(q4, k, v, scale=p.scale, enable_gqa=h != kvh)
+
+    return Case(
+        f"decode_attention b{b} ctx{seq}",
+        2 * b * seq * kvh * d * _elt(dt) + 2 * b * h * d * _elt(dt),
+        4 * b * h * seq * d,
+        {
+            "triton": lambda: paged_attention(*p.inputs(), max_query_len=1, max_seq_len=seq),
+            "torch-ref": lambda: paged_attention_ref(*p.inputs()),
+            "torch-gather+sdpa": gather_sdpa,
+            "torch-sdpa(contiguous kv)": lambda: F.scaled_dot_product_attention(
+                q4, dense[0], dense[1], scale=p.scale, enable_gqa=h != kvh
+            ),
+        },
+    )
+
+
+def _prefill_attention_case(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> Case:
+    r, c, prefix, h, kvh, d = (a.prefill_reqs, a.prefill_chunk, a.prefill_prefix,
+                               a.num_heads, a.num_kv_heads, a.head_dim)  # fmt: skip
+    p = _paged(a, dev, dt, prefix + c, c, r)
+    key_pos = torch.arange(prefix + c, device=dev)
+    mask = key_pos[None, :] <= prefix + torch.arange(c, device=dev)[:, None]  # [c, prefix + c]
+
+    def gather_sdpa() -> None:
+        for i in range(r):
+            q = p.query[i * c : (i + 1) * c].transpose(0, 1)[None]
+            k, v = (p.gather(i, plane).transpose(0, 1)[None] for plane in (0, 1))
+            F.scaled_dot_product_attention(q, k, v, mask, scale=p.scale, enable_gqa=h != kvh)
+
+    pairs = r * (c * prefix + c * (c + 1) // 2)  # (query, key) pairs that causality allows
+    return Case(
+        f"prefill_attention {r}x{c} over {prefix}",
+        2 * r * (prefix + c) * kvh * d * _elt(dt) + 2 * r * c * h * d * _elt(dt),
+        4 * h * d * pairs,
+        {
+            "triton": lambda: paged_attention(*p.inputs(), max_query_len=c, max_seq_len=prefix + c),
+            "torch-ref": lambda: paged_attention_ref(*p.inputs()),
+            "torch-gather+sdpa": gather_sdpa,
+        },
+    )
+
+
+def attention_cases(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> list[Case]:
+    return [_decode_attention_case(a, dev, dt), _prefill_attention_case(a, dev, dt)]

@@ -1,0 +1,187 @@
+"""`kvflow bench kernels`: time each kernel and place it on the device's roofline.
+
+For every kernel the bench counts the bytes it must move and the flops it must do (the
+minimum: each input read once, each output written once), times it, and prints time,
+GB/s, GFLOP/s and the % of the device's peak bandwidth and bf16 dense tensor throughput.
+Decode attention (batch 64 x 2k context by default) is also timed against torch
+baselines: gather + SDPA (what the torch backend does) and SDPA on K/V already gathered
+into contiguous tensors (the best a dense kernel can do without paging).
+
+On a CUDA device the Triton kernels run, timed with CUDA events. Without one, only the
+torch references and baselines run (timed with perf_counter), and the output says so:
+interpreted Triton kernels are far too slow for a timing to mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kvflow.kernels.launch_utils import kernels_interpreted
+from kvflow.services.bench.kernel_cases import (
+    Case,
+    attention_cases,
+    elementwise_cases,
+    store_and_mask_cases,
+)
+
+# Peak HBM bandwidth (GB/s) and bf16 dense tensor throughput (TFLOP/s), by device name.
+PEAKS: dict[str, tuple[float, float]] = {"H200": (4800.0, 989.0), "H100": (3350.0, 989.0)}
+
+
+@dataclass
+class Measurement:
+    kernel: str
+    impl: str
+    time_ms: float
+    gb_per_s: float
+    gflop_per_s: float
+    pct_peak_bandwidth: float | None
+    pct_peak_flops: float | None
+
+
+def add_kernel_bench_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    add("--num-tokens", type=int, default=8192, help="tokens of the elementwise kernels")
+    add("--hidden-size", type=int, default=4096)
+    add("--intermediate-size", type=int, default=14336)
+    add("--num-heads", type=int, default=32)
+    add("--num-kv-heads", type=int, default=8)
+    add("--head-dim", type=int, default=128)
+    add("--block-size", type=int, default=16)
+    add("--batch", type=int, default=64, help="decode attention: requests")
+    add("--context", type=int, default=2048, help="decode attention: tokens per request")
+    add("--prefill-reqs", type=int, default=4, help="prefill attention: requests")
+    add("--prefill-chunk", type=int, default=1024, help="prefill attention: new tokens each")
+    add("--prefill-prefix", type=int, default=1024, help="prefill attention: cached tokens")
+    add("--vocab-size", type=int, default=128256, help="grammar bitmask: vocabulary")
+    add("--warmup", type=int, default=None, help="default 10 on CUDA, 1 on CPU")
+    add("--iters", type=int, default=None, help="default 50 on CUDA, 3 on CPU")
+    add("--peak-bandwidth-gbs", type=float, default=None, help="override the peak GB/s")
+    add("--peak-tflops", type=float, default=None, help="override the peak TFLOP/s")
+    add("--json", action="store_true", help="print one JSON object")
+
+
+def _peaks(args: argparse.Namespace, device: torch.device) -> tuple[float | None, float | None]:
+    bandwidth, tflops = None, None
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        bandwidth, tflops = next((p for key, p in PEAKS.items() if key in name), (None, None))
+    if args.peak_bandwidth_gbs is not None:
+        bandwidth = args.peak_bandwidth_gbs
+    if args.peak_tflops is not None:
+        tflops = args.peak_tflops
+    return bandwidth, tflops
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    """Median milliseconds of one call (CUDA events on a GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def _measure(
+    case: Case, impl: str, ms: float, peaks: tuple[float | None, float | None]
+) -> Measurement:
+    gbs = case.bytes / (ms * 1e-3) / 1e9
+    gflops = case.flops / (ms * 1e-3) / 1e9
+    bandwidth, tflops = peaks
+    return Measurement(
+        kernel=case.name,
+        impl=impl,
+        time_ms=round(ms, 4),
+        gb_per_s=round(gbs, 1),
+        gflop_per_s=round(gflops, 1),
+        pct_peak_bandwidth=None if bandwidth is None else round(100 * gbs / bandwidth, 1),
+        pct_peak_flops=None if tflops is None else round(100 * gflops / (tflops * 1e3), 2),
+    )
+
+
+def _impls_to_run(device: torch.device) -> tuple[set[str], str]:
+    """Which implementations this device times, and a note that says so."""
+    if device.type == "cuda" and not kernels_interpreted():
+        # The per-request Python loop of the attention reference is no baseline on a GPU.
+        return {"triton", "torch", "torch-gather+sdpa", "torch-sdpa(contiguous kv)"}, "triton"
+    note = "torch references only: no CUDA device, Triton kernels are not timed"
+    return {"torch", "torch-ref", "torch-gather+sdpa", "torch-sdpa(contiguous kv)"}, note
+
+
+def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Time every kernel (see module docstring); print a table or JSON, return the report."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    on_gpu = device.type == "cuda"
+    warmup = args.warmup if args.warmup is not None else (10 if on_gpu else 1)
+    iters = args.iters if args.iters is not None else (50 if on_gpu else 3)
+    peaks = _peaks(args, device)
+    impls, mode = _impls_to_run(device)
+    results: list[Measurement] = []
+    with torch.inference_mode():
+        for build in (store_and_mask_cases, elementwise_cases, attention_cases):
+            for case in build(args, device, dtype):
+                for impl, fn in case.impls.items():
+                    if impl in impls:
+                        ms = _time_ms(fn, device, warmup, iters)
+                        results.append(_measure(case, impl, ms, peaks))
+    report = {
+        "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+        "mode": mode,
+        "dtype": args.dtype,
+        "peak_bandwidth_gbs": peaks[0],
+        "peak_tflops": peaks[1],
+        "results": [asdict(m) for m in results],
+        "decode_attention_speedup": _speedups(results, "decode_attention"),
+    }
+    print(json.dumps(report) if args.json else _table(report))
+    return report
+
+
+def _speedups(results: list[Measurement], kernel_prefix: str) -> dict[str, float]:
+    """Baseline time / triton time for each baseline of the kernel (empty without triton)."""
+    rows = [m for m in results if m.kernel.startswith(kernel_prefix)]
+    triton_ms = next((m.time_ms for m in rows if m.impl == "triton"), None)
+    if triton_ms is None:
+        return {}
+    return {f"vs {m.impl}": round(m.time_ms / triton_ms, 2) for m in rows if m.impl != "triton"}
+
+
+def _table(report: dict[str, Any]) -> str:
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}%"
+
+    lines = [
+        f"device: {report['device']}  dtype: {report['dtype']}  mode: {report['mode']}",
+        f"peaks: {report['peak_bandwidth_gbs']} GB/s, {report['peak_tflops']} TFLOP/s",
+        f"{'kernel':<34} {'impl':<26} {'ms':>9} {'GB/s':>9} {'GFLOP/s':>10} {'%BW':>7} {'%FLOP':>7}",
+    ]
+    for m in report["results"]:
+        lines.append(
+            f"{m['kernel']:<34} {m['impl']:<26} {m['time_ms']:>9.3f} {m['gb_per_s']:>9.1f} "
+            f"{m['gflop_per_s']:>10.1f} {pct(m['pct_peak_bandwidth']):>7} "
+            f"{pct(m['pct_peak_flops']):>7}"
+        )
+    for name, ratio in report["decode_attention_speedup"].items():
+        lines.append(f"decode attention, triton speedup {name}: {ratio}x")
+    return "\n".join(lines)

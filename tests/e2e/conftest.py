@@ -1,0 +1,63 @@
+"""Shared fixtures: the embedded model's directory and tiny random-weight HF models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvflow.gpu_worker.model_loader import resolve_model_dir
+
+TINY_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    # Larger weights make logits peaky, so greedy choices are far from ties.
+    initializer_range=0.2,
+)
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    return resolve_model_dir(None)
+
+
+def _tiny_config(arch: str, vocab_size: int) -> Any:
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if arch == "llama":
+        return LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=True, **TINY_COMMON)
+    if arch == "qwen2":
+        return Qwen2Config(vocab_size=vocab_size, tie_word_embeddings=False, **TINY_COMMON)
+    if arch == "qwen3":
+        return Qwen3Config(
+            vocab_size=vocab_size, head_dim=16, tie_word_embeddings=False, **TINY_COMMON
+        )
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> Any:
+    """A factory: arch name -> directory with random weights + the embedded tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir))
+    made: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in made:
+            torch.manual_seed(0)
+            config = _tiny_config(arch, len(tokenizer))
+            model = AutoModelForCausalLM.from_config(config)
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            made[arch] = path
+        return made[arch]
+
+    return make

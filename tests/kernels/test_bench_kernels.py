@@ -1,0 +1,69 @@
+"""`kvflow bench kernels`: roofline arithmetic exactly, and one tiny end-to-end run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvflow.services.bench.kernels import (
+    Case,
+    Measurement,
+    _measure,
+    _peaks,
+    _speedups,
+    add_kernel_bench_args,
+    run_kernel_bench,
+)
+
+TINY = (
+    "--num-tokens 16 --hidden-size 64 --intermediate-size 64 --num-heads 4 --num-kv-heads 2 "
+    "--head-dim 32 --batch 2 --context 40 --prefill-reqs 2 --prefill-chunk 8 "
+    "--prefill-prefix 8 --vocab-size 100 --warmup 0 --iters 1"
+)
+
+
+def _args(argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_kernel_bench_args(parser)
+    return parser.parse_args(argv.split())
+
+
+def test_measure_against_peaks():
+    case = Case("k", bytes=2 * 10**9, flops=10**12, impls={})
+    m = _measure(case, "triton", 1000.0, (4.0, 2.0))  # 1 s; peaks 4 GB/s, 2 TFLOP/s
+    assert (m.gb_per_s, m.gflop_per_s) == (2.0, 1000.0)
+    assert (m.pct_peak_bandwidth, m.pct_peak_flops) == (50.0, 50.0)
+    assert _measure(case, "torch", 1000.0, (None, None)).pct_peak_bandwidth is None
+
+
+def test_peak_flags_override_and_cpu_has_no_table_entry():
+    import torch
+
+    cpu = torch.device("cpu")
+    assert _peaks(_args(""), cpu) == (None, None)
+    assert _peaks(_args("--peak-bandwidth-gbs 100 --peak-tflops 5"), cpu) == (100.0, 5.0)
+
+
+def test_speedups_are_baseline_over_triton():
+    rows = [
+        Measurement("decode_attention b1", impl, ms, 0, 0, None, None)
+        for impl, ms in (("triton", 2.0), ("torch-gather+sdpa", 7.0), ("torch-sdpa", 3.0))
+    ]
+    assert _speedups(rows, "decode_attention") == {
+        "vs torch-gather+sdpa": 3.5,
+        "vs torch-sdpa": 1.5,
+    }
+    assert _speedups(rows[1:], "decode_attention") == {}
+
+
+def test_tiny_run_reports_every_kernel(capsys, device):
+    report = run_kernel_bench(_args(TINY + " --json"))
+    assert json.loads(capsys.readouterr().out) == report
+    kernels = {m["kernel"].split()[0] for m in report["results"]}
+    assert kernels == {
+        "store_kv", "grammar_bitmask", "fused_add_rms_norm", "rotary_neox", "silu_and_mul",
+        "decode_attention", "prefill_attention",
+    }  # fmt: skip
+    impls = {m["impl"] for m in report["results"]}
+    assert ("triton" in impls) == (device == "cuda")
+    assert all(m["time_ms"] > 0 for m in report["results"])
