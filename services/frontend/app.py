@@ -1,0 +1,202 @@
+"""The frontend's ASGI app (Starlette): OpenAI routes, health, metrics, version, OpenAPI.
+
+    ─▶ HttpMetricsMiddleware (count + duration by route template and status)
+       ─▶ router ─▶ _guarded: API key (all but /health, /metrics) ─▶ endpoint:
+                    read the body (bounded) ─▶ handler ─▶ Response
+                    any exception ─▶ errors.error_response (OpenAI JSON)
+
+The engine client is started by the app's lifespan (unless the caller started it) and
+closed with it, so it lives on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import kvflow
+from kvflow.services.frontend.config import FrontendConfig
+from kvflow.services.frontend.engine_client import EngineClient
+from kvflow.services.frontend.errors import APIError, error_response
+from kvflow.services.frontend.metrics import CONTENT_TYPE, FrontendMetrics
+from kvflow.services.frontend.openapi import openapi_document
+from kvflow.services.frontend.responses import VersionResponse
+from kvflow.services.frontend.serving_chat import create_chat_completion
+from kvflow.services.frontend.serving_common import ServingContext, json_response
+from kvflow.services.frontend.serving_completions import create_completion
+from kvflow.services.frontend.serving_tokenize import detokenize, list_models, tokenize
+from kvflow.services.frontend.sse import read_body
+
+__all__ = ["FrontendConfig", "build_app"]
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key, as in vLLM
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def build_app(
+    config: FrontendConfig,
+    engine_client: EngineClient,
+    tokenizer: Any,
+    metrics: FrontendMetrics | None = None,
+) -> Starlette:
+    """The app; `tokenizer` is the model's HF tokenizer, loaded once by the caller.
+    `metrics` defaults to a fresh private registry (pass one to read it in tests)."""
+    metrics = metrics or FrontendMetrics(
+        config.served_model_name, config.max_model_len, config.engine_label
+    )
+    engine_client.add_stats_listener(metrics.observe_scheduler_stats)
+    ctx = ServingContext(config, engine_client, tokenizer, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if not engine_client.started:
+            await engine_client.start()
+        try:
+            yield
+        finally:
+            await engine_client.close()
+
+    app = Starlette(
+        routes=_routes(ctx),
+        middleware=[Middleware(HttpMetricsMiddleware, metrics=metrics)],
+        exception_handlers={HTTPException: _http_exception},
+        lifespan=lifespan,
+    )
+    app.state.serving = ctx
+    return app
+
+
+class _Endpoints:
+    """The route handlers; each gets the request and returns a response or raises."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self.limit = ctx.config.max_body_bytes
+        self.openapi = msgspec.json.encode(openapi_document())
+
+    async def completions(self, request: Request) -> Response:
+        return await create_completion(self.ctx, request, await read_body(request, self.limit))
+
+    async def chat(self, request: Request) -> Response:
+        body = await read_body(request, self.limit)
+        return await create_chat_completion(self.ctx, request, body)
+
+    async def tokenize(self, request: Request) -> Response:
+        return tokenize(self.ctx, await read_body(request, self.limit))
+
+    async def detokenize(self, request: Request) -> Response:
+        return detokenize(self.ctx, await read_body(request, self.limit))
+
+    async def models(self, request: Request) -> Response:
+        return list_models(self.ctx)
+
+    async def health(self, request: Request) -> Response:
+        problem = self.ctx.engine.health_problem()
+        if problem is None:
+            return Response(status_code=HTTPStatus.OK)
+        raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, problem, error_type="service_unavailable")
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def version(self, request: Request) -> Response:
+        return json_response(VersionResponse(version=kvflow.__version__))
+
+    async def openapi_json(self, request: Request) -> Response:
+        return Response(self.openapi, media_type="application/json")
+
+
+def _routes(ctx: ServingContext) -> list[Route]:
+    e = _Endpoints(ctx)
+    table: list[tuple[str, str, Endpoint]] = [
+        ("POST", "/v1/completions", e.completions),
+        ("POST", "/v1/chat/completions", e.chat),
+        ("GET", "/v1/models", e.models),
+        ("POST", "/tokenize", e.tokenize),
+        ("POST", "/detokenize", e.detokenize),
+        ("GET", "/health", e.health),
+        ("GET", "/metrics", e.metrics),
+        ("GET", "/version", e.version),
+        ("GET", "/openapi.json", e.openapi_json),
+    ]
+    api_key = ctx.config.api_key
+    return [
+        Route(path, _guarded(endpoint, None if path in OPEN_PATHS else api_key), methods=[method])
+        for method, path, endpoint in table
+    ]
+
+
+def _guarded(endpoint: Endpoint, api_key: str | None) -> Endpoint:
+    """Checks the API key, and turns every failure of the handler into an OpenAI error
+    reply (never a dropped connection); error_info logs unexpected ones."""
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def guarded(request: Request) -> Response:
+        try:
+            if expected is not None:
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    raise APIError(
+                        HTTPStatus.UNAUTHORIZED,
+                        "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                        error_type="authentication_error",
+                        code="invalid_api_key",
+                    )
+            return await endpoint(request)
+        except Exception as exc:
+            return error_response(exc)
+
+    guarded.__name__ = endpoint.__name__
+    return guarded
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 (no such route) and 405 (wrong method), in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(APIError(exc.status_code, exc.detail, error_type=error_type))
+
+
+class HttpMetricsMiddleware:
+    """kvflow:http_requests_total and kvflow:http_request_duration_seconds.
+
+    The route label is the matched route's path template, or "unmatched" (never the
+    raw path: a scanner probing random URLs must not create unbounded label values)."""
+
+    def __init__(self, app: ASGIApp, metrics: FrontendMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = HTTPStatus.INTERNAL_SERVER_ERROR.value
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", None) or "unmatched"
+            elapsed = time.perf_counter() - start
+            self.metrics.observe_http(label, scope["method"], status, elapsed)

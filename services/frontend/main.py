@@ -1,0 +1,131 @@
+"""The frontend process: tokenizer + engine client + ASGI app, served by uvicorn on uvloop.
+
+Shutdown on SIGINT/SIGTERM:
+    1. uvicorn stops accepting connections and closes idle keep-alive ones;
+    2. in-flight requests keep streaming for up to `config.shutdown_grace_s`;
+    3. then every request still running gets an error (an SSE error event + [DONE], or
+       a 500) and its engine request is aborted, so the connections end;
+    4. the app's lifespan closes the engine client; `run_frontend` returns.
+A second SIGINT forces uvicorn out at once. The signal is not re-raised afterwards
+(uvicorn's own handlers would), so a launcher running the frontend in its own process
+gets control back to stop its children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from kvflow.proto.addresses import ServiceAddresses
+from kvflow.services.frontend.app import build_app
+from kvflow.services.frontend.config import FrontendConfig
+from kvflow.services.frontend.engine_client import EngineClient, Watchdog
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_SHUTDOWN_MARGIN_S = 5.0  # after failing streams, how long uvicorn waits for them to flush
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # Signals are handled by run_frontend (see the module docstring).
+        yield
+
+
+def run_frontend(
+    config: FrontendConfig,
+    addresses: ServiceAddresses,
+    model_dir: Path,
+    watchdog: Watchdog | None = None,
+    *,
+    on_ready: Callable[[], None] | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM; `on_ready` is called once the port accepts requests."""
+    from kvflow.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    client = EngineClient(
+        addresses, config.frontend_id, stats_timeout_s=config.stats_timeout_s, watchdog=watchdog
+    )
+    app = build_app(config, client, tokenizer)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        log_level="warning",
+        timeout_graceful_shutdown=int(config.shutdown_grace_s + _SHUTDOWN_MARGIN_S),
+    )
+    server = _Server(uv_config)
+    _run(serve(server, client, config.shutdown_grace_s, on_ready))
+
+
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+    except ImportError:  # no uvloop on this platform: the stdlib loop still works
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
+async def serve(
+    server: uvicorn.Server,
+    client: EngineClient,
+    grace_s: float,
+    on_ready: Callable[[], None] | None = None,
+) -> None:
+    """Run `server` until it is told to exit; fail the streams still open `grace_s`
+    after that (steps 2-3 of the module docstring)."""
+    _install_signal_handlers(server)
+    serving = asyncio.create_task(server.serve())
+    watcher = asyncio.create_task(_watch(server, client, grace_s, on_ready))
+    try:
+        await serving
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+async def _watch(
+    server: uvicorn.Server,
+    client: EngineClient,
+    grace_s: float,
+    on_ready: Callable[[], None] | None,
+) -> None:
+    while not server.started and not server.should_exit:
+        await asyncio.sleep(_POLL_S)
+    if server.started and on_ready is not None:
+        on_ready()
+    while not server.should_exit:
+        await asyncio.sleep(_POLL_S)
+    logger.info("shutting down: %d request(s) in flight", client.num_in_flight)
+    deadline = asyncio.get_running_loop().time() + grace_s
+    while client.num_in_flight and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(_POLL_S)
+    client.fail_all("the server is shutting down", abort=True)
+
+
+def _install_signal_handlers(server: uvicorn.Server) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may own signals (tests run servers in threads)
+    loop = asyncio.get_running_loop()
+
+    def handle(sig: signal.Signals) -> None:
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, handle, sig)

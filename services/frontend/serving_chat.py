@@ -1,0 +1,186 @@
+"""POST /v1/chat/completions: the conversation rendered with the model's chat template.
+
+Streams start with one chunk per choice carrying `role: assistant` (and the echoed
+text, if any), then content deltas; the chunk that ends a choice has its finish_reason.
+Logprobs use the chat shape: content = [{token, logprob, bytes, top_logprobs: [...]}].
+`echo` (vLLM's extra) prepends the last message's content when it is the role being
+generated, i.e. an assistant turn the model continues.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.step import TokenLogprobs
+from kvflow.services.frontend.protocol import ChatCompletionRequest, decode_request
+from kvflow.services.frontend.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    DeltaMessage,
+)
+from kvflow.services.frontend.serving_common import (
+    ChoiceCounts,
+    ServedRequest,
+    ServingContext,
+    clamp_logprob,
+    json_response,
+)
+from kvflow.services.frontend.sse import SSEResponse, sse_event, until_disconnect
+
+_ASSISTANT = "assistant"
+
+
+def token_bytes(token: str) -> list[int]:
+    """UTF-8 bytes of a logprob token string; "bytes:\\xe4" spells raw bytes itself."""
+    if not token.startswith("bytes:"):
+        return list(token.encode("utf-8"))
+    spelled, out, i = token[len("bytes:") :], [], 0
+    while i < len(spelled):
+        if spelled.startswith("\\x", i) and i + 4 <= len(spelled):
+            out.append(int(spelled[i + 2 : i + 4], 16))
+            i += 4
+        else:
+            out.extend(spelled[i].encode("utf-8"))
+            i += 1
+    return out
+
+
+class _Choice(ChoiceCounts):
+    def __init__(self, index: int, logprobs: bool) -> None:
+        super().__init__()
+        self.index = index
+        self.want_logprobs = logprobs
+        self.text: list[str] = []
+        self.logprobs: list[ChatTokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def apply(self, ctx: ServingContext, delta: RequestOutputDelta) -> ChatChunkChoice:
+        """Fold in one delta; returns this delta's part of the choice (a stream chunk)."""
+        part: list[ChatTokenLogprob] = []
+        if self.want_logprobs:
+            for i, entry in enumerate(delta.logprobs):
+                strings = delta.logprob_tokens[i] if i < len(delta.logprob_tokens) else None
+                part.append(_token_logprob(ctx, entry, strings))
+            self.logprobs += part
+        self.text.append(delta.text)
+        self.count(delta)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        return ChatChunkChoice(
+            index=self.index,
+            delta=DeltaMessage(content=delta.text or None),
+            logprobs=ChatLogprobs(content=part) if part else None,
+            finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+        )
+
+    def final(self, echo: str) -> ChatChoice:
+        return ChatChoice(
+            index=self.index,
+            message=ChatMessageOut(role=_ASSISTANT, content=echo + "".join(self.text)),
+            logprobs=ChatLogprobs(content=self.logprobs) if self.want_logprobs else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+def _token_logprob(
+    ctx: ServingContext, entry: TokenLogprobs, strings: list[str] | None
+) -> ChatTokenLogprob:
+    texts = ctx.token_strings(entry, strings)
+    top = [
+        ChatTopLogprob(token=t, logprob=clamp_logprob(lp), bytes_=token_bytes(t))
+        for t, lp in zip(texts[1:], entry.logprobs[1:])
+    ]
+    return ChatTokenLogprob(
+        token=texts[0],
+        logprob=clamp_logprob(entry.logprobs[0]),
+        bytes_=token_bytes(texts[0]),
+        top_logprobs=top,
+    )
+
+
+class _Chat(ServedRequest):
+    """One /v1/chat/completions request after validation."""
+
+    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest) -> None:
+        params = request.to_sampling_params()
+        params.validate(ctx.config.vocab_size)
+        conversation = request.conversation()
+        token_ids = ctx.render_chat(conversation, request.add_generation_prompt)
+        super().__init__(
+            ctx,
+            "chatcmpl",
+            [ctx.prepare_ids(token_ids, params, None)],
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            arrival_time=time.time(),
+        )
+        self.include_usage = request.include_usage
+        self.echo = _echo_text(request, conversation)
+        self.choices = [_Choice(i, bool(request.logprobs)) for i in range(params.n)]
+
+    async def full(self) -> Response:
+        async with aclosing(self.deltas()) as deltas:
+            async for index, delta in deltas:
+                self.choices[index].apply(self.ctx, delta)
+        response = ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[c.final(self.echo) for c in self.choices],
+            usage=self.usage(self.choices),
+        )
+        return json_response(response)
+
+    async def stream(self) -> AsyncGenerator[bytes, None]:
+        for choice in self.choices:
+            first = DeltaMessage(role=_ASSISTANT, content=self.echo)
+            yield sse_event(self._chunk([ChatChunkChoice(index=choice.index, delta=first)]))
+        async with aclosing(self.deltas()) as deltas:
+            async for index, delta in deltas:
+                part = self.choices[index].apply(self.ctx, delta)
+                if part.delta.content or part.logprobs or part.finish_reason is not None:
+                    yield sse_event(self._chunk([part]))
+        if self.include_usage:
+            yield sse_event(self._chunk([], usage=True))
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: bool = False) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self.usage(self.choices) if usage else None,
+        )
+
+
+def _echo_text(request: ChatCompletionRequest, conversation: list[dict[str, object]]) -> str:
+    if not request.echo:
+        return ""
+    last = conversation[-1]
+    generated_role = _ASSISTANT if request.add_generation_prompt else last["role"]
+    return str(last["content"]) if last["role"] == generated_role else ""
+
+
+async def create_chat_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
+    request = decode_request(body, ChatCompletionRequest)
+    ctx.check_model(request.model)
+    chat = _Chat(ctx, request)
+    ctx.check_engine()
+    if request.stream:
+        return SSEResponse(chat.stream())
+    return await until_disconnect(raw, chat.full())

@@ -1,0 +1,282 @@
+"""What completions and chat share: prompt preparation, length checks, and running the
+prompts of one HTTP request on the engine as one stream of (choice index, delta).
+
+Choice indices follow OpenAI: prompt p's sample i is choice `p * n + i`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import jinja2
+import msgspec
+from starlette.responses import Response
+
+from kvflow.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    KvflowError,
+    ModelNotFoundError,
+    PromptTooLongError,
+)
+from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.step import TokenLogprobs
+from kvflow.sampling_params import SamplingParams
+from kvflow.services.detokenizer.incremental import convert_ids_to_token_strings
+from kvflow.services.frontend.config import FrontendConfig
+from kvflow.services.frontend.engine_client import EngineClient, sample_index
+from kvflow.services.frontend.metrics import FrontendMetrics
+from kvflow.services.frontend.responses import UsageInfo
+from kvflow.tokenizer import Conversation, apply_chat_template
+
+# JSON has no -inf; OpenAI clients expect a number (vLLM uses the same floor).
+MIN_LOGPROB = -9999.0
+
+T = TypeVar("T")
+
+
+class RequestFailedError(KvflowError):
+    """The engine failed a request after it started (HTTP 500 / an SSE error event)."""
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    token_ids: list[int]
+    text: str | None  # the prompt as text (given or decoded), for echo
+    params: SamplingParams  # validated, with max_tokens resolved for this prompt's length
+
+
+def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """max_tokens that fits the context; None fills it. Raises PromptTooLongError."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise PromptTooLongError(
+            f"the prompt has {num_prompt_tokens} tokens; this model's context is "
+            f"{max_model_len} tokens and leaves no room to generate",
+            param="prompt",
+        )
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise PromptTooLongError(
+            f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
+            f"this model's context length of {max_model_len} tokens",
+            param="max_tokens",
+        )
+    return max_tokens
+
+
+@dataclass
+class ServingContext:
+    config: FrontendConfig
+    engine: EngineClient
+    tokenizer: Any
+    metrics: FrontendMetrics
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise ModelNotFoundError(
+                f"the model {model!r} does not exist; this server serves "
+                f"{self.config.served_model_name!r}"
+            )
+
+    def check_engine(self) -> None:
+        problem = self.engine.health_problem()
+        if problem is not None:
+            raise EngineDeadError(problem)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_chat(self, conversation: Conversation, add_generation_prompt: bool) -> list[int]:
+        try:
+            return apply_chat_template(self.tokenizer, conversation, add_generation_prompt)
+        except jinja2.TemplateError as exc:
+            # Templates reject conversations with raise_exception (e.g. roles out of order).
+            raise InvalidRequestError(f"chat template: {exc}", param="messages") from None
+
+    def prepare(
+        self, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True
+    ) -> PreparedPrompt:
+        if isinstance(prompt, str):
+            return self.prepare_ids(self.encode(prompt, add_special_tokens), params, prompt)
+        return self.prepare_ids(prompt, params, None)
+
+    def prepare_ids(
+        self, token_ids: list[int], params: SamplingParams, text: str | None
+    ) -> PreparedPrompt:
+        """Check the ids and the lengths; validate params with max_tokens resolved."""
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab_size = self.config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad} is out of vocabulary", param="prompt")
+        max_tokens = resolve_max_tokens(
+            len(token_ids), params.max_tokens, self.config.max_model_len
+        )
+        resolved = msgspec.structs.replace(params, max_tokens=max_tokens)
+        resolved.validate(vocab_size)
+        return PreparedPrompt(token_ids, text, resolved)
+
+    def prompt_text(self, prompt: PreparedPrompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return str(self.tokenizer.decode(prompt.token_ids, skip_special_tokens=False))
+
+    def token_strings(self, entry: TokenLogprobs, strings: list[str] | None) -> list[str]:
+        """Strings of entry.token_ids: the detokenizer's, else decoded here."""
+        if strings is not None and len(strings) == len(entry.token_ids):
+            return strings
+        return convert_ids_to_token_strings(self.tokenizer, entry.token_ids)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompts: list[PreparedPrompt],
+        *,
+        priority: int,
+        cache_salt: str | None,
+        arrival_time: float,
+    ) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
+        """(choice index, delta) for every sample of every prompt, as they come.
+
+        Raises RequestFailedError on an engine error; closing this generator (or a
+        cancelled consumer) aborts every unfinished sample. Feeds request metrics."""
+        n = prompts[0].params.n
+        streams = [
+            self.engine.generate(
+                f"{request_id}-{i}", p.token_ids, p.params, priority, cache_salt, arrival_time
+            )
+            for i, p in enumerate(prompts)
+        ]
+        trackers = [self.metrics.track_request(arrival_time) for _ in range(len(prompts) * n)]
+        failed = False
+        try:
+            async with aclosing(merge_streams(streams)) as merged:
+                async for prompt_index, delta in merged:
+                    choice = prompt_index * n + sample_index(delta.req_id)
+                    trackers[choice].observe(delta, time.time())
+                    if delta.finish_reason == "error":
+                        failed = True
+                        raise RequestFailedError(delta.error or "the engine failed the request")
+                    yield choice, delta
+        finally:
+            if not failed:  # the client left: unfinished samples count as aborted
+                now = time.time()
+                for tracker in trackers:
+                    tracker.abandon(now)
+
+
+_DONE = object()
+
+
+async def merge_streams(
+    streams: list[AsyncGenerator[T, None]],
+) -> AsyncGenerator[tuple[int, T], None]:
+    """Items of several async generators as they arrive, tagged with the source index.
+
+    The first exception of any source is re-raised; on exit (normal, error, close or
+    cancellation) every source is closed, which is what aborts engine requests."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((index, item))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+            return
+        queue.put_nowait((index, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+_JSON = msgspec.json.Encoder()
+
+
+def json_response(payload: msgspec.Struct, status: int = 200) -> Response:
+    return Response(_JSON.encode(payload), status_code=status, media_type="application/json")
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+class ChoiceCounts:
+    """Token counts of one choice, for usage."""
+
+    def __init__(self) -> None:
+        self.num_tokens = 0
+        self.num_cached_tokens = 0
+
+    def count(self, delta: RequestOutputDelta) -> None:
+        self.num_tokens += len(delta.token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+
+
+class ServedRequest:
+    """What a validated completions or chat request has: its id, prompts, the merged
+    engine stream of its choices, and usage (each prompt counts once, however large n;
+    cached tokens are each prompt's sample 0's)."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        id_prefix: str,
+        prompts: list[PreparedPrompt],
+        *,
+        priority: int,
+        cache_salt: str | None,
+        arrival_time: float,
+    ) -> None:
+        self.ctx = ctx
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(arrival_time)
+        self.model = ctx.config.served_model_name
+        self.prompts = prompts
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.arrival_time = arrival_time
+
+    def deltas(self) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
+        return self.ctx.generate(
+            self.id,
+            self.prompts,
+            priority=self.priority,
+            cache_salt=self.cache_salt,
+            arrival_time=self.arrival_time,
+        )
+
+    def usage(self, choices: Sequence[ChoiceCounts]) -> UsageInfo:
+        n = len(choices) // len(self.prompts)
+        return UsageInfo.of(
+            prompt_tokens=sum(len(p.token_ids) for p in self.prompts),
+            completion_tokens=sum(c.num_tokens for c in choices),
+            cached_tokens=sum(choices[p * n].num_cached_tokens for p in range(len(self.prompts))),
+        )
