@@ -24,9 +24,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/kvflow generate "Write a haiku about fast inference." --max-tokens 64
+	$(VENV)/bin/kvflow serve --host $(HOST) --port $(PORT)
 
-generate: serve
+generate: $(STAMP)
+	$(VENV)/bin/kvflow generate "Write a haiku about fast inference." --max-tokens 64
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

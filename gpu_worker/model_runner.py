@@ -40,6 +40,12 @@ class ModelRunner:
     def __init__(self, config: RunnerConfig) -> None:
         self.config = config
         self.device = torch.device(config.device.device)
+        if self.device.type == "cpu":
+            # Denormal floats are ~100x slower on x86; flushing them cut a decode step
+            # from 2.35 s to 0.30 s in one measurement. Process-wide, so the worker owns it.
+            torch.set_flush_denormal(True)
+            if config.device.num_threads is not None:
+                torch.set_num_threads(config.device.num_threads)
         self.dtype = _DTYPES[config.model.dtype]
         self.hf_config = load_hf_config(config.model_dir)
         self.model = load_model(

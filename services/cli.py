@@ -1,4 +1,4 @@
-"""`kvflow` command line: generate, chat, bench (serve comes with the serving stack)."""
+"""`kvflow` command line: serve (and each process role), generate, chat, bench."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return int(args.handler(args) or 0)
+    result = args.handler(args)
+    return result if isinstance(result, int) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(handler=_run_chat)
+
+    from kvflow.services.serve_cli import add_serve_parsers
+
+    add_serve_parsers(sub)  # serve + each process role alone (scheduler, worker, ...)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -63,7 +68,6 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--temperature", type=float, default=0.0)
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--seed", type=int, default=None)
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -72,7 +76,6 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
     )
 
 

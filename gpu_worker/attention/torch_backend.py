@@ -1,0 +1,265 @@
+"""Paged attention in plain torch ops: the CPU backend and the reference for the kernels.
+
+One step mixes requests of two kinds, planned once per step from the host lists of the
+metadata (no device syncs) and reused by every layer:
+
+* decodes (1 query token): handled together. Their contexts are gathered slot by slot
+  into a padded [num_decodes, longest seq_len, kv_heads, head_dim] tensor and one masked
+  SDPA call attends all of them. GQA without copying K/V: the G query heads that share
+  a KV head are laid out as G "query positions" of that head,
+      q [B, num_heads, D] -> [B, kv_heads, G, D]  vs  k [B, kv_heads, L, D].
+* prefills (more than 1 query token, possibly a chunk on top of a cached prefix): one
+  SDPA call each; the causal mask is offset by the cached prefix (query i sits at
+  position seq_len - q_len + i). A prefill with no cached prefix attends its own fresh
+  K/V and never reads the cache.
+
+The cache may be an empty tensor (not bound yet, e.g. a profiling pass): then nothing is
+stored and every request must be a whole prefill.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.gpu_worker.attn_metadata import AttentionMetadata
+
+
+@dataclass
+class _DecodeBatch:
+    rows: slice | torch.Tensor  # token rows of the decode queries in the step
+    slots: torch.Tensor  # [num_decodes * context] int64, cache slot of each context position
+    seq_lens: torch.Tensor  # [num_decodes, 1] int64
+    num_decodes: int
+    context: int  # positions gathered per request: the longest seq_len of the batch
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def gather(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decodes' contexts as k, v [num_decodes, kv_heads, context, head_dim] views
+        of one scratch pair, allocated on the first layer and reused by the others."""
+        _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+        if not self.scratch:
+            rows = (self.num_decodes * self.context, kv_heads, head_dim)
+            self.scratch["k"], self.scratch["v"] = (
+                kv_cache.new_empty(rows),
+                kv_cache.new_empty(rows),
+            )
+        per_slot = (num_blocks * block_size, kv_heads, head_dim)
+        shape = (self.num_decodes, self.context, kv_heads, head_dim)
+        k, v = (
+            torch.index_select(kv_cache[i].view(per_slot), 0, self.slots, out=self.scratch[name])
+            .view(shape)
+            .transpose(1, 2)
+            for i, name in enumerate("kv")
+        )
+        return k, v
+
+    def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """[num_decodes, 1, 1, context] additive mask: 0 = attended, -inf = not. Additive
+        in the activation dtype because SDPA would convert a bool mask on every call."""
+        if window not in self.masks:
+            positions = torch.arange(self.context, device=self.seq_lens.device)
+            visible = positions[None, :] < self.seq_lens
+            if window is not None:  # the query sits at seq_len - 1
+                visible &= positions[None, :] > self.seq_lens - 1 - window
+            additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            self.masks[window] = additive.masked_fill_(~visible, -math.inf)[:, None, None, :]
+        return self.masks[window]
+
+
+@dataclass
+class _Prefill:
+    start: int  # first token row of the request in the step
+    end: int
+    seq_len: int  # context length including this step's tokens
+    block_ids: torch.Tensor | None  # [ceil(seq_len / block_size)] int64; None: no prefix
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """[q_len, seq_len] bool, or None when plain top-left causal attention is exact."""
+        q_len = self.end - self.start
+        if window not in self.masks:
+            if q_len == self.seq_len and (window is None or window >= self.seq_len):
+                self.masks[window] = None
+            else:
+                q_pos = torch.arange(self.seq_len - q_len, self.seq_len, device=device)[:, None]
+                k_pos = torch.arange(self.seq_len, device=device)[None, :]
+                visible = k_pos <= q_pos
+                if window is not None:
+                    visible &= k_pos > q_pos - window
+                self.masks[window] = visible
+        return self.masks[window]
+
+
+@dataclass
+class _StepPlan:
+    metadata: AttentionMetadata
+    has_cache: bool
+    store_rows: torch.Tensor | None  # token rows whose slot >= 0; None = every token
+    store_slots: torch.Tensor  # [num_stored] int64
+    num_actual_tokens: int
+    decode: _DecodeBatch | None
+    prefills: list[_Prefill]
+
+
+def _as_rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """A slice when `rows` is a contiguous run (cheap views), else an index tensor."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _plan_decodes(
+    md: AttentionMetadata, requests: list[int], block_size: int
+) -> _DecodeBatch | None:
+    """Gather plan of the decode requests: one cache slot per (request, position).
+
+    Positions past a request's seq_len (padding up to the longest) read the slot of its
+    last token instead: masked out anyway, but a finite value, whereas an unwritten slot
+    may hold NaN and 0 * NaN would poison the softmax-weighted sum.
+    """
+    if not requests:
+        return None
+    device = md.block_tables.device
+    context = max(md.seq_lens_cpu[i] for i in requests)
+    seq_lens = torch.tensor([md.seq_lens_cpu[i] for i in requests], device=device)[:, None]
+    positions = torch.minimum(torch.arange(context, device=device)[None, :], seq_lens - 1)
+    tables = md.block_tables[_as_rows(requests, device)].to(torch.int64)  # [B, max_blocks]
+    slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
+    return _DecodeBatch(
+        rows=_as_rows([md.query_start_loc_cpu[i] for i in requests], device),
+        slots=slots.reshape(-1),
+        seq_lens=seq_lens,
+        num_decodes=len(requests),
+        context=context,
+    )
+
+
+def _plan_step(md: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
+    has_cache = kv_cache.numel() > 0
+    block_size = kv_cache.shape[2] if has_cache else 0
+    starts = md.query_start_loc_cpu
+    decodes, prefills = [], []
+    for i, seq_len in enumerate(md.seq_lens_cpu):
+        start, end = starts[i], starts[i + 1]
+        if has_cache and end - start == 1:
+            decodes.append(i)
+        elif end > start:
+            if end - start == seq_len:
+                block_ids = None
+            else:
+                assert has_cache, "a prefill on top of a cached prefix needs the KV cache"
+                num_blocks = -(-seq_len // block_size)
+                block_ids = md.block_tables[i, :num_blocks].to(torch.int64)
+            prefills.append(_Prefill(start, end, seq_len, block_ids))
+    store_rows = (md.slot_mapping >= 0).nonzero().squeeze(1) if has_cache else None
+    if store_rows is not None and store_rows.numel() == md.slot_mapping.numel():
+        store_rows = None  # the common case: no padding, store every row without a gather
+    store_slots = md.slot_mapping if store_rows is None else md.slot_mapping[store_rows]
+    return _StepPlan(
+        metadata=md,
+        has_cache=has_cache,
+        store_rows=store_rows,
+        store_slots=store_slots.to(torch.int64),
+        num_actual_tokens=starts[-1],
+        decode=_plan_decodes(md, decodes, block_size),
+        prefills=prefills,
+    )
+
+
+class TorchAttentionBackend:
+    """See the module docstring. Keeps the plan of the current step (one per metadata)."""
+
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None
+
+    def _plan_for(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
+        plan = self._plan
+        if plan is None or plan.metadata is not metadata:
+            plan = self._plan = _plan_step(metadata, kv_cache)
+        return plan
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        plan = self._plan_for(metadata, kv_cache)
+        if plan.has_cache:
+            _store_kv(key, value, kv_cache, plan)
+        out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+        out[plan.num_actual_tokens :].zero_()
+        if plan.decode is not None:
+            _decode_attention(query, kv_cache, plan.decode, out, scale, sliding_window)
+        for prefill in plan.prefills:
+            _prefill_attention(query, key, value, kv_cache, prefill, out, scale, sliding_window)
+        return out
+
+
+def _store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan
+) -> None:
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    if plan.store_rows is not None:
+        key, value = key[plan.store_rows], value[plan.store_rows]
+    slots = num_blocks * block_size
+    kv_cache[0].view(slots, kv_heads, head_dim).index_copy_(0, plan.store_slots, key)
+    kv_cache[1].view(slots, kv_heads, head_dim).index_copy_(0, plan.store_slots, value)
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: _DecodeBatch,
+    out: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> None:
+    k, v = batch.gather(kv_cache)  # [B, KH, L, D] each
+    num_heads, kv_heads, head_dim = query.shape[1], k.shape[1], k.shape[3]
+    # GQA: the G = H / KH query heads of a KV head become G query rows of that head.
+    q = query[batch.rows].view(batch.num_decodes, kv_heads, num_heads // kv_heads, head_dim)
+    attended = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=batch.mask(window, query.dtype), scale=scale
+    )  # [B, KH, G, D]
+    out[batch.rows] = attended.reshape(batch.num_decodes, num_heads, head_dim)
+
+
+def _prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    prefill: _Prefill,
+    out: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> None:
+    rows = slice(prefill.start, prefill.end)
+    if prefill.block_ids is None:  # no cached prefix: the context is this step's K/V
+        k, v = key[rows], value[rows]  # [seq_len, KH, D]
+    else:
+        kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        k = kv_cache[0].index_select(0, prefill.block_ids).view(-1, kv_heads, head_dim)
+        v = kv_cache[1].index_select(0, prefill.block_ids).view(-1, kv_heads, head_dim)
+        k, v = k[: prefill.seq_len], v[: prefill.seq_len]
+    mask = prefill.mask(window, query.device)
+    attended = F.scaled_dot_product_attention(
+        query[rows].transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
+        k.transpose(0, 1).unsqueeze(0),  # [1, KH, seq_len, D]
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=query.shape[1] != k.shape[1],
+    )  # [1, H, q_len, D]
+    out[rows] = attended[0].transpose(0, 1)

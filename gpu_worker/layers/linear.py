@@ -1,0 +1,156 @@
+"""Tensor-parallel linear layers (Megatron split) with per-parameter weight loaders.
+
+    ColumnParallelLinear   W [out, in] split by rows:    rank r holds out/tp rows,
+                           its output is the rank's slice of the features (no collective).
+    RowParallelLinear      W [out, in] split by columns: rank r holds in/tp columns and
+                           consumes the column-parallel output slice; partial sums are
+                           all-reduced, then the bias (not split) is added once.
+
+A column-parallel layer may pack several checkpoint matrices along the output dim
+(`MergedColumnParallelLinear`: gate|up, `QKVParallelLinear`: q|k|v); its loader takes a
+`shard_id` naming which one it receives and writes that rank's slice of it at the
+packed offset. Every parameter carries `weight_loader(param, loaded_weight, shard_id)`
+and `shard_ids` (the shards a checkpoint must provide), read by `weights.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.gpu_worker.parallel_state import divide, get_tp_group
+
+
+def new_parameter(
+    shape: tuple[int, ...], loader: Callable[..., None], shard_ids: Sequence[Any] = (None,)
+) -> nn.Parameter:
+    """An uninitialised inference parameter (default dtype/device) with its loader."""
+    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.shard_ids = tuple(shard_ids)  # type: ignore[attr-defined]
+    return param
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+        )
+    dst.copy_(src)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows (output features) split across tensor-parallel ranks."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        shard_ids: Sequence[Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        # Local size of each packed shard; their sum is this rank's output width.
+        self.local_sizes = [divide(size, self.tp.size) for size in output_sizes]
+        if shard_ids is None:
+            shard_ids = range(len(output_sizes)) if len(output_sizes) > 1 else (None,)
+        out = sum(self.local_sizes)
+        self.weight = new_parameter((out, input_size), self.weight_loader, shard_ids)
+        self.bias = new_parameter((out,), self.weight_loader, shard_ids) if bias else None
+
+    def shard_range(self, shard_id: Any) -> tuple[int, int, int]:
+        """(offset in the packed local param, local size, start row in the checkpoint)."""
+        index = 0 if shard_id is None else int(shard_id)
+        offset = sum(self.local_sizes[:index])
+        size = self.local_sizes[index]
+        return offset, size, self.tp.rank * size
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        offset, size, start = self.shard_range(shard_id)
+        copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Column-parallel matrices of one input stacked by rows (gate_proj|up_proj).
+
+    The checkpoint provides them separately with shard_id 0, 1, ...; each rank holds
+    [gate_r | up_r], so SiluAndMul splits the local output in halves without a collective.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool) -> None:
+        super().__init__(input_size, output_sizes, bias, shard_ids=range(len(output_sizes)))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q|k|v projections packed by output rows; shard_id "q", "k" or "v".
+
+    With fewer KV heads than ranks, each KV head is replicated on tp/num_kv_heads ranks.
+    """
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
+        tp = get_tp_group()
+        self.num_heads = divide(num_heads, tp.size)
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size)
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:
+            replicas = divide(tp.size, num_kv_heads)
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank // replicas
+        self.head_dim = head_dim
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        # Sizes summed over ranks (replicated KV heads counted once per rank).
+        sizes = [q_size * tp.size, kv_size * tp.size, kv_size * tp.size]
+        super().__init__(hidden_size, sizes, bias, shard_ids=("q", "k", "v"))
+
+    def shard_range(self, shard_id: Any) -> tuple[int, int, int]:
+        q_size, kv_size = self.local_sizes[0], self.local_sizes[1]
+        if shard_id == "q":
+            return 0, q_size, self.tp.rank * q_size
+        start = self.kv_head_start * self.head_dim
+        if shard_id == "k":
+            return q_size, kv_size, start
+        assert shard_id == "v", shard_id
+        return q_size + kv_size, kv_size, start
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b with W's columns (input features) split across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        self.local_input = divide(input_size, self.tp.size)
+        self.weight = new_parameter((output_size, self.local_input), self.weight_loader)
+        self.bias = new_parameter((output_size,), copy_checked_loader) if bias else None
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        start = self.tp.rank * self.local_input
+        copy_checked(param.data, loaded_weight.narrow(1, start, self.local_input))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def copy_checked_loader(
+    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
+) -> None:
+    """Loader of an unsplit parameter: the checkpoint tensor is copied whole."""
+    copy_checked(param.data, loaded_weight)

@@ -1,0 +1,141 @@
+"""The worker process: the socket shell around `ModelRunner`, one process per rank.
+
+    SUB  worker_plan    StepPlan | Shutdown            (every rank runs every plan)
+    PUSH worker_result  WorkerInfo (rank 0, once), StepResult (rank 0 only: with tensor
+                        or pipeline parallelism the other ranks compute the same step
+                        and hold no extra answer), WorkerHeartbeat (every rank, 1/s,
+                        from a side thread with its own socket), ProcessFailed
+
+The plan socket is connected first, before the model loads, so the subscription has
+long reached the scheduler when WorkerInfo tells it to start planning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvflow.config import EngineConfig
+from kvflow.proto.addresses import ServiceAddresses
+from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
+from kvflow.proto.sockets import TypedSocket
+from kvflow.proto.step import Shutdown, StepPlan, WorkerInput
+from kvflow.services.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+_POLL_MS = 200
+
+
+def run_worker(
+    config: EngineConfig,
+    addresses: ServiceAddresses,
+    rank: int,
+    model_dir: Path,
+    *,
+    launcher_address: str | None = None,
+) -> int:
+    """Run one rank until Shutdown/SIGTERM (0) or an error (ProcessFailed, then 1)."""
+
+    def body(context: zmq.Context, link: LauncherLink, stop: StopFlag) -> int:
+        plans = TypedSocket.open(
+            context,
+            zmq.SUB,
+            addresses.worker_plan,
+            bind=False,
+            recv_type=WorkerInput,
+            subscribe=b"",
+        )
+        results = TypedSocket.open(context, zmq.PUSH, addresses.worker_result, bind=False)
+        heartbeat = _Heartbeat(context, addresses.worker_result, rank)
+        try:
+            return _serve(config, rank, model_dir, plans, results, link, stop)
+        except Exception as exc:
+            # The scheduler hears it on its own channel at once (not after 5 s of silence).
+            results.send(ProcessFailed("worker", rank, f"{type(exc).__name__}: {exc}"))
+            close_flushing(results)
+            raise
+        finally:
+            heartbeat.stop()
+
+    return run_role("worker", rank, launcher_address, body)
+
+
+def _serve(
+    config: EngineConfig,
+    rank: int,
+    model_dir: Path,
+    plans: TypedSocket[Any],
+    results: TypedSocket[Any],
+    link: LauncherLink,
+    stop: StopFlag,
+) -> int:
+    start = time.perf_counter()
+    runner, max_model_len = _build_runner(config, model_dir)
+    if rank == 0:
+        results.send(WorkerInfo(rank, runner.num_blocks, runner.vocab_size, max_model_len))
+    load_s = time.perf_counter() - start
+    link.ready(num_blocks=runner.num_blocks, load_s=round(load_s, 3))
+    logger.info("worker rank %d ready in %.1f s: %d KV blocks", rank, load_s, runner.num_blocks)
+    while not stop.is_set():
+        message = plans.recv(timeout_ms=_POLL_MS)
+        match message:
+            case StepPlan():
+                result = runner.execute(message)
+                if rank == 0:
+                    results.send(result)
+            case Shutdown():
+                return 0
+    return 0
+
+
+def _build_runner(config: EngineConfig, model_dir: Path) -> tuple[Any, int]:
+    """The model runner with its KV cache allocated, and the context length served."""
+    import torch
+
+    from kvflow.engine import resolve_max_model_len
+    from kvflow.gpu_worker.model_runner import ModelRunner, RunnerConfig
+    from kvflow.services.fast_tokenizer import load_eos_token_ids
+
+    if config.device.num_threads is not None:
+        torch.set_num_threads(config.device.num_threads)
+    runner = ModelRunner(
+        RunnerConfig(
+            model_dir=model_dir,
+            model=config.model,
+            cache=config.cache,
+            device=config.device,
+            eos_token_ids=load_eos_token_ids(model_dir),
+        )
+    )
+    max_model_len = resolve_max_model_len(runner.hf_config, config.model.max_model_len)
+    runner.initialize_kv_cache(runner.determine_num_blocks())
+    return runner, max_model_len
+
+
+class _Heartbeat:
+    """A daemon thread that PUSHes WorkerHeartbeat every second on its own socket."""
+
+    def __init__(self, context: zmq.Context, address: str, rank: int) -> None:
+        self._socket = TypedSocket.open(context, zmq.PUSH, address, bind=False)
+        self._rank = rank
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._socket.send(WorkerHeartbeat(self._rank, time.time()))
+            if self._stopped.wait(HEARTBEAT_INTERVAL_S):
+                break
+        self._socket.close()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=2 * HEARTBEAT_INTERVAL_S)

@@ -1,0 +1,227 @@
+"""The Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Tokens of all requests of a step are flattened into one dimension (no batch dim):
+
+    input_ids [T] -> embed -> N x (attn-norm, attention, mlp-norm, MLP) -> norm -> [T, hidden]
+
+Pre-norm blocks keep the residual stream separate and fuse its add into the next norm
+(`RMSNorm.add_and_norm`). Logits are computed only for the rows the sampler needs
+(`compute_logits`), never for every prompt token by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvflow.gpu_worker.attention.backend import AttentionBackend
+from kvflow.gpu_worker.layers.activation import SiluAndMul
+from kvflow.gpu_worker.layers.attention import Attention
+from kvflow.gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvflow.gpu_worker.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from kvflow.gpu_worker.layers.norm import RMSNorm
+from kvflow.gpu_worker.layers.rotary import Rope, RotaryEmbedding, apply_rotary, rope_parameters
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What distinguishes the family members, derived from the HF config and class."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    mlp_bias: bool
+    sliding_windows: tuple[int | None, ...]  # per layer
+
+    @staticmethod
+    def sliding_windows_of(config: Any) -> tuple[int | None, ...]:
+        window = getattr(config, "sliding_window", None)
+        if not getattr(config, "use_sliding_window", True):
+            window = None  # Qwen keeps a window size in the config but switches it off
+        layer_types = getattr(config, "layer_types", None) or []
+        if layer_types:
+            return tuple(window if t == "sliding_attention" else None for t in layer_types)
+        return (window,) * config.num_hidden_layers
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec, layer: int, backend: AttentionBackend):
+        super().__init__()
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=spec.qkv_bias,
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, bias=spec.o_bias
+        )
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.attn = Attention(
+            self.num_heads,
+            head_dim,
+            head_dim**-0.5,
+            self.num_kv_heads,
+            backend,
+            sliding_window=spec.sliding_windows[layer],
+        )
+
+    def forward(self, hidden: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size]."""
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.local_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KH, D]
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))  # [T, H * D]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], bias=spec.mlp_bias
+        )
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec, layer: int, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, spec, layer, backend)
+        self.mlp = LlamaMLP(config, spec)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block input, residual stream so far) -> (block output, residual stream)."""
+        if residual is None:  # first layer: the embeddings are the residual stream
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, rope)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec, backend: AttentionBackend) -> None:
+        super().__init__()
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim, rope_parameters(config), config.max_position_embeddings
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, spec, i, backend) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb(positions, hidden.dtype)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, rope)
+        assert residual is not None, "a model has at least one layer"
+        return self.norm.add_and_norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    """HF names: model.layers.N.self_attn.{q,k,v}_proj -> qkv_proj, mlp.{gate,up}_proj -> gate_up_proj."""
+
+    packed_modules_mapping: dict[str, tuple[str, Any]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.decoder_spec(config), backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderSpec(
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=False,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            sliding_windows=DecoderSpec.sliding_windows_of(config),
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> hidden [T, hidden]; inside forward_context()."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.modules() if isinstance(m, Attention)]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with a sliding window on every layer (`config.sliding_window`)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with biases on q/k/v (not on o_proj)."""
+
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        return DecoderSpec(
+            qkv_bias=True,
+            o_bias=False,
+            qk_norm=False,
+            mlp_bias=False,
+            sliding_windows=DecoderSpec.sliding_windows_of(config),
+        )
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Llama with an RMSNorm over head_dim on every q and k head (before RoPE)."""
+
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderSpec(
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=True,
+            mlp_bias=False,
+            sliding_windows=DecoderSpec.sliding_windows_of(config),
+        )
