@@ -18,7 +18,7 @@ from kvflow.errors import InvalidRequestError, PromptTooLongError
 from kvflow.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from kvflow.proto.engine import TokenDelta
 from kvflow.proto.step import TokenLogprobs
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
 from kvflow.services.detokenizer.incremental import IncrementalDetokenizer
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus
@@ -65,7 +65,9 @@ class LLMEngine:
             )
         )
         self.vocab_size = self.runner.vocab_size
-        self.max_model_len = resolve_max_model_len(self.runner.hf_config, config.model.max_model_len)
+        self.max_model_len = resolve_max_model_len(
+            self.runner.hf_config, config.model.max_model_len
+        )
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
         self.kv_cache = KVCacheManager(
@@ -98,9 +100,8 @@ class LLMEngine:
         parent = _Parent(output, params, num_unfinished=params.n)
         self._parents[request_id] = parent
         now = time.monotonic()
-        for index in range(params.n):
-            child_params = _child_params(params, index)
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        for index, child_id in enumerate(child_request_ids(request_id, params.n)):
+            child_params = child_sampling_params(params, index)
             completion = CompletionOutput(index, "", [])
             output.outputs.append(completion)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
@@ -227,16 +228,6 @@ def _logprob_dict(entry: TokenLogprobs, tokenizer: Any) -> dict[int, Logprob]:
         if token_id not in result:
             result[token_id] = Logprob(logprob, rank, tokenizer.decode([token_id]))
     return result
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample i of n: n=1, and a seeded request's samples get seeds seed+i (distinct)."""
-    import msgspec
-
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    return msgspec.structs.replace(params, n=1, seed=seed)
 
 
 def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:

@@ -96,9 +96,24 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _check(0 <= tok < vocab_size, "stop_token_ids", f"token id {tok} is out of vocabulary")
         for tok, bias in (self.logit_bias or {}).items():
             _check(0 <= tok < vocab_size, "logit_bias", f"token id {tok} is out of vocabulary")
-            _check(-100.0 <= bias <= 100.0, "logit_bias", f"bias must be in [-100, 100], got {bias}")
+            _check(
+                -100.0 <= bias <= 100.0, "logit_bias", f"bias must be in [-100, 100], got {bias}"
+            )
 
 
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise InvalidSamplingParams(f"{field}: {message}", param=field)
+
+
+def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of n runs as its own request: n=1, and a seeded request's samples
+    get seeds seed+index, so they differ from each other yet stay reproducible."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return msgspec.structs.replace(params, n=1, seed=seed)
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]

@@ -39,7 +39,7 @@ from kvflow.proto.engine import AbortRequests, AddRequest
 from kvflow.proto.frontend import EngineDead, FrontendInput, FrontendOutputs, RequestOutputDelta
 from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.stats import SchedulerStats
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -47,19 +47,6 @@ _FLUSH_ON_CLOSE_MS = 500
 # Returns None while every engine process is alive, else what died ("worker 0 exited").
 Watchdog = Callable[[], str | None]
 StatsListener = Callable[[SchedulerStats], None]
-
-
-def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample `index` of n runs as its own request: n=1, and a seeded request's samples
-    get seeds seed+index, so they differ from each other yet stay reproducible."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    return msgspec.structs.replace(params, n=1, seed=seed)
-
-
-def child_request_ids(request_id: str, n: int) -> list[str]:
-    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
 
 def sample_index(child_id: str) -> int:

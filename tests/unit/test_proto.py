@@ -27,7 +27,9 @@ MESSAGES = [
     AbortRequests(["r1", "r2"], finish_reason="stop", stop_reason="###"),
     EngineOutputs(
         deltas=[
-            TokenDelta("r1", [4], finish_reason="length", logprobs=[LOGPROBS], num_cached_tokens=16),
+            TokenDelta(
+                "r1", [4], finish_reason="length", logprobs=[LOGPROBS], num_cached_tokens=16
+            ),
             TokenDelta("r2", [], error="boom"),
         ],
         timestamp=1.0,
