@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,11 @@ import pytest
 import torch
 
 from kvflow.gpu_worker.model_loader import resolve_model_dir
+
+# Triton kernels run in the interpreter on machines without CUDA; triton reads this when
+# a kernel is first decorated, so it must be set before anything imports kvflow.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_COMMON = dict(
     hidden_size=64,
