@@ -10,7 +10,7 @@ TORCH_CPU := torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve generate test lint typecheck unit bench clean
+.PHONY: install serve generate test test-compose lint typecheck bench clean
 
 install: $(STAMP)
 
@@ -34,10 +34,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy kvflow proto services gpu_worker kernels
+	$(VENV)/bin/mypy kvflow proto services gpu_worker kernels docker/healthcheck.py
 
 test: lint typecheck
 	$(VENV)/bin/pytest -q -x --durations=15
+
+# Builds the images locally (no registry), brings compose.yaml up, queries it, tears down.
+test-compose: $(STAMP)
+	bash docker/test_compose.sh
 
 bench: $(STAMP)
 	$(VENV)/bin/kvflow bench throughput --num-prompts 64 --input-len 256 --output-len 128 --compare transformers

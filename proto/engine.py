@@ -8,7 +8,7 @@ from kvflow.proto.step import TokenLogprobs
 from kvflow.sampling_params import SamplingParams
 
 
-class AddRequest(msgspec.Struct, tag=True, omit_defaults=True):
+class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -18,7 +18,7 @@ class AddRequest(msgspec.Struct, tag=True, omit_defaults=True):
     frontend_id: str = ""  # which frontend owns the request (the detokenizer routes by it)
 
 
-class AbortRequests(msgspec.Struct, tag=True):
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
     req_ids: list[str]
     # "abort" when the client left; "stop" when the detokenizer matched a stop string.
     finish_reason: str = "abort"

@@ -42,12 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from kvflow.services.bench import throughput
+    from kvflow.services.bench import latency, serve, throughput
 
     tp = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
     throughput.add_args(tp)
     add_engine_args(tp)
     tp.set_defaults(handler=throughput.run)
+    lat = bench_sub.add_parser("latency", help="offline end-to-end latency of one batch")
+    latency.add_args(lat)
+    add_engine_args(lat)
+    lat.set_defaults(handler=latency.run)
+    srv = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server")
+    serve.add_args(srv)
+    srv.set_defaults(handler=serve.run)
     _add_kernel_bench(bench_sub)
     return parser
 

@@ -11,7 +11,6 @@ from typing import Any, Literal
 from kvflow.config import EngineConfig
 
 
-
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """`--block-size 16`, `--no-enable-prefix-caching`, ... from every config field."""
     group = parser.add_argument_group("engine")
@@ -24,13 +23,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kind = hints[f.name]
             if kind is bool:
                 group.add_argument(
-                    flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                    flag,
+                    dest=f.name,
+                    action=argparse.BooleanOptionalAction,
+                    default=None,
                     help=f"{help_text} (default: {f.default})",
                 )
                 continue
             choices = _literal_choices(kind)
             group.add_argument(
-                flag, dest=f.name, type=_scalar_type(kind), choices=choices, default=None,
+                flag,
+                dest=f.name,
+                type=_scalar_type(kind),
+                choices=choices,
+                default=None,
                 help=f"{help_text} (default: {f.default})",
             )
 

@@ -248,9 +248,7 @@ class Scheduler:
                 self._release(request)
         return deltas
 
-    def _collect_prompt_logprobs(
-        self, req_id: str, start: int, chunk: list[TokenLogprobs]
-    ) -> None:
+    def _collect_prompt_logprobs(self, req_id: str, start: int, chunk: list[TokenLogprobs]) -> None:
         # Indexed by position so a chunk recomputed after preemption overwrites itself.
         collected = self._prompt_logprobs.setdefault(req_id, [])
         del collected[start:]

@@ -76,3 +76,18 @@ def test_wrong_types_are_rejected() -> None:
     bad = msgspec.msgpack.encode({"type": "AddRequest", "req_id": 5})
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(bad, type=AddRequest)
+
+
+def test_every_channel_union_decodes_with_one_decoder() -> None:
+    """All Structs are array-like, so each channel's tagged union needs one decoder."""
+    from kvflow.proto.control import LauncherInput, WorkerOutput
+    from kvflow.proto.frontend import FrontendInput
+    from kvflow.services.detokenizer.main import DetokenizerInput
+    from kvflow.services.scheduler.main import SchedulerInput
+
+    for union in (SchedulerInput, DetokenizerInput, WorkerInput, WorkerOutput, LauncherInput):
+        msgspec.msgpack.Decoder(union)
+    msgspec.msgpack.Decoder(FrontendInput)
+    decoder = msgspec.msgpack.Decoder(SchedulerInput)
+    abort = AbortRequests(["r1"])
+    assert decoder.decode(msgspec.msgpack.encode(abort)) == abort

@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Container health checks of the kvflow roles (installed as `kvflow-healthcheck`).
+
+    kvflow-healthcheck http URL              GET URL answers 200 (frontend /health,
+                                             Prometheus /-/ready)
+    kvflow-healthcheck stats tcp://H:P       a SchedulerStats arrives on the scheduler's
+                                             stats PUB within --timeout (not EngineDead)
+    kvflow-healthcheck listening PORT...     this container listens on every PORT
+    kvflow-healthcheck connected PORT...     this container has an established TCP
+                                             connection to every remote PORT
+
+Exit status 0 = healthy, 1 = not (with the reason on stdout, which `docker inspect`
+shows). Only `stats` needs kvflow's environment (pyzmq, msgspec); the other checks use
+the standard library, so the Prometheus image runs this file with Debian's python3.
+
+Why these checks: the scheduler publishes stats only once its workers have loaded the
+model and sent WorkerInfo, so a stats message means "the engine serves". The worker and
+the detokenizer expose nothing to probe over the wire without side effects (a raw TCP
+probe of a ZeroMQ port is a peer that connects and drops, which the scheduler reads as a
+worker disconnect), so their checks read the kernel's socket table instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.request
+from pathlib import Path
+
+_LISTEN = "0A"  # TCP state codes of /proc/net/tcp
+_ESTABLISHED = "01"
+
+
+def check_http(url: str, timeout_s: float) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            status = int(response.status)
+    except OSError as exc:  # URLError and HTTPError (non-2xx) are OSErrors
+        return f"GET {url}: {exc}"
+    return None if status == 200 else f"GET {url}: HTTP {status}"
+
+
+def check_stats(address: str, timeout_s: float) -> str | None:
+    import msgspec
+    import zmq
+
+    from kvflow.proto.frontend import EngineDead
+    from kvflow.proto.stats import SchedulerStats
+
+    context = zmq.Context()
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(address)
+    try:
+        if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return f"no scheduler stats on {address} within {timeout_s:g} s"
+        frame = socket.recv_multipart()[-1]
+    finally:
+        context.destroy(linger=0)
+    message = msgspec.msgpack.decode(frame, type=SchedulerStats | EngineDead)
+    if isinstance(message, EngineDead):
+        return f"engine dead: {message.reason}"
+    return None
+
+
+def socket_table() -> list[tuple[int, int, str]]:
+    """(local port, remote port, state) of every TCP socket in this network namespace."""
+    rows: list[tuple[int, int, str]] = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        path = Path(name)
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote, state = fields[1], fields[2], fields[3]
+            rows.append((_port(local), _port(remote), state))
+    return rows
+
+
+def _port(address: str) -> int:
+    """The port of a /proc/net/tcp address (`0100007F:15B3`: hex ip, hex port)."""
+    return int(address.rsplit(":", 1)[1], 16)
+
+
+def check_ports(ports: list[int], *, listening: bool) -> str | None:
+    table = socket_table()
+    if listening:
+        found = {local for local, _, state in table if state == _LISTEN}
+        what = "listening on"
+    else:
+        found = {remote for _, remote, state in table if state == _ESTABLISHED}
+        what = "connected to"
+    missing = [port for port in ports if port not in found]
+    return f"not {what} port(s) {missing}" if missing else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvflow-healthcheck", description=__doc__)
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds (http, stats)")
+    sub = parser.add_subparsers(dest="check", required=True)
+    sub.add_parser("http").add_argument("url")
+    sub.add_parser("stats").add_argument("address")
+    for name in ("listening", "connected"):
+        sub.add_parser(name).add_argument("ports", type=int, nargs="+")
+    args = parser.parse_args(argv)
+    if args.check == "http":
+        problem = check_http(args.url, args.timeout)
+    elif args.check == "stats":
+        problem = check_stats(args.address, args.timeout)
+    else:
+        problem = check_ports(args.ports, listening=args.check == "listening")
+    print(problem or "ok")
+    return 1 if problem else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

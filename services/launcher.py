@@ -1,0 +1,174 @@
+"""`kvflow serve`: the whole stack from one command.
+
+    kvflow serve (this process) ── resolves the model once (GGUF -> safetensors cache)
+      ├─ spawn: worker rank 0     ┐
+      ├─ spawn: scheduler         ├─ each acks ProcessReady on ipc://<dir>/launcher
+      ├─ spawn: detokenizer       ┘
+      └─ frontend (HTTP) here, with a watchdog over the children
+
+The channels between the roles are ipc sockets in a private temporary directory
+(removed at exit). Start-up fails with a message naming the role that failed or timed
+out. SIGINT/SIGTERM: the frontend stops accepting and lets in-flight streams finish
+or fail, then the children get Shutdown, then SIGTERM, then SIGKILL; none outlives
+this process (they also die with it: PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import zmq
+
+from kvflow.config import EngineConfig
+from kvflow.errors import KvflowError
+from kvflow.proto.addresses import ServiceAddresses
+from kvflow.services.children import ChildProcesses
+from kvflow.services.lifecycle import StopFlag
+
+if TYPE_CHECKING:
+    from kvflow.services.frontend.config import FrontendConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    startup_timeout_s: float = 600.0  # model loading included
+    shutdown_timeout_s: float = 10.0  # per stage: Shutdown, then SIGTERM
+
+
+def serve(config: EngineConfig, options: ServeOptions) -> int:
+    """Run the stack until SIGINT/SIGTERM; 0 after a clean shutdown, 1 on a start error."""
+    start = time.monotonic()
+    stop = StopFlag().install()
+    # Before any child starts: a frontend that cannot even be imported fails in a
+    # second, not after the engine has loaded.
+    import kvflow.services.frontend.main  # noqa: F401
+
+    try:
+        model_dir = _resolve_model(config)
+    except KvflowError as exc:
+        print(f"kvflow serve: {exc}", file=sys.stderr)
+        return 1
+    ipc_dir = Path(tempfile.mkdtemp(prefix="kvflow-"))
+    addresses = ServiceAddresses.ipc(str(ipc_dir))
+    context = zmq.Context()
+    children = ChildProcesses(context, f"ipc://{ipc_dir}/launcher")
+    preload = _preload_tokenizer_imports()
+    try:
+        _start_and_serve(config, options, addresses, model_dir, children, stop, start)
+        return 0
+    except KvflowError as exc:
+        print(f"kvflow serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        preload.join()  # never exit while a thread is importing
+        children.shutdown(addresses.scheduler_input, options.shutdown_timeout_s)
+        context.destroy(linger=0)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        logger.info("launcher done")
+
+
+def _start_and_serve(
+    config: EngineConfig,
+    options: ServeOptions,
+    addresses: ServiceAddresses,
+    model_dir: Path,
+    children: ChildProcesses,
+    stop: StopFlag,
+    start: float,
+) -> None:
+    """Start the children, wait for their acks, then serve HTTP here until a signal."""
+    from kvflow.services.frontend.main import run_frontend
+
+    _start_children(children, config, addresses, model_dir)
+    children.wait_ready(options.startup_timeout_s, stop)
+    logger.info("engine ready in %.1f s", time.monotonic() - start)
+    if stop.is_set():
+        return
+    frontend = make_frontend_config(config, model_dir, options)
+    on_ready = _ready_line(frontend, start)
+    run_frontend(frontend, addresses, model_dir, children.watchdog, on_ready=on_ready)
+    logger.info("frontend stopped")
+    stop.install()  # the frontend's loop restored the default handlers on exit
+
+
+def _resolve_model(config: EngineConfig) -> Path:
+    """Once, here: a GGUF is converted before any child could race to convert it."""
+    from kvflow.gpu_worker.model_loader import resolve_model_dir
+
+    if config.parallel.world_size != 1:
+        raise KvflowError("tensor/pipeline parallelism is not supported yet (world size 1)")
+    return resolve_model_dir(config.model.model)
+
+
+def _preload_tokenizer_imports() -> threading.Thread:
+    """The frontend's tokenizer imports take seconds: do them while the children start."""
+
+    def work() -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # as kvflow.tokenizer does
+        from transformers import AutoTokenizer  # noqa: F401
+
+    thread = threading.Thread(target=work, name="kvflow-preload", daemon=True)
+    thread.start()
+    return thread
+
+
+def _start_children(
+    children: ChildProcesses, config: EngineConfig, addresses: ServiceAddresses, model_dir: Path
+) -> None:
+    from kvflow.gpu_worker.main import run_worker
+    from kvflow.services.detokenizer.main import run_detokenizer
+    from kvflow.services.scheduler.main import run_scheduler
+
+    # The slowest to start goes first.
+    for rank in range(config.parallel.world_size):
+        children.start("worker", rank, run_worker, config, addresses, rank, model_dir)
+    children.start("scheduler", 0, run_scheduler, config, addresses, model_dir)
+    children.start("detokenizer", 0, run_detokenizer, addresses, model_dir)
+
+
+def _ready_line(frontend: FrontendConfig, start: float) -> Callable[[], None]:
+    def on_ready() -> None:
+        url = f"http://{frontend.host}:{frontend.port}"
+        took = time.monotonic() - start
+        print(
+            f"kvflow: serving {frontend.served_model_name!r} at {url} (ready in {took:.1f} s)",
+            flush=True,
+        )
+
+    return on_ready
+
+
+def make_frontend_config(
+    config: EngineConfig, model_dir: Path, options: ServeOptions
+) -> FrontendConfig:
+    """The frontend's settings: its model facts are the ones the workers use."""
+    from kvflow.gpu_worker.model_loader import EMBEDDED_GGUF
+    from kvflow.services.frontend.config import FrontendConfig, read_model_facts
+
+    max_model_len, vocab_size = read_model_facts(model_dir, config.model.max_model_len)
+    # vLLM's default name is the --model argument as given.
+    name = config.model.served_model_name or config.model.model or EMBEDDED_GGUF.split(".")[0]
+    return FrontendConfig(
+        served_model_name=name,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        host=options.host,
+        port=options.port,
+        api_key=options.api_key,
+        model_root=config.model.model or str(model_dir),
+    )

@@ -1,0 +1,255 @@
+"""The scheduler process: sockets, an input thread, start-up, and the busy loop.
+
+    input thread (owns the PULLs)                          main thread (owns the rest)
+    PULL scheduler_input  AddRequest | AbortRequests | Shutdown ─┐
+    PULL worker_result    StepResult | WorkerHeartbeat | ...    ─┴▶ queue ▶ SchedulerLoop
+                                           XPUB worker_plan ◀ StepPlan | Shutdown ◀┤
+                                     PUSH detokenizer_input ◀ AddRequest, EngineOutputs ◀┤
+                                                  PUB stats ◀ SchedulerStats | EngineDead ◀┘
+
+Start-up: bind everything, wait for `WorkerInfo` from rank 0 and for every rank's
+subscription to the plan socket (XPUB shows them, so no first plan is lost to PUB/SUB's
+slow-joiner gap), build the KV cache manager and the core, ack the launcher.
+A dead worker (ProcessFailed, or no heartbeat for `heartbeat_timeout_s`) or a fatal
+error in the core: EngineDead to the frontends (stats) and the detokenizer, Shutdown to
+the remaining workers, ProcessFailed to the launcher, exit code 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvflow.config import EngineConfig
+from kvflow.errors import KvflowError
+from kvflow.proto.addresses import ServiceAddresses, bind_address
+from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo, WorkerOutput
+from kvflow.proto.engine import AbortRequests, AddRequest
+from kvflow.proto.frontend import EngineDead
+from kvflow.proto.sockets import TypedSocket
+from kvflow.proto.step import Shutdown
+from kvflow.services.fast_tokenizer import load_eos_token_ids
+from kvflow.services.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
+from kvflow.services.scheduler.admission import EngineLimits
+from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
+from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
+from kvflow.services.scheduler.loop import Outputs, SchedulerLoop
+from kvflow.services.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# Map-like requests and the launcher's array-like Shutdown share the socket.
+SchedulerInput = AddRequest | AbortRequests | Shutdown
+HEARTBEAT_TIMEOUT_S = 5.0
+_POLL_MS = 100
+
+
+def run_scheduler(
+    config: EngineConfig,
+    addresses: ServiceAddresses,
+    model_dir: Path,
+    *,
+    launcher_address: str | None = None,
+    engine_id: str = "0",
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+) -> int:
+    """Run the scheduler until Shutdown/SIGTERM (0) or a fatal error (1)."""
+
+    def body(context: zmq.Context, link: LauncherLink, stop: StopFlag) -> int:
+        eos_token_ids = load_eos_token_ids(model_dir)
+        sockets = _SchedulerSockets(context, addresses)
+        try:
+            return _serve(
+                config, sockets, link, stop, eos_token_ids, engine_id, heartbeat_timeout_s
+            )
+        finally:
+            sockets.close()  # the last Shutdown / EngineDead messages are flushed
+
+    return run_role("scheduler", 0, launcher_address, body)
+
+
+def _serve(
+    config: EngineConfig,
+    sockets: _SchedulerSockets,
+    link: LauncherLink,
+    stop: StopFlag,
+    eos_token_ids: frozenset[int],
+    engine_id: str,
+    heartbeat_timeout_s: float,
+) -> int:
+    started = _await_workers(sockets, config.parallel.world_size, stop)
+    if started is None:
+        return 0  # stopped before any worker came up
+    info, early = started
+    limits = EngineLimits(
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        block_size=config.cache.block_size,
+        num_blocks=info.num_blocks,
+        eos_token_ids=eos_token_ids,
+    )
+    kv_cache = KVCacheManager(
+        info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+    )
+    core = Scheduler(config.scheduler, kv_cache, info.max_model_len)
+    ranks = range(config.parallel.world_size)
+    liveness = Liveness(heartbeat_timeout_s, dict.fromkeys(ranks, time.monotonic()))
+    loop = SchedulerLoop(core, limits, sockets.outputs(), sockets.inbox, liveness, engine_id)
+    for message in early:  # requests that raced the workers' start-up, in order
+        loop.handle(message)
+    link.ready(num_blocks=info.num_blocks, max_model_len=info.max_model_len)
+    logger.info("scheduler ready: %d KV blocks", info.num_blocks)
+    return _finish(_run_loop(loop, stop), sockets, link)
+
+
+def _finish(reason: str | None, sockets: _SchedulerSockets, link: LauncherLink) -> int:
+    """Stop the workers (and the detokenizer); after a fatal error, tell everyone."""
+    if reason is None:
+        logger.info("scheduler stopping")
+        sockets.plans.send(Shutdown())
+        sockets.detokenizer.send(Shutdown())
+        return 0
+    logger.error("engine dead: %s", reason)
+    for sender in (sockets.stats, sockets.detokenizer):
+        sender.send(EngineDead(reason))
+    sockets.plans.send(Shutdown())
+    link.failed(reason)
+    return 1
+
+
+def _run_loop(loop: SchedulerLoop, stop: StopFlag) -> str | None:
+    """None after Shutdown/SIGTERM; the reason after a fatal error."""
+    try:
+        while not (loop.finished or stop.is_set()):
+            loop.run_once()
+    except Exception as exc:
+        logger.exception("scheduler loop failed")
+        return f"scheduler error: {type(exc).__name__}: {exc}"
+    return loop.dead_reason
+
+
+class EngineStartError(KvflowError):
+    """A worker failed before the scheduler could start."""
+
+
+def _await_workers(
+    sockets: _SchedulerSockets, world_size: int, stop: StopFlag
+) -> tuple[WorkerInfo, list[Any]] | None:
+    """Rank 0's WorkerInfo, once all ranks subscribed; other messages are kept."""
+    info: WorkerInfo | None = None
+    early: list[Any] = []
+    while info is None or sockets.count_subscriptions() < world_size:
+        if stop.is_set():
+            return None
+        try:
+            message = sockets.inbox.get(timeout=_POLL_MS / 1000)
+        except queue.Empty:
+            continue
+        match message:
+            case WorkerInfo(rank=0):
+                info = message
+            case ProcessFailed(rank=rank, error=error):
+                raise EngineStartError(f"worker rank {rank} failed to start: {error}")
+            case Shutdown():
+                return None
+            case WorkerHeartbeat() | WorkerInfo() | WorkerDisconnected():
+                pass
+            case _:
+                early.append(message)
+    return info, early
+
+
+class _SchedulerSockets:
+    """Every socket of the scheduler, bound at construction (a busy port fails early)."""
+
+    def __init__(self, context: zmq.Context, addresses: ServiceAddresses) -> None:
+        self.inbox: queue.Queue[Any] = queue.Queue()
+        self.requests = TypedSocket.open(
+            context,
+            zmq.PULL,
+            bind_address(addresses.scheduler_input),
+            bind=True,
+            recv_type=SchedulerInput,
+        )
+        self.results = TypedSocket.open(
+            context,
+            zmq.PULL,
+            bind_address(addresses.worker_result),
+            bind=True,
+            recv_type=WorkerOutput,
+        )
+        self.plans = _open_xpub(context, bind_address(addresses.worker_plan))
+        self.stats = TypedSocket.open(context, zmq.PUB, bind_address(addresses.stats), bind=True)
+        self.detokenizer = TypedSocket.open(
+            context, zmq.PUSH, addresses.detokenizer_input, bind=False
+        )
+        self._subscriptions = 0
+        self._stop_reader = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="scheduler-input", daemon=True)
+        self._reader.start()
+
+    def outputs(self) -> Outputs:
+        return Outputs(plans=self.plans, detokenizer=self.detokenizer, stats=self.stats)
+
+    def count_subscriptions(self) -> int:
+        """Subscriptions seen on the plan socket so far (one per connected worker)."""
+        while self.plans.socket.poll(0, zmq.POLLIN):
+            if self.plans.socket.recv()[:1] == b"\x01":
+                self._subscriptions += 1
+        return self._subscriptions
+
+    def _read(self) -> None:
+        """Input thread: decode every frame of both PULL sockets into the inbox, and
+        turn a dropped worker connection into WorkerDisconnected (a fast death hint)."""
+        monitor = self.results.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        for socket in (self.requests.socket, self.results.socket, monitor):
+            poller.register(socket, zmq.POLLIN)
+        while not self._stop_reader.is_set():
+            for socket, _ in poller.poll(_POLL_MS):
+                if socket is monitor:
+                    recv_monitor_message(monitor)
+                    self.inbox.put(WorkerDisconnected())
+                else:
+                    self._read_all(
+                        self.requests if socket is self.requests.socket else self.results
+                    )
+        self.results.socket.disable_monitor()
+        monitor.close(linger=0)
+
+    def _read_all(self, typed: TypedSocket[Any]) -> None:
+        while True:
+            try:
+                message = typed.recv(timeout_ms=0)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("dropped a malformed message: %s", exc)
+                continue
+            if message is None:
+                return
+            self.inbox.put(message)
+
+    def close(self) -> None:
+        self._stop_reader.set()
+        self._reader.join(timeout=1.0)
+        for typed in (self.requests, self.results):
+            typed.close()  # the reader's sockets: nothing to flush
+        for typed in (self.plans, self.detokenizer, self.stats):
+            close_flushing(typed)
+
+
+def _open_xpub(context: zmq.Context, address: str) -> TypedSocket[Any]:
+    """A PUB that also reports subscriptions (verbose: one per subscriber, not per topic)."""
+    socket = context.socket(zmq.XPUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # before bind: no subscription slips past
+    socket.bind(address)
+    return TypedSocket(socket)

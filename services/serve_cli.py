@@ -1,0 +1,142 @@
+"""`kvflow serve` and the single-role commands (`kvflow scheduler|worker|detokenizer|
+frontend`), which is how compose runs one role per container.
+
+A role's channel addresses come, per channel, from `--addr-<channel>` (e.g.
+`--addr-scheduler-input tcp://scheduler:5550`), else `--ipc-dir DIR` (every channel an
+ipc socket in DIR, for several roles on one host), else `KVFLOW_ADDR_<CHANNEL>`.
+A role binds the channels it owns (`tcp://host:port` binds `tcp://*:port`) and connects
+to the others, so roles may start in any order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from kvflow.config import EngineConfig
+from kvflow.proto.addresses import ServiceAddresses
+from kvflow.services.cli_args import add_engine_args, engine_options
+
+
+def add_serve_parsers(subparsers: Any) -> None:
+    """Add `serve` and the four role commands to the `kvflow` sub-command parser."""
+    serve = subparsers.add_parser("serve", help="serve the OpenAI-compatible API (all roles)")
+    _add_server_args(serve)
+    serve.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds for every role to start"
+    )
+    add_engine_args(serve)
+    serve.set_defaults(handler=_run_serve)
+
+    roles = {
+        "scheduler": ("the engine core: batching, KV blocks", _run_scheduler),
+        "worker": ("one model rank: weights, KV cache, sampling", _run_worker),
+        "detokenizer": ("token ids to text, stop strings, routing", _run_detokenizer),
+        "frontend": ("the HTTP API of a separately started engine", _run_frontend),
+    }
+    for role, (help_text, handler) in roles.items():
+        parser = subparsers.add_parser(role, help=f"run one role: {help_text}")
+        _add_address_args(parser)
+        if role == "frontend":
+            _add_server_args(parser)
+        else:
+            parser.add_argument("--launcher-address", help="where to ack ProcessReady")
+        if role == "worker":
+            parser.add_argument("--rank", type=int, default=0, help="this worker's rank")
+        add_engine_args(parser)
+        parser.set_defaults(handler=handler)
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on")
+    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
+
+
+def _add_address_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("addresses (else KVFLOW_ADDR_<CHANNEL>)")
+    group.add_argument("--ipc-dir", help="every channel as an ipc socket in this directory")
+    for channel in ServiceAddresses.channels():
+        group.add_argument(f"--addr-{channel.replace('_', '-')}", dest=f"addr_{channel}")
+
+
+def resolve_addresses(args: argparse.Namespace) -> ServiceAddresses:
+    """Per channel: the flag, else --ipc-dir, else the environment; all must be set."""
+    base = ServiceAddresses.ipc(args.ipc_dir) if args.ipc_dir else ServiceAddresses.from_env()
+    flags = {
+        channel: getattr(args, f"addr_{channel}")
+        for channel in ServiceAddresses.channels()
+        if getattr(args, f"addr_{channel}", None)
+    }
+    if base is not None:
+        return dataclasses.replace(base, **flags)
+    missing = [c for c in ServiceAddresses.channels() if c not in flags]
+    if missing:
+        names = ", ".join(f"--addr-{c.replace('_', '-')}" for c in missing)
+        raise SystemExit(f"kvflow: no address for {names} (flags, --ipc-dir or KVFLOW_ADDR_*)")
+    return ServiceAddresses(**flags)
+
+
+def _config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.create(**engine_options(args))
+
+
+def _model_dir(config: EngineConfig) -> Path:
+    from kvflow.gpu_worker.model_loader import resolve_model_dir
+
+    return resolve_model_dir(config.model.model)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kvflow.services.launcher import ServeOptions, serve
+
+    options = ServeOptions(
+        host=args.host, port=args.port, api_key=args.api_key, startup_timeout_s=args.startup_timeout
+    )
+    return serve(_config(args), options)
+
+
+def _run_scheduler(args: argparse.Namespace) -> int:
+    from kvflow.services.scheduler.main import run_scheduler
+
+    config = _config(args)
+    return run_scheduler(
+        config, resolve_addresses(args), _model_dir(config), launcher_address=args.launcher_address
+    )
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from kvflow.gpu_worker.main import run_worker
+
+    config = _config(args)
+    return run_worker(
+        config,
+        resolve_addresses(args),
+        args.rank,
+        _model_dir(config),
+        launcher_address=args.launcher_address,
+    )
+
+
+def _run_detokenizer(args: argparse.Namespace) -> int:
+    from kvflow.services.detokenizer.main import run_detokenizer
+
+    config = _config(args)
+    return run_detokenizer(
+        resolve_addresses(args), _model_dir(config), launcher_address=args.launcher_address
+    )
+
+
+def _run_frontend(args: argparse.Namespace) -> int:
+    from kvflow.services.frontend.main import run_frontend
+    from kvflow.services.launcher import ServeOptions, make_frontend_config
+
+    config = _config(args)
+    model_dir = _model_dir(config)
+    options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key)
+    frontend = make_frontend_config(config, model_dir, options)
+    run_frontend(frontend, resolve_addresses(args), model_dir)
+    return 0
