@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvflow.gpu_worker.models.registry import UnsupportedModelError
+from kvflow.errors import UnsupportedModelError
 
 # llama.cpp architecture -> (HF model_type, HF architecture class).
 ARCHITECTURES = {

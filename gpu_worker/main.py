@@ -101,7 +101,7 @@ def _build_runner(config: EngineConfig, model_dir: Path) -> tuple[Any, int]:
 
     from kvflow.engine import resolve_max_model_len
     from kvflow.gpu_worker.model_runner import ModelRunner, RunnerConfig
-    from kvflow.services.fast_tokenizer import load_eos_token_ids
+    from kvflow.tokenizer import load_decoding_tokenizer, load_eos_token_ids
 
     if config.device.num_threads is not None:
         torch.set_num_threads(config.device.num_threads)
@@ -111,7 +111,7 @@ def _build_runner(config: EngineConfig, model_dir: Path) -> tuple[Any, int]:
             model=config.model,
             cache=config.cache,
             device=config.device,
-            eos_token_ids=load_eos_token_ids(model_dir),
+            eos_token_ids=load_eos_token_ids(model_dir, load_decoding_tokenizer(model_dir)),
         )
     )
     max_model_len = resolve_max_model_len(runner.hf_config, config.model.max_model_len)

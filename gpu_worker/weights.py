@@ -17,9 +17,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kvflow.errors import ModelNotFoundError
+from kvflow.errors import ModelNotFoundError, UnsupportedModelError
 from kvflow.gpu_worker.layers.linear import copy_checked_loader
-from kvflow.gpu_worker.models.registry import UnsupportedModelError
 
 INDEX_FILE = "model.safetensors.index.json"
 

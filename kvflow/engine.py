@@ -7,19 +7,19 @@ direct calls instead of sockets (scheduler -> model runner -> scheduler -> detok
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvflow.config import EngineConfig
-from kvflow.errors import InvalidRequestError, PromptTooLongError
+from kvflow.errors import InvalidRequestError
 from kvflow.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from kvflow.proto.engine import TokenDelta
 from kvflow.proto.step import TokenLogprobs
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
 from kvflow.services.detokenizer.incremental import IncrementalDetokenizer
+from kvflow.services.scheduler.admission import EngineLimits, check_lengths
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.scheduler import Scheduler
@@ -74,6 +74,13 @@ class LLMEngine:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.limits = EngineLimits(
+            self.vocab_size,
+            self.max_model_len,
+            config.cache.block_size,
+            num_blocks,
+            self.eos_token_ids,
+        )
         self._samples: dict[str, _Sample] = {}
         self._parents: dict[str, _Parent] = {}
         logger.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.cache.block_size)
@@ -95,7 +102,7 @@ class LLMEngine:
             prompt_ids = list(self.tokenizer.encode(prompt))
         else:
             prompt_text, prompt_ids = None, list(prompt)
-        max_tokens = self.check_lengths(prompt_ids, params)
+        max_tokens = check_lengths(prompt_ids, params, self.limits)
         output = RequestOutput(request_id, prompt_text, prompt_ids, outputs=[])
         parent = _Parent(output, params, num_unfinished=params.n)
         self._parents[request_id] = parent
@@ -119,35 +126,6 @@ class LLMEngine:
                     max_tokens=max_tokens,
                 )
             )
-
-    def check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Validate lengths; returns the effective max_tokens."""
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        for token_id in prompt_ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise InvalidRequestError(f"prompt token id {token_id} is out of vocabulary")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise PromptTooLongError(
-                f"prompt has {len(prompt_ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens",
-                param="prompt",
-            )
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if max_tokens > room:
-            raise PromptTooLongError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context length {self.max_model_len}",
-                param="max_tokens",
-            )
-        needed_blocks = math.ceil((len(prompt_ids) + max_tokens) / self.config.cache.block_size)
-        if needed_blocks > self.kv_cache.num_blocks:
-            raise PromptTooLongError(
-                f"this request needs {needed_blocks} KV blocks but the cache holds "
-                f"{self.kv_cache.num_blocks}; raise kv_cache_memory"
-            )
-        return max_tokens
 
     def abort_request(self, request_id: str) -> None:
         parent = self._parents.pop(request_id, None)

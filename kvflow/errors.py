@@ -29,5 +29,9 @@ class ModelNotFoundError(KvflowError):
     status_code = 404
 
 
+class UnsupportedModelError(KvflowError):
+    """The model exists but uses an architecture or feature kvflow does not implement."""
+
+
 class EngineDeadError(KvflowError):
     """The scheduler or a worker died; in-flight requests fail (HTTP 500/503)."""

@@ -20,6 +20,22 @@ def load_tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def load_decoding_tokenizer(model_dir: Path) -> Any:
+    """A tokenizer for processes that only decode or read EOS ids (scheduler, worker,
+    detokenizer, bench client).
+
+    `AutoTokenizer` takes ~20 s on a busy 2-core machine because its model registry
+    imports torch; the generic fast class loads from `tokenizer.json` in ~3 s. Decoding is
+    the same Rust backend and the special tokens come from the same tokenizer_config.json.
+    """
+    if not (model_dir / "tokenizer.json").is_file():
+        return load_tokenizer(model_dir)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+
+
 def load_eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
     """EOS ids from generation_config.json (may be a list) plus the tokenizer's own."""
     ids: set[int] = set()

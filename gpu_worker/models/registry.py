@@ -6,18 +6,13 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from kvflow.errors import KvflowError
+from kvflow.errors import UnsupportedModelError
 from kvflow.gpu_worker.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
-
-
-class UnsupportedModelError(KvflowError):
-    """The model exists but uses an architecture or feature kvflow does not implement."""
-
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -98,7 +98,7 @@ def load_bench_tokenizer(name: str) -> Any:
     """An HF tokenizer from a directory, a GGUF file (via kvflow's conversion cache) or
     a locally cached hub name; never downloads. A directory with tokenizer.json loads
     the generic fast class (seconds faster than AutoTokenizer, same Rust tokenizer)."""
-    from kvflow.services.fast_tokenizer import load_decoding_tokenizer
+    from kvflow.tokenizer import load_decoding_tokenizer
 
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":

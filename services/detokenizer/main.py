@@ -25,8 +25,8 @@ from kvflow.proto.frontend import EngineDead, FrontendOutputs
 from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.step import Shutdown
 from kvflow.services.detokenizer.streams import DetokenizerStreams, Routed
-from kvflow.services.fast_tokenizer import load_decoding_tokenizer
 from kvflow.services.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
+from kvflow.tokenizer import load_decoding_tokenizer
 
 logger = logging.getLogger(__name__)
 

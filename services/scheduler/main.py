@@ -36,13 +36,13 @@ from kvflow.proto.engine import AbortRequests, AddRequest
 from kvflow.proto.frontend import EngineDead
 from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.step import Shutdown
-from kvflow.services.fast_tokenizer import load_eos_token_ids
 from kvflow.services.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.loop import Outputs, SchedulerLoop
 from kvflow.services.scheduler.scheduler import Scheduler
+from kvflow.tokenizer import load_decoding_tokenizer, load_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def run_scheduler(
     """Run the scheduler until Shutdown/SIGTERM (0) or a fatal error (1)."""
 
     def body(context: zmq.Context, link: LauncherLink, stop: StopFlag) -> int:
-        eos_token_ids = load_eos_token_ids(model_dir)
+        eos_token_ids = load_eos_token_ids(model_dir, load_decoding_tokenizer(model_dir))
         sockets = _SchedulerSockets(context, addresses)
         try:
             return _serve(

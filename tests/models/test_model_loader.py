@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvflow.errors import ModelNotFoundError
+from kvflow.errors import ModelNotFoundError, UnsupportedModelError
 from kvflow.gpu_worker.gguf_convert import hf_tensor_name, unpermute_rows
 from kvflow.gpu_worker.model_loader import gguf_cache_dir, load_model, resolve_model_dir
-from kvflow.gpu_worker.models.registry import UnsupportedModelError, get_model_class
+from kvflow.gpu_worker.models.registry import get_model_class
 
 
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
