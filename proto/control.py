@@ -39,6 +39,10 @@ class WorkerInfo(msgspec.Struct, tag=True, array_like=True):
     num_blocks: int
     vocab_size: int
     max_model_len: int
+    # Seconds per start-up phase of this worker (tokenizer_load, model_load, ...).
+    startup_phases: dict[str, float] = {}
+    peak_flops: float = 0.0  # FLOP/s of the device at the dtype in use; 0 = unknown
+    peak_bandwidth: float = 0.0  # bytes/s of device memory; 0 = unknown
 
 
 LauncherInput = ProcessReady | ProcessFailed

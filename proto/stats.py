@@ -5,6 +5,15 @@ from __future__ import annotations
 import msgspec
 
 
+class PhaseTotals(msgspec.Struct, array_like=True, gc=False):
+    """Cumulative work of one step phase ("prefill" or "decode", see kvflow.roofline)."""
+
+    steps: int = 0
+    seconds: float = 0.0  # plan sent -> result back
+    flops: float = 0.0  # estimated (floats: an int64 of FLOPs overflows within hours)
+    bytes: float = 0.0  # estimated bytes moved to and from device memory
+
+
 class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     timestamp: float
     engine: str  # data-parallel rank / engine identity, the `engine` metric label
@@ -20,3 +29,10 @@ class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tr
     num_steps: int = 0
     # Tokens of each step since the last stats message (kvflow:iteration_tokens_total).
     step_tokens: list[int] = []
+    # Estimated work per step phase since start (kvflow:estimated_flops_total, ...).
+    roofline: dict[str, PhaseTotals] = {}
+    # The device's peaks as the worker resolved them (0 = unknown).
+    peak_flops: float = 0.0  # FLOP/s
+    peak_bandwidth: float = 0.0  # bytes/s
+    # Seconds per start-up phase (model_load, kv_cache_allocate, ...; the same every time).
+    startup_phases: dict[str, float] = {}

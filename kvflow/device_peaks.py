@@ -1,0 +1,189 @@
+"""The device's peak FLOP/s and memory bandwidth: the two roofs of the roofline.
+
+In order of precedence:
+1. flags (`--peak-flops`, `--peak-bandwidth`), each on its own;
+2. on CUDA with a 16-bit dtype, the vendor's dense (no sparsity) bf16 tensor-core and
+   memory-bandwidth figures of known GPUs, by device name;
+3. otherwise a short calibration on the device itself: the best of a few
+   `[n, n] @ [n, n]` matmuls at the dtype in use (n = 1024 on CPU), and the best of a
+   few copies of a 64 MiB tensor on CPU (read + write = 128 MiB moved: more than the
+   L3 of common server CPUs; 1 GiB on GPUs). About 0.2 s on CPU; the result is cached in
+   <cache>/device_peaks.json keyed by device model, thread count and dtype, so only
+   the first start on a machine pays for it.
+A calibrated peak is what this machine reaches with torch, not the datasheet's figure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# (device-name pattern, bf16 dense TFLOP/s, memory GB/s). First match wins.
+GPU_PEAKS: list[tuple[str, float, float]] = [
+    (r"GH200", 989.0, 4000.0),
+    (r"H200", 989.0, 4800.0),
+    (r"H100.*NVL", 835.0, 3900.0),
+    (r"H100.*PCIe", 756.0, 2000.0),
+    (r"H100|H800", 989.0, 3350.0),  # SXM5 (the name says "H100 80GB HBM3")
+    (r"\bH20\b", 148.0, 4000.0),
+    (r"B200", 2250.0, 8000.0),
+    (r"A100.*SXM4.*80GB", 312.0, 2039.0),
+    (r"A100.*80GB.*PCIe", 312.0, 1935.0),
+    (r"A100", 312.0, 1555.0),  # the 40 GB parts
+    (r"L40S", 362.0, 864.0),
+    (r"\bL40\b", 181.0, 864.0),
+    (r"\bL4\b", 121.0, 300.0),
+    (r"\bA10\b", 125.0, 600.0),
+    (r"RTX 4090", 165.0, 1008.0),
+    (r"RTX 3090", 71.0, 936.0),
+]
+CPU_MATMUL_SIZE = 1024
+GPU_MATMUL_SIZE = 8192
+CPU_COPY_BYTES = 64 << 20
+GPU_COPY_BYTES = 1 << 30  # 64 MiB would take ~40 us on HBM: too short to time
+_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class DevicePeaks:
+    flops: float  # FLOP/s at the dtype in use; 0 = unknown
+    bandwidth: float  # bytes/s of device memory; 0 = unknown
+    source: str  # "table: <name>", "calibrated", "cached calibration", "flags", ...
+
+
+def gpu_table_peaks(device_name: str) -> DevicePeaks | None:
+    """The known figures for a GPU name as torch reports it, or None."""
+    for pattern, tflops, gb_per_s in GPU_PEAKS:
+        if re.search(pattern, device_name, re.IGNORECASE):
+            return DevicePeaks(tflops * 1e12, gb_per_s * 1e9, f"table: {device_name}")
+    return None
+
+
+def calibrate(device: str, dtype: str, matmul_size: int, copy_bytes: int) -> DevicePeaks:
+    """Best-of-`_REPEATS` matmul FLOP/s and copy bytes/s on `device` (after a warm-up)."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    a = torch.randn(matmul_size, matmul_size, device=device).to(torch_dtype)  # [n, n]
+    b = torch.randn(matmul_size, matmul_size, device=device).to(torch_dtype)  # [n, n]
+    matmul_s = _best_time(lambda: torch.matmul(a, b), device)
+    source = torch.ones(copy_bytes, dtype=torch.uint8, device=device)  # [copy_bytes]
+    target = torch.empty_like(source)
+    copy_s = _best_time(lambda: target.copy_(source), device)
+    return DevicePeaks(2 * matmul_size**3 / matmul_s, 2 * copy_bytes / copy_s, "calibrated")
+
+
+def _best_time(work: Callable[[], object], device: str) -> float:
+    import torch
+
+    synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    work()  # warm-up: first-touch page faults, kernel selection
+    best = float("inf")
+    for _ in range(_REPEATS):
+        synchronize()
+        start = time.perf_counter()
+        work()
+        synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cached_calibration(device: str, dtype: str, cache_file: Path) -> DevicePeaks:
+    """`calibrate` once per (device model, threads, dtype); later from `cache_file`."""
+    key = _calibration_key(device, dtype)
+    cached = _read_cache(cache_file)
+    if key in cached:
+        entry = cached[key]
+        return DevicePeaks(float(entry["flops"]), float(entry["bandwidth"]), "cached calibration")
+    on_gpu = device.startswith("cuda")
+    peaks = calibrate(
+        device,
+        dtype,
+        GPU_MATMUL_SIZE if on_gpu else CPU_MATMUL_SIZE,
+        GPU_COPY_BYTES if on_gpu else CPU_COPY_BYTES,
+    )
+    cached[key] = {k: v for k, v in asdict(peaks).items() if k != "source"}
+    _write_cache(cache_file, cached)
+    logger.info(
+        "calibrated %s: %.1f GFLOP/s, %.1f GB/s", key, peaks.flops / 1e9, peaks.bandwidth / 1e9
+    )
+    return peaks
+
+
+def resolve_peaks(
+    device: str,
+    dtype: str,
+    peak_flops: float | None = None,
+    peak_bandwidth: float | None = None,
+    cache_file: Path | None = None,
+) -> DevicePeaks:
+    """The roofs for `device` ("cpu" | "cuda[:i]") at `dtype`; flags override each one."""
+    if peak_flops is not None and peak_bandwidth is not None:
+        return DevicePeaks(peak_flops, peak_bandwidth, "flags")
+    peaks = None
+    if device.startswith("cuda") and dtype in ("bfloat16", "float16"):
+        import torch
+
+        peaks = gpu_table_peaks(torch.cuda.get_device_name(device))
+    if peaks is None:
+        peaks = cached_calibration(device, dtype, cache_file or default_cache_file())
+    if peak_flops is None and peak_bandwidth is None:
+        return peaks
+    return DevicePeaks(
+        peak_flops if peak_flops is not None else peaks.flops,
+        peak_bandwidth if peak_bandwidth is not None else peaks.bandwidth,
+        f"flags + {peaks.source}",
+    )
+
+
+def default_cache_file() -> Path:
+    from kvflow.gpu_worker.model_loader import default_cache_dir
+
+    return default_cache_dir() / "device_peaks.json"
+
+
+def _calibration_key(device: str, dtype: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(device)}|{dtype}"
+    return f"{_cpu_model()}|{torch.get_num_threads()} threads|{dtype}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read_cache(path: Path) -> dict[str, dict[str, float]]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, data: dict[str, dict[str, float]]) -> None:
+    """Atomically (several processes may calibrate at once; the last rename wins)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(data, indent=1, sort_keys=True))
+        partial.replace(path)
+    except OSError as exc:
+        logger.warning("could not cache the device peaks in %s: %s", path, exc)
