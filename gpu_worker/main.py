@@ -21,11 +21,13 @@ from typing import Any
 import zmq
 
 from kvflow.config import EngineConfig
+from kvflow.device_peaks import DevicePeaks, resolve_peaks
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
 from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.step import Shutdown, StepPlan, WorkerInput
 from kvflow.services.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
+from kvflow.startup_phases import StartupPhases, process_age_s
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +79,23 @@ def _serve(
     stop: StopFlag,
 ) -> int:
     start = time.perf_counter()
-    runner, max_model_len = _build_runner(config, model_dir)
+    phases = StartupPhases()
+    age = process_age_s()
+    if age is not None:
+        phases.add("worker_process_start", age)
+    runner, max_model_len, peaks = _build_runner(config, model_dir, phases)
     if rank == 0:
-        results.send(WorkerInfo(rank, runner.num_blocks, runner.vocab_size, max_model_len))
+        results.send(
+            WorkerInfo(
+                rank,
+                runner.num_blocks,
+                runner.vocab_size,
+                max_model_len,
+                startup_phases=phases.seconds,
+                peak_flops=peaks.flops,
+                peak_bandwidth=peaks.bandwidth,
+            )
+        )
     load_s = time.perf_counter() - start
     link.ready(num_blocks=runner.num_blocks, load_s=round(load_s, 3))
     logger.info("worker rank %d ready in %.1f s: %d KV blocks", rank, load_s, runner.num_blocks)
@@ -95,28 +111,48 @@ def _serve(
     return 0
 
 
-def _build_runner(config: EngineConfig, model_dir: Path) -> tuple[Any, int]:
-    """The model runner with its KV cache allocated, and the context length served."""
-    import torch
+def _build_runner(
+    config: EngineConfig, model_dir: Path, phases: StartupPhases
+) -> tuple[Any, int, DevicePeaks]:
+    """The model runner with its KV cache allocated, the context length served and the
+    device's peaks (calibrated, if need be, before the KV cache takes the memory)."""
+    with phases.measure("worker_torch_import"):
+        import torch
 
-    from kvflow.engine import resolve_max_model_len
-    from kvflow.gpu_worker.model_runner import ModelRunner, RunnerConfig
-    from kvflow.tokenizer import load_decoding_tokenizer, load_eos_token_ids
+        from kvflow.engine import resolve_max_model_len
+        from kvflow.gpu_worker.model_runner import ModelRunner, RunnerConfig
+        from kvflow.tokenizer import load_decoding_tokenizer, load_eos_token_ids
 
     if config.device.num_threads is not None:
         torch.set_num_threads(config.device.num_threads)
-    runner = ModelRunner(
-        RunnerConfig(
-            model_dir=model_dir,
-            model=config.model,
-            cache=config.cache,
-            device=config.device,
-            eos_token_ids=load_eos_token_ids(model_dir, load_decoding_tokenizer(model_dir)),
+    with phases.measure("tokenizer_load"):
+        eos_token_ids = load_eos_token_ids(model_dir, load_decoding_tokenizer(model_dir))
+    with phases.measure("model_load"):
+        runner = ModelRunner(
+            RunnerConfig(
+                model_dir=model_dir,
+                model=config.model,
+                cache=config.cache,
+                device=config.device,
+                eos_token_ids=eos_token_ids,
+            )
         )
-    )
     max_model_len = resolve_max_model_len(runner.hf_config, config.model.max_model_len)
-    runner.initialize_kv_cache(runner.determine_num_blocks())
-    return runner, max_model_len
+    with phases.measure("roofline_calibration"):
+        peaks = _device_peaks(config)
+    with phases.measure("kv_cache_profile"):
+        num_blocks = runner.determine_num_blocks()
+    with phases.measure("kv_cache_allocate"):
+        runner.initialize_kv_cache(num_blocks)
+    return runner, max_model_len, peaks
+
+
+def _device_peaks(config: EngineConfig) -> DevicePeaks:
+    """The roofline's roofs (flags, else the GPU table or a cached calibration)."""
+    device = config.device
+    return resolve_peaks(
+        device.device, config.model.dtype, device.peak_flops, device.peak_bandwidth
+    )
 
 
 class _Heartbeat:

@@ -83,6 +83,12 @@ class DeviceConfig:
     )
     enforce_eager: bool = _opt(False, "disable CUDA graphs")
     num_threads: int | None = _opt(None, "torch CPU threads (default: all cores)")
+    peak_flops: float | None = _opt(
+        None, "the device's peak FLOP/s for roofline %% (default: GPU table or CPU calibration)"
+    )
+    peak_bandwidth: float | None = _opt(
+        None, "the device's peak memory bytes/s for roofline %% (default: as --peak-flops)"
+    )
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ In order of precedence:
 3. otherwise a short calibration on the device itself: the best of a few
    `[n, n] @ [n, n]` matmuls at the dtype in use (n = 1024 on CPU), and the best of a
    few copies of a 64 MiB tensor on CPU (read + write = 128 MiB moved: more than the
-   L3 of common server CPUs; 1 GiB on GPUs). About 0.2 s on CPU; the result is cached in
+   L3 of common server CPUs; 512 MiB on GPUs). About 0.2 s on CPU; the result is cached in
    <cache>/device_peaks.json keyed by device model, thread count and dtype, so only
    the first start on a machine pays for it.
 A calibrated peak is what this machine reaches with torch, not the datasheet's figure.
@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,9 @@ GPU_PEAKS: list[tuple[str, float, float]] = [
 CPU_MATMUL_SIZE = 1024
 GPU_MATMUL_SIZE = 8192
 CPU_COPY_BYTES = 64 << 20
-GPU_COPY_BYTES = 1 << 30  # 64 MiB would take ~40 us on HBM: too short to time
-_REPEATS = 3
+GPU_COPY_BYTES = 512 << 20  # 64 MiB would take ~40 us on HBM: too short to time
+_REPEATS = 5
+_BUDGET_S = 0.1  # per measurement: the whole calibration stays well under 0.5 s
 
 
 @dataclass(frozen=True)
@@ -72,29 +74,45 @@ def calibrate(device: str, dtype: str, matmul_size: int, copy_bytes: int) -> Dev
     """Best-of-`_REPEATS` matmul FLOP/s and copy bytes/s on `device` (after a warm-up)."""
     import torch
 
-    torch_dtype = getattr(torch, dtype)
-    a = torch.randn(matmul_size, matmul_size, device=device).to(torch_dtype)  # [n, n]
-    b = torch.randn(matmul_size, matmul_size, device=device).to(torch_dtype)  # [n, n]
-    matmul_s = _best_time(lambda: torch.matmul(a, b), device)
-    source = torch.ones(copy_bytes, dtype=torch.uint8, device=device)  # [copy_bytes]
-    target = torch.empty_like(source)
-    copy_s = _best_time(lambda: target.copy_(source), device)
+    matmul_s = _matmul_seconds(device, getattr(torch, dtype), matmul_size)
+    copy_s = _copy_seconds(device, copy_bytes)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the KV cache is sized from the free memory next
     return DevicePeaks(2 * matmul_size**3 / matmul_s, 2 * copy_bytes / copy_s, "calibrated")
 
 
+def _matmul_seconds(device: str, dtype: Any, size: int) -> float:
+    import torch
+
+    a = torch.randn(size, size, device=device).to(dtype)  # [n, n]
+    b = torch.randn(size, size, device=device).to(dtype)  # [n, n]
+    return _best_time(lambda: torch.matmul(a, b), device)
+
+
+def _copy_seconds(device: str, num_bytes: int) -> float:
+    import torch
+
+    source = torch.ones(num_bytes, dtype=torch.uint8, device=device)  # [num_bytes]
+    target = torch.empty_like(source)
+    return _best_time(lambda: target.copy_(source), device)
+
+
 def _best_time(work: Callable[[], object], device: str) -> float:
+    """The fastest of up to `_REPEATS` timed runs (at least 2; no new one once
+    `_BUDGET_S` is spent), after one untimed warm-up run."""
     import torch
 
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     work()  # warm-up: first-touch page faults, kernel selection
-    best = float("inf")
-    for _ in range(_REPEATS):
+    times: list[float] = []
+    deadline = time.perf_counter() + _BUDGET_S
+    while len(times) < _REPEATS and (len(times) < 2 or time.perf_counter() < deadline):
         synchronize()
         start = time.perf_counter()
         work()
         synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def cached_calibration(device: str, dtype: str, cache_file: Path) -> DevicePeaks:

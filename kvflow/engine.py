@@ -17,6 +17,7 @@ from kvflow.errors import InvalidRequestError
 from kvflow.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from kvflow.proto.engine import TokenDelta
 from kvflow.proto.step import TokenLogprobs
+from kvflow.roofline import ModelShape, RooflineMeter, StepBatch
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
 from kvflow.services.detokenizer.incremental import IncrementalDetokenizer
 from kvflow.services.scheduler.admission import EngineLimits, check_lengths
@@ -83,6 +84,10 @@ class LLMEngine:
         )
         self._samples: dict[str, _Sample] = {}
         self._parents: dict[str, _Parent] = {}
+        # Step time and estimated work per phase, for `kvflow bench`'s roofline report.
+        self.roofline = RooflineMeter(
+            ModelShape.try_from_model_dir(self.model_dir, config.model.dtype)
+        )
         logger.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.cache.block_size)
 
     # ---- requests ----------------------------------------------------------------
@@ -147,7 +152,10 @@ class LLMEngine:
             if plan.finished_req_ids:
                 self.runner.execute(plan)  # let the worker drop finished requests
             return []
+        batch = StepBatch.from_plan(plan, self.scheduler.requests)
+        start = time.perf_counter()
         result = self.runner.execute(plan)
+        self.roofline.record(batch, time.perf_counter() - start)
         deltas = self.scheduler.update_from_output(plan, result, now=time.monotonic())
         changed: dict[str, RequestOutput] = {}
         for delta in deltas:

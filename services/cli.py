@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from kvflow.services.bench import latency, serve, throughput
+    from kvflow.services.bench import latency, serve, startup, throughput
 
     tp = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
     throughput.add_args(tp)
@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server")
     serve.add_args(srv)
     srv.set_defaults(handler=serve.run)
+    up = bench_sub.add_parser("startup", help="time `kvflow serve` to ready and first token")
+    startup.add_args(up)
+    add_engine_args(up)
+    up.set_defaults(handler=startup.run)
     _add_kernel_bench(bench_sub)
     return parser
 

@@ -34,9 +34,11 @@ from kvflow.errors import KvflowError
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.services.children import ChildProcesses
 from kvflow.services.lifecycle import StopFlag
+from kvflow.startup_phases import StartupPhases, process_age_s
 
 if TYPE_CHECKING:
     from kvflow.services.frontend.config import FrontendConfig
+    from kvflow.services.scheduler.main import SchedulerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +50,22 @@ class ServeOptions:
     api_key: str | None = None
     startup_timeout_s: float = 600.0  # model loading included
     shutdown_timeout_s: float = 10.0  # per stage: Shutdown, then SIGTERM
+    trace_file: str | None = None  # the scheduler's step trace (Chrome/Perfetto JSON)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Run the stack until SIGINT/SIGTERM; 0 after a clean shutdown, 1 on a start error."""
     start = time.monotonic()
     stop = StopFlag().install()
+    phases = _launcher_phases()
     # Before any child starts: a frontend that cannot even be imported fails in a
     # second, not after the engine has loaded.
-    import kvflow.services.frontend.main  # noqa: F401
+    with phases.measure("frontend_import"):
+        import kvflow.services.frontend.main  # noqa: F401
 
     try:
-        model_dir = _resolve_model(config)
+        with phases.measure("model_resolve"):
+            model_dir = _resolve_model(config)
     except KvflowError as exc:
         print(f"kvflow serve: {exc}", file=sys.stderr)
         return 1
@@ -68,8 +74,16 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     context = zmq.Context()
     children = ChildProcesses(context, f"ipc://{ipc_dir}/launcher")
     preload = _preload_tokenizer_imports()
+    from kvflow.services.scheduler.main import SchedulerOptions
+
+    # The scheduler passes these on in its stats, with the worker's own phases.
+    scheduler_options = SchedulerOptions(
+        trace_file=str(Path(options.trace_file).absolute()) if options.trace_file else None,
+        startup_phases=phases.seconds,
+    )
     try:
-        _start_and_serve(config, options, addresses, model_dir, children, stop, start)
+        _start_children(children, config, addresses, model_dir, scheduler_options)
+        _serve_when_ready(config, options, addresses, model_dir, children, stop, start)
         return 0
     except KvflowError as exc:
         print(f"kvflow serve: {exc}", file=sys.stderr)
@@ -82,7 +96,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         logger.info("launcher done")
 
 
-def _start_and_serve(
+def _serve_when_ready(
     config: EngineConfig,
     options: ServeOptions,
     addresses: ServiceAddresses,
@@ -91,10 +105,9 @@ def _start_and_serve(
     stop: StopFlag,
     start: float,
 ) -> None:
-    """Start the children, wait for their acks, then serve HTTP here until a signal."""
+    """Wait for the children's acks, then serve HTTP here until a signal."""
     from kvflow.services.frontend.main import run_frontend
 
-    _start_children(children, config, addresses, model_dir)
     children.wait_ready(options.startup_timeout_s, stop)
     logger.info("engine ready in %.1f s", time.monotonic() - start)
     if stop.is_set():
@@ -104,6 +117,14 @@ def _start_and_serve(
     run_frontend(frontend, addresses, model_dir, children.watchdog, on_ready=on_ready)
     logger.info("frontend stopped")
     stop.install()  # the frontend's loop restored the default handlers on exit
+
+
+def _launcher_phases() -> StartupPhases:
+    phases = StartupPhases()
+    age = process_age_s()  # interpreter start and the CLI's imports, before serve()
+    if age is not None:
+        phases.add("launcher_process_start", age)
+    return phases
 
 
 def _resolve_model(config: EngineConfig) -> Path:
@@ -128,7 +149,11 @@ def _preload_tokenizer_imports() -> threading.Thread:
 
 
 def _start_children(
-    children: ChildProcesses, config: EngineConfig, addresses: ServiceAddresses, model_dir: Path
+    children: ChildProcesses,
+    config: EngineConfig,
+    addresses: ServiceAddresses,
+    model_dir: Path,
+    scheduler_options: SchedulerOptions,
 ) -> None:
     from kvflow.gpu_worker.main import run_worker
     from kvflow.services.detokenizer.main import run_detokenizer
@@ -137,7 +162,7 @@ def _start_children(
     # The slowest to start goes first.
     for rank in range(config.parallel.world_size):
         children.start("worker", rank, run_worker, config, addresses, rank, model_dir)
-    children.start("scheduler", 0, run_scheduler, config, addresses, model_dir)
+    children.start("scheduler", 0, run_scheduler, config, addresses, model_dir, scheduler_options)
     children.start("detokenizer", 0, run_detokenizer, addresses, model_dir)
 
 

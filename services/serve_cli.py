@@ -27,6 +27,7 @@ def add_serve_parsers(subparsers: Any) -> None:
     serve.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds for every role to start"
     )
+    _add_trace_arg(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=_run_serve)
 
@@ -45,8 +46,18 @@ def add_serve_parsers(subparsers: Any) -> None:
             parser.add_argument("--launcher-address", help="where to ack ProcessReady")
         if role == "worker":
             parser.add_argument("--rank", type=int, default=0, help="this worker's rank")
+        if role == "scheduler":
+            _add_trace_arg(parser)
         add_engine_args(parser)
         parser.set_defaults(handler=handler)
+
+
+def _add_trace_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trace-file",
+        default=None,
+        help="write a Chrome/Perfetto trace (JSON) of the scheduler's steps to this path",
+    )
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -94,17 +105,25 @@ def _run_serve(args: argparse.Namespace) -> int:
     from kvflow.services.launcher import ServeOptions, serve
 
     options = ServeOptions(
-        host=args.host, port=args.port, api_key=args.api_key, startup_timeout_s=args.startup_timeout
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        startup_timeout_s=args.startup_timeout,
+        trace_file=args.trace_file,
     )
     return serve(_config(args), options)
 
 
 def _run_scheduler(args: argparse.Namespace) -> int:
-    from kvflow.services.scheduler.main import run_scheduler
+    from kvflow.services.scheduler.main import SchedulerOptions, run_scheduler
 
     config = _config(args)
     return run_scheduler(
-        config, resolve_addresses(args), _model_dir(config), launcher_address=args.launcher_address
+        config,
+        resolve_addresses(args),
+        _model_dir(config),
+        SchedulerOptions(trace_file=args.trace_file),
+        launcher_address=args.launcher_address,
     )
 
 

@@ -4,6 +4,8 @@ Each iteration generates exactly --output-len tokens (ignore_eos) for --batch-si
 prompts of --input-len random token ids with the in-process `LLM`, sampling at
 temperature 1 as vLLM does; the latency is that call's wall time. --num-iters-warmup
 iterations run first and are not counted (they pay for allocation and compilation).
+The profiled iterations' % of the compute and bandwidth rooflines is printed for
+prefill-heavy and decode-heavy steps apart, and written under "roofline" in --output-json.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def time_iterations(
 def run(args: argparse.Namespace) -> int:
     from kvflow.llm import LLM
     from kvflow.sampling_params import SamplingParams
+    from kvflow.services.bench.roofline import roofline_lines, roofline_section
     from kvflow.services.cli_args import engine_options
 
     llm = LLM(**engine_options(args))
@@ -83,11 +86,14 @@ def run(args: argparse.Namespace) -> int:
 
     print("Warming up...")
     time_iterations(generate, args.num_iters_warmup, "Warmup iterations", args.disable_tqdm)
+    llm.engine.roofline.reset()  # the profiled iterations only
     latencies = time_iterations(generate, args.num_iters, "Profiling iterations", args.disable_tqdm)
     stats = latency_stats(latencies)
+    stats["roofline"] = roofline_section(llm.engine)
     print(f"Avg latency: {stats['avg_latency']} seconds")
     for percentage, value in stats["percentiles"].items():
         print(f"{percentage}% percentile latency: {value} seconds")
+    print("\n".join(roofline_lines(stats["roofline"])))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(stats, f, indent=4)

@@ -2,6 +2,8 @@
 
 With `--compare transformers`, HF transformers `generate` runs the same prompts in the
 same process (one static batch, sdpa attention, same dtype) and the ratio is printed.
+kvflow's run also reports its % of the compute and bandwidth rooflines, for prefill-heavy
+and decode-heavy steps apart (services/bench/roofline.py).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def run_kvflow(llm: Any, prompts: list[list[int]], output_len: int) -> Throughpu
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    llm.engine.roofline.reset()  # the measured run only
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -107,6 +110,7 @@ def run_transformers(
 
 def run(args: argparse.Namespace) -> int:
     from kvflow.llm import LLM
+    from kvflow.services.bench.roofline import roofline_section
     from kvflow.services.cli_args import engine_options
 
     llm = LLM(**engine_options(args))
@@ -119,17 +123,21 @@ def run(args: argparse.Namespace) -> int:
         args.bench_seed,
     )
     results = [run_kvflow(llm, prompts, args.output_len)]
+    roofline = roofline_section(llm.engine)
     if args.compare == "transformers":
         model_dir = str(llm.engine.model_dir)
         dtype = llm.engine.config.model.dtype
         del llm
         results.append(run_transformers(model_dir, dtype, prompts, args.output_len))
-    _report(results, args.json)
+    _report(results, roofline, args.json)
     return 0
 
 
-def _report(results: list[ThroughputResult], as_json: bool) -> None:
+def _report(results: list[ThroughputResult], roofline: dict[str, Any], as_json: bool) -> None:
+    from kvflow.services.bench.roofline import roofline_lines
+
     report: dict[str, Any] = {r.name: r.summary() for r in results}
+    report["roofline"] = roofline
     if len(results) == 2:
         report["speedup_output_tokens_per_s"] = round(
             results[0].output_tokens_per_s / results[1].output_tokens_per_s, 2
@@ -145,3 +153,4 @@ def _report(results: list[ThroughputResult], as_json: bool) -> None:
         )
     if "speedup_output_tokens_per_s" in report:
         print(f"kvflow / transformers output tok/s: {report['speedup_output_tokens_per_s']}x")
+    print("\n".join(roofline_lines(roofline)))

@@ -24,6 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.stats import SchedulerStats
+from kvflow.services.frontend.perf_metrics import PerfMetrics
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5]
 TTFT_BUCKETS += [5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -63,9 +64,10 @@ class FrontendMetrics:
         # Request-level metrics carry no engine identity on the wire: they use this label.
         self.default_engine = default_engine
         self.registry = CollectorRegistry(auto_describe=True)
-        self._last_cumulative: dict[tuple[str, str], int] = {}
+        self._last_cumulative: dict[tuple[str, str], float] = {}
         labels = ["model_name", "engine"]
         self._define_engine_metrics(labels)
+        self.perf = PerfMetrics(self.registry, model_name)  # roofline, peaks, start-up
         self._define_request_metrics(labels, max_model_len)
         self._series = RequestSeries(self, default_engine)
         self.http_requests = Counter(
@@ -185,8 +187,9 @@ class FrontendMetrics:
         iteration = self.iteration_tokens.labels(*labels)
         for num_tokens in stats.step_tokens:
             iteration.observe(num_tokens)
+        self.perf.observe(stats, self._increment)
 
-    def _increment(self, engine: str, field: str, value: int) -> int:
+    def _increment(self, engine: str, field: str, value: float) -> float:
         last = self._last_cumulative.get((engine, field), 0)
         self._last_cumulative[(engine, field)] = value
         return value - last if value >= last else value

@@ -27,10 +27,12 @@ from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
 from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.stats import SchedulerStats
 from kvflow.proto.step import Shutdown, StepPlan, StepResult
+from kvflow.roofline import RooflineMeter, StepBatch
 from kvflow.services.scheduler.admission import EngineLimits, admit
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.request import RequestStatus
 from kvflow.services.scheduler.scheduler import Scheduler
+from kvflow.services.scheduler.step_trace import StepSample, StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,18 @@ class _Counters:
                 self.started.discard(delta.req_id)
 
 
+@dataclass
+class Instruments:
+    """What the loop measures besides tokens: estimated work per step phase, an optional
+    step trace, and start-up facts it only passes on in its stats."""
+
+    roofline: RooflineMeter = field(default_factory=lambda: RooflineMeter(None))
+    trace: StepTrace | None = None
+    startup_phases: dict[str, float] = field(default_factory=dict)
+    peak_flops: float = 0.0  # FLOP/s, 0 = unknown
+    peak_bandwidth: float = 0.0  # bytes/s, 0 = unknown
+
+
 class SchedulerLoop:
     def __init__(
         self,
@@ -84,6 +98,7 @@ class SchedulerLoop:
         inbox: queue.Queue[Any],
         liveness: Liveness,
         engine_id: str = "0",
+        instruments: Instruments | None = None,
     ) -> None:
         self.core = core
         self.limits = limits
@@ -94,6 +109,9 @@ class SchedulerLoop:
         self.pending: StepPlan | None = None  # the plan whose result is awaited
         self.owners: dict[str, str] = {}  # live req_id -> frontend_id
         self.counters = _Counters()
+        self.instruments = instruments or Instruments()
+        self._step_batch = StepBatch([], [], 0, 0)  # of the pending plan
+        self._step_started = 0.0  # perf_counter() when the pending plan was sent
         self.dead_reason: str | None = None
         self.shutdown_requested = False
         self._stalled = False  # the last plan was empty: wait for a message, do not spin
@@ -214,6 +232,8 @@ class SchedulerLoop:
             return
         self.outputs.plans.send(plan)
         self.pending = plan
+        self._step_started = time.perf_counter()
+        self._step_batch = StepBatch.from_plan(plan, self.core.requests)
 
     def _finish_step(self, result: StepResult) -> None:
         plan = self.pending
@@ -221,6 +241,8 @@ class SchedulerLoop:
             logger.error("result of step %d was not awaited: dropped", result.step_id)
             return
         self.pending = None
+        if self._step_batch.num_tokens:
+            self._measure_step(plan, time.perf_counter() - self._step_started)
         deltas = self.core.update_from_output(plan, result, now=time.time())
         self.counters.on_step(plan, deltas)
         for delta in deltas:
@@ -229,6 +251,24 @@ class SchedulerLoop:
             else:
                 delta.frontend_id = self.owners.pop(delta.req_id, "")
         self._send_deltas(deltas)
+
+    def _measure_step(self, plan: StepPlan, seconds: float) -> None:
+        """Roofline totals always; the trace (before finished requests free their
+        blocks, so KV usage is the step's own) only when it is on."""
+        cost = self.instruments.roofline.record(self._step_batch, seconds)
+        if self.instruments.trace is not None:
+            sample = StepSample(
+                step_id=plan.step_id,
+                start_s=time.time() - seconds,
+                duration_s=seconds,
+                batch=self._step_batch,
+                cost=cost,
+                num_running=len(self.core.running),
+                num_waiting=len(self.core.waiting),
+                kv_cache_usage=self.core.kv_cache.usage,
+                num_preemptions=self.core.num_preemptions,
+            )
+            self.instruments.trace.record_step(sample)
 
     def _send_deltas(self, deltas: list[TokenDelta]) -> None:
         if deltas:
@@ -240,6 +280,8 @@ class SchedulerLoop:
         if now >= self._next_stats:
             self._next_stats = now + STATS_INTERVAL_S
             self.outputs.stats.send(self.stats_message())
+            if self.instruments.trace is not None:
+                self.instruments.trace.flush()  # a live trace file lags by 0.5 s at most
         if self.dead_reason is None:
             self.dead_reason = self.liveness.dead_reason(now)
         idle = self.pending is None and not self.core.has_unfinished_requests()
@@ -251,6 +293,7 @@ class SchedulerLoop:
         stats = self.core.stats()
         counters = self.counters
         step_tokens, counters.step_tokens = counters.step_tokens, []
+        instruments = self.instruments
         return SchedulerStats(
             timestamp=time.time(),
             engine=self.engine_id,
@@ -264,4 +307,11 @@ class SchedulerLoop:
             num_generation_tokens=counters.num_generation_tokens,
             num_steps=counters.num_steps,
             step_tokens=step_tokens,
+            # Copies: the meter keeps counting while an in-process receiver holds these.
+            roofline={
+                k: msgspec.structs.replace(v) for k, v in instruments.roofline.phases.items()
+            },
+            peak_flops=instruments.peak_flops,
+            peak_bandwidth=instruments.peak_bandwidth,
+            startup_phases=instruments.startup_phases,
         )

@@ -21,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,14 @@ from kvflow.proto.engine import AbortRequests, AddRequest
 from kvflow.proto.frontend import EngineDead
 from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.step import Shutdown
+from kvflow.roofline import ModelShape, RooflineMeter
 from kvflow.services.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
-from kvflow.services.scheduler.loop import Outputs, SchedulerLoop
+from kvflow.services.scheduler.loop import Instruments, Outputs, SchedulerLoop
 from kvflow.services.scheduler.scheduler import Scheduler
+from kvflow.services.scheduler.step_trace import StepTrace
 from kvflow.tokenizer import load_decoding_tokenizer, load_eos_token_ids
 
 logger = logging.getLogger(__name__)
@@ -52,10 +55,21 @@ HEARTBEAT_TIMEOUT_S = 5.0
 _POLL_MS = 100
 
 
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """Settings of the scheduler process that are not engine config."""
+
+    trace_file: str | None = None  # Chrome/Perfetto trace of the steps (step_trace.py)
+    # Start-up phases measured before this process (the launcher's), passed on in the
+    # stats with the worker's own.
+    startup_phases: dict[str, float] = field(default_factory=dict)
+
+
 def run_scheduler(
     config: EngineConfig,
     addresses: ServiceAddresses,
     model_dir: Path,
+    options: SchedulerOptions | None = None,
     *,
     launcher_address: str | None = None,
     engine_id: str = "0",
@@ -65,13 +79,23 @@ def run_scheduler(
 
     def body(context: zmq.Context, link: LauncherLink, stop: StopFlag) -> int:
         eos_token_ids = load_eos_token_ids(model_dir, load_decoding_tokenizer(model_dir))
+        instruments = _instruments(config, model_dir, options or SchedulerOptions())
         sockets = _SchedulerSockets(context, addresses)
         try:
             return _serve(
-                config, sockets, link, stop, eos_token_ids, engine_id, heartbeat_timeout_s
+                config,
+                sockets,
+                link,
+                stop,
+                eos_token_ids,
+                engine_id,
+                heartbeat_timeout_s,
+                instruments,
             )
         finally:
             sockets.close()  # the last Shutdown / EngineDead messages are flushed
+            if instruments.trace is not None:
+                instruments.trace.close()  # the closing bracket: valid JSON from here on
 
     return run_role("scheduler", 0, launcher_address, body)
 
@@ -84,11 +108,14 @@ def _serve(
     eos_token_ids: frozenset[int],
     engine_id: str,
     heartbeat_timeout_s: float,
+    instruments: Instruments,
 ) -> int:
     started = _await_workers(sockets, config.parallel.world_size, stop)
     if started is None:
         return 0  # stopped before any worker came up
     info, early = started
+    instruments.startup_phases.update(info.startup_phases)
+    instruments.peak_flops, instruments.peak_bandwidth = info.peak_flops, info.peak_bandwidth
     limits = EngineLimits(
         vocab_size=info.vocab_size,
         max_model_len=info.max_model_len,
@@ -102,12 +129,20 @@ def _serve(
     core = Scheduler(config.scheduler, kv_cache, info.max_model_len)
     ranks = range(config.parallel.world_size)
     liveness = Liveness(heartbeat_timeout_s, dict.fromkeys(ranks, time.monotonic()))
-    loop = SchedulerLoop(core, limits, sockets.outputs(), sockets.inbox, liveness, engine_id)
+    loop = SchedulerLoop(
+        core, limits, sockets.outputs(), sockets.inbox, liveness, engine_id, instruments
+    )
     for message in early:  # requests that raced the workers' start-up, in order
         loop.handle(message)
     link.ready(num_blocks=info.num_blocks, max_model_len=info.max_model_len)
     logger.info("scheduler ready: %d KV blocks", info.num_blocks)
     return _finish(_run_loop(loop, stop), sockets, link)
+
+
+def _instruments(config: EngineConfig, model_dir: Path, options: SchedulerOptions) -> Instruments:
+    shape = ModelShape.try_from_model_dir(model_dir, config.model.dtype)
+    trace = StepTrace(options.trace_file) if options.trace_file else None
+    return Instruments(RooflineMeter(shape), trace, dict(options.startup_phases))
 
 
 def _finish(reason: str | None, sockets: _SchedulerSockets, link: LauncherLink) -> int:

@@ -78,8 +78,8 @@ class StepTrace:
                     "num_logits": batch.num_logits,
                     "preemptions": preempted,
                     "kv_cache_usage_perc": round(100 * sample.kv_cache_usage, 2),
-                    "est_gflop": round(sample.cost.flops / 1e9, 4),
-                    "est_mbytes": round(sample.cost.bytes / 1e6, 4),
+                    "est_flops": sample.cost.flops,
+                    "est_bytes": sample.cost.bytes,
                 },
             }
         )

@@ -1,0 +1,104 @@
+"""`kvflow serve --trace-file`: after a clean SIGTERM the trace is valid Chrome trace
+JSON whose steps account for every computed token, and agrees with the roofline and
+start-up metrics the frontend exports."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import MODEL_NAME, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The quick brown fox", "Once upon a time in a land", "Numbers: 1, 2, 3"]
+MAX_TOKENS = 6
+WORKER_PHASES = {"tokenizer_load", "model_load", "kv_cache_profile", "kv_cache_allocate"}
+
+
+def metric_totals(base_url: str) -> dict[str, float]:
+    """Each family's samples summed over labels, plus startup phases by name."""
+    totals: dict[str, float] = {}
+    text = httpx.get(base_url + "/metrics", timeout=10.0).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if family.name == "kvflow:startup_phase_seconds":
+                totals[f"phase:{sample.labels['phase']}"] = sample.value
+            else:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def settled_metrics(base_url: str, num_requests: int) -> dict[str, float]:
+    """Metrics once the stats (every 0.5 s) include every finished request's steps."""
+    deadline = time.monotonic() + 15.0
+    while True:
+        totals = metric_totals(base_url)
+        done = totals.get("kvflow:generation_tokens_total", 0.0) >= num_requests * MAX_TOKENS
+        if done or time.monotonic() > deadline:
+            time.sleep(0.6)  # one more stats message: the step counters of the last step
+            return metric_totals(base_url)
+        time.sleep(0.2)
+
+
+def complete(base_url: str, prompt: str) -> Any:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    response = httpx.post(base_url + "/v1/completions", json=body, timeout=60.0)
+    response.raise_for_status()
+    return response.json()["usage"]
+
+
+def test_trace_file_after_sigterm(tiny_model_dir: Path, tmp_path: Path) -> None:
+    trace_path = tmp_path / "steps.json"
+    server = start_server(tiny_model_dir, tmp_path, "--trace-file", str(trace_path))
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            usages = list(pool.map(lambda p: complete(server.base_url, p), PROMPTS))
+        metrics = settled_metrics(server.base_url, len(PROMPTS))
+    finally:
+        code, survivors = stop_server(server)
+    assert code == 0 and survivors == [], server.log_tail()
+
+    events = json.loads(trace_path.read_text())  # valid JSON: closed at shutdown
+    assert {(e["ph"], e["name"]) for e in events if e["ph"] == "M"} == {
+        ("M", "process_name"),
+        ("M", "thread_name"),
+    }
+    steps = [e for e in events if e["ph"] == "X"]
+    assert {e["name"] for e in steps} == {"prefill step", "decode step"}
+    assert all(e["dur"] > 0 for e in steps)
+    assert [e["ts"] for e in steps] == sorted(e["ts"] for e in steps)
+    # Distinct prompts (no prefix-cache hits): every prompt token is prefilled once, and
+    # every output token but the last is fed back once.
+    assert sum(e["args"]["prefill_tokens"] for e in steps) == sum(
+        u["prompt_tokens"] for u in usages
+    )
+    assert sum(e["args"]["decode_tokens"] for e in steps) == len(PROMPTS) * (MAX_TOKENS - 1)
+    assert sum(e["args"]["num_logits"] for e in steps) == len(PROMPTS) * MAX_TOKENS
+    assert all(e["args"]["preemptions"] == 0 for e in steps)
+    counters = {e["name"] for e in events if e["ph"] == "C"}
+    assert counters == {"tokens", "requests", "kv_cache_usage_perc", "preemptions"}
+
+    # The frontend's counters describe the same steps.
+    assert metrics["kvflow:engine_steps_total"] == len(steps)
+    flops = sum(e["args"]["est_flops"] for e in steps)
+    assert metrics["kvflow:estimated_flops_total"] == pytest.approx(flops, rel=1e-9)
+    assert flops > 0
+    traced_bytes = sum(e["args"]["est_bytes"] for e in steps)
+    assert metrics["kvflow:estimated_bytes_total"] == pytest.approx(traced_bytes, rel=1e-9)
+    assert metrics["kvflow:device_peak_flops_per_second"] > 0
+    assert metrics["kvflow:device_peak_bytes_per_second"] > 0
+    assert {f"phase:{p}" for p in WORKER_PHASES | {"model_resolve"}} <= set(metrics)
+    assert metrics["phase:model_load"] > 0
