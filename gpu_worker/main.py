@@ -121,12 +121,12 @@ def _build_runner(
 
         from kvflow.engine import resolve_max_model_len
         from kvflow.gpu_worker.model_runner import ModelRunner, RunnerConfig
-        from kvflow.tokenizer import load_decoding_tokenizer, load_eos_token_ids
+        from kvflow.tokenizer import read_eos_token_ids
 
     if config.device.num_threads is not None:
         torch.set_num_threads(config.device.num_threads)
     with phases.measure("tokenizer_load"):
-        eos_token_ids = load_eos_token_ids(model_dir, load_decoding_tokenizer(model_dir))
+        eos_token_ids = read_eos_token_ids(model_dir)
     with phases.measure("model_load"):
         runner = ModelRunner(
             RunnerConfig(
@@ -144,6 +144,9 @@ def _build_runner(
         num_blocks = runner.determine_num_blocks()
     with phases.measure("kv_cache_allocate"):
         runner.initialize_kv_cache(num_blocks)
+    took = runner.capture_cuda_graphs(config.scheduler.max_num_seqs, max_model_len)
+    if took > 0:  # a phase that did not run (CPU, --enforce-eager) is absent
+        phases.add("cuda_graph_capture", took)
     return runner, max_model_len, peaks
 
 

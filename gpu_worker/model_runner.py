@@ -10,6 +10,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from kvflow.gpu_worker.model_loader import load_hf_config, load_model
 from kvflow.gpu_worker.sampler import Sampler, compute_prompt_logprobs
 from kvflow.gpu_worker.sampling_metadata import SamplingMetadata
 from kvflow.proto.step import StepPlan, StepResult, TokenLogprobs
+
+if TYPE_CHECKING:  # imports Triton: only loaded where graphs are captured
+    from kvflow.gpu_worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,7 @@ class ModelRunner:
         # Unseeded requests share one generator, seeded from the engine's seed.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
         self.num_blocks = 0
+        self.decode_graphs: DecodeGraphs | None = None
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit the configured memory (GiB on CPU, a fraction on CUDA)."""
@@ -81,6 +86,36 @@ class ModelRunner:
             layer.kv_cache = cache
         self.num_blocks = num_blocks
 
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        """Capture decode CUDA graphs (after the KV cache is bound); returns the seconds
+        it took, 0.0 where graphs do not apply: CPU, `enforce_eager`, or a backend other
+        than Triton (the torch backend plans on the host every step)."""
+        from kvflow.gpu_worker.attention.triton_backend import TritonAttentionBackend
+
+        layers = self.model.attention_layers()
+        backend = layers[0].backend
+        if self.device.type != "cuda" or self.config.device.enforce_eager:
+            return 0.0
+        if not isinstance(backend, TritonAttentionBackend):
+            return 0.0
+        from kvflow.gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
+
+        start = time.perf_counter()
+        graphs = DecodeGraphs(
+            self.model,
+            backend,
+            capture_sizes(max_num_seqs),
+            max_model_len,
+            self.config.cache.block_size,
+            self.device,
+        )
+        spec = self.kv_spec
+        graphs.capture(layers[0].num_heads, spec.head_dim, spec.num_kv_heads)
+        self.decode_graphs = graphs
+        took = time.perf_counter() - start
+        logger.info("captured %d decode CUDA graphs in %.1f s", len(graphs.sizes), took)
+        return took
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
@@ -88,8 +123,12 @@ class ModelRunner:
         if not plan.scheduled_req_ids:
             return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
         inputs = self.batch.prepare_inputs(plan)
+        graphs = self.decode_graphs
         with forward_context(inputs.metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
+            if graphs is not None and graphs.can_run(inputs):
+                hidden = graphs.run(inputs)  # [num_reqs, hidden], one token each
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
             logits = self.model.compute_logits(hidden[inputs.metadata.logits_indices])
         num_sampled = len(inputs.sample_req_ids)
         result = self._sample(inputs, logits[:num_sampled])

@@ -49,7 +49,7 @@ class _Parent:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from kvflow.gpu_worker.model_loader import resolve_model_dir
+        from kvflow.gpu_worker.model_files import resolve_model_dir
         from kvflow.gpu_worker.model_runner import ModelRunner, RunnerConfig
 
         self.config = config
@@ -71,6 +71,7 @@ class LLMEngine:
         )
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         self.kv_cache = KVCacheManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )

@@ -9,11 +9,12 @@ startup` reads them. Phase names in use (seconds each; a phase that did not run 
     model_resolve           launcher: find the model; convert a GGUF on the first start
     worker_process_start    worker: interpreter start, spawn and kvflow imports
     worker_torch_import     worker: import torch and the model code
-    tokenizer_load          worker: tokenizer files, for the EOS ids
+    tokenizer_load          worker: EOS ids from the tokenizer files
     model_load              worker: build the model and load its weights
     roofline_calibration    worker: the device's peaks (a cached calibration is ~free)
     kv_cache_profile        worker: how many KV blocks fit
     kv_cache_allocate       worker: allocate the KV cache tensors
+    cuda_graph_capture      worker: capture decode CUDA graphs (0 on CPU / --enforce-eager)
 
 These run one after another: the launcher's, then (from the spawn) the worker's, so
 their sum is when the engine can start; what is left of the time to ready is the

@@ -36,18 +36,42 @@ def load_decoding_tokenizer(model_dir: Path) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
 
 
-def load_eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
-    """EOS ids from generation_config.json (may be a list) plus the tokenizer's own."""
-    ids: set[int] = set()
+def _generation_config_eos(model_dir: Path) -> set[int]:
+    """eos_token_id of generation_config.json (an int or a list), if any."""
     path = model_dir / "generation_config.json"
-    if path.exists():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(e) for e in eos)
+    if not path.exists():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if isinstance(eos, int):
+        return {eos}
+    return {int(e) for e in eos} if isinstance(eos, list) else set()
+
+
+def load_eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json plus the tokenizer's own."""
+    ids = _generation_config_eos(model_dir)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def read_eos_token_ids(model_dir: Path) -> frozenset[int]:
+    """`load_eos_token_ids` without transformers, for processes that need only the ids
+    (worker, scheduler): the `tokenizers` library reads tokenizer.json in milliseconds,
+    where importing transformers takes seconds of start-up."""
+    config_path = model_dir / "tokenizer_config.json"
+    if not (model_dir / "tokenizer.json").is_file() or not config_path.is_file():
+        return load_eos_token_ids(model_dir, load_decoding_tokenizer(model_dir))
+    from tokenizers import Tokenizer
+
+    ids = _generation_config_eos(model_dir)
+    eos = json.loads(config_path.read_text()).get("eos_token")
+    if isinstance(eos, dict):  # an AddedToken serialised as {"content": ...}
+        eos = eos.get("content")
+    if eos:
+        eos_id = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(eos)
+        if eos_id is not None:
+            ids.add(int(eos_id))
     return frozenset(ids)
 
 

@@ -64,13 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_kernel_bench(bench_sub: Any) -> None:
-    try:
-        from kvflow.services.bench import kernels
-    except ImportError:  # triton missing on this platform
-        return
+    from kvflow.services.bench.kernel_args import add_kernel_bench_args
+
     kb = bench_sub.add_parser("kernels", help="Triton kernels: time, bandwidth, % of roofline")
-    kernels.add_kernel_bench_args(kb)
-    kb.set_defaults(handler=kernels.run_kernel_bench)
+    add_kernel_bench_args(kb)
+    kb.set_defaults(handler=_run_kernel_bench)
+
+
+def _run_kernel_bench(args: argparse.Namespace) -> int:
+    # Imported only when run: torch and Triton take seconds to import.
+    from kvflow.services.bench.kernels import run_kernel_bench
+
+    run_kernel_bench(args)  # prints its table (or JSON)
+    return 0
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

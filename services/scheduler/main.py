@@ -45,7 +45,7 @@ from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.loop import Instruments, Outputs, SchedulerLoop
 from kvflow.services.scheduler.scheduler import Scheduler
 from kvflow.services.scheduler.step_trace import StepTrace
-from kvflow.tokenizer import load_decoding_tokenizer, load_eos_token_ids
+from kvflow.tokenizer import read_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def run_scheduler(
     """Run the scheduler until Shutdown/SIGTERM (0) or a fatal error (1)."""
 
     def body(context: zmq.Context, link: LauncherLink, stop: StopFlag) -> int:
-        eos_token_ids = load_eos_token_ids(model_dir, load_decoding_tokenizer(model_dir))
+        eos_token_ids = read_eos_token_ids(model_dir)
         instruments = _instruments(config, model_dir, options or SchedulerOptions())
         sockets = _SchedulerSockets(context, addresses)
         try:

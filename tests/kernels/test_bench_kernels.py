@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvflow.services.bench.kernel_args import add_kernel_bench_args
 from kvflow.services.bench.kernels import (
     Case,
     Measurement,
     _measure,
     _peaks,
     _speedups,
-    add_kernel_bench_args,
     run_kernel_bench,
 )
 

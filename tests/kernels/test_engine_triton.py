@@ -12,7 +12,8 @@ def test_triton_backend_matches_torch_backend_end_to_end(tiny_model_dir: Any) ->
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(100, 137))]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     # Small blocks and budget: chunked prefill on a cached prefix plus mixed batches.
-    options = dict(dtype="float32", block_size=4, max_num_batched_tokens=16)
+    # num_blocks: on a GPU each LLM would otherwise size its cache from free memory.
+    options = dict(dtype="float32", block_size=4, max_num_batched_tokens=16, num_blocks=256)
     torch_out = LLM(path, attention_backend="torch", **options).generate(prompts, params)
     triton_llm = LLM(path, attention_backend="triton", **options)
     triton_out = triton_llm.generate(prompts, params)

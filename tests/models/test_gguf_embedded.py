@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvflow.gpu_worker.model_loader import load_model, resolve_model_dir
+from kvflow.gpu_worker.model_files import resolve_model_dir
+from kvflow.gpu_worker.model_loader import load_model
 
 pytestmark = pytest.mark.embedded
 

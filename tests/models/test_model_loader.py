@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvflow.errors import ModelNotFoundError, UnsupportedModelError
 from kvflow.gpu_worker.gguf_convert import hf_tensor_name, unpermute_rows
-from kvflow.gpu_worker.model_loader import gguf_cache_dir, load_model, resolve_model_dir
+from kvflow.gpu_worker.model_files import gguf_cache_dir, resolve_model_dir
+from kvflow.gpu_worker.model_loader import load_model
 from kvflow.gpu_worker.models.registry import get_model_class
 
 
