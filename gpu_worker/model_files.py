@@ -73,7 +73,10 @@ def resolve_model_dir(model: str | None, cache_dir: Path | None = None) -> Path:
                 "(kvflow does not download models)"
             )
         gguf_path = path
+    out_dir = gguf_cache_dir(gguf_path, cache_dir)
+    if out_dir.is_dir():  # converted before (written atomically): skip the torch import
+        return out_dir
     from kvflow.gpu_worker.gguf_convert import convert_gguf
 
     set_offline()
-    return convert_gguf(gguf_path, gguf_cache_dir(gguf_path, cache_dir))
+    return convert_gguf(gguf_path, out_dir)

@@ -9,6 +9,7 @@ generated from the fields and their `help` metadata (see `services/cli_args.py`)
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -134,13 +135,23 @@ _SECTION_TYPES: dict[str, type] = {
 
 
 def resolve_device(device: str) -> str:
-    import torch
-
     if device == "auto":
+        if not _nvidia_device_present():
+            return "cpu"  # without importing torch: ~2 s of the launcher's start-up
+        import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise InvalidRequestError(f"device must be auto, cpu or cuda, got {device!r}")
     return device
+
+
+def _nvidia_device_present() -> bool:
+    """Cheap pre-check: no NVIDIA device node, or CUDA hidden by the environment, means
+    no CUDA; otherwise torch decides."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
 
 
 def resolve_attention_backend(backend: str, device: str) -> str:
