@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -12,9 +14,36 @@ from torch import nn
 
 from kvflow.gpu_worker.model_files import set_offline
 
+# A Llama config.json that states every field the model code reads needs no defaults,
+# so it is read as plain JSON: importing transformers' config classes costs ~2.7 s of
+# the worker's start-up. Anything else (other families, rope scaling, sliding windows,
+# a missing field) goes through AutoConfig, which knows each family's defaults.
+_EXPLICIT_LLAMA_FIELDS = (
+    "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+    "max_position_embeddings", "vocab_size", "tie_word_embeddings", "attention_bias",
+    "mlp_bias", "hidden_act", "rope_parameters",
+)  # fmt: skip
+
+
+def is_explicit_llama_config(raw: dict[str, Any]) -> bool:
+    rope = raw.get("rope_parameters")
+    return (
+        raw.get("model_type") == "llama"
+        and all(key in raw for key in _EXPLICIT_LLAMA_FIELDS)
+        and raw["hidden_act"] == "silu"
+        and isinstance(rope, dict)
+        and rope.get("rope_type", "default") == "default"
+        and "rope_theta" in rope
+        and not any(key in raw for key in ("rope_scaling", "sliding_window", "layer_types"))
+    )
+
 
 def load_hf_config(model_dir: Path) -> Any:
-    """The transformers config of an HF directory (no network access)."""
+    """The model's config (attribute access, as transformers' config objects give it)."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    if is_explicit_llama_config(raw):
+        return SimpleNamespace(**raw)
     set_offline()
     from transformers import AutoConfig
 

@@ -16,7 +16,6 @@ this process (they also die with it: PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -73,7 +72,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     addresses = ServiceAddresses.ipc(str(ipc_dir))
     context = zmq.Context()
     children = ChildProcesses(context, f"ipc://{ipc_dir}/launcher")
-    preload = _preload_tokenizer_imports()
+    preload = _TokenizerPreload(model_dir)
     from kvflow.services.scheduler.main import SchedulerOptions
 
     # The scheduler passes these on in its stats, with the worker's own phases.
@@ -83,7 +82,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     )
     try:
         _start_children(children, config, addresses, model_dir, scheduler_options)
-        _serve_when_ready(config, options, addresses, model_dir, children, stop, start)
+        _serve_when_ready(config, options, addresses, model_dir, children, stop, start, preload)
         return 0
     except KvflowError as exc:
         print(f"kvflow serve: {exc}", file=sys.stderr)
@@ -104,6 +103,7 @@ def _serve_when_ready(
     children: ChildProcesses,
     stop: StopFlag,
     start: float,
+    preload: _TokenizerPreload,
 ) -> None:
     """Wait for the children's acks, then serve HTTP here until a signal."""
     from kvflow.services.frontend.main import run_frontend
@@ -114,7 +114,14 @@ def _serve_when_ready(
         return
     frontend = make_frontend_config(config, model_dir, options)
     on_ready = _ready_line(frontend, start)
-    run_frontend(frontend, addresses, model_dir, children.watchdog, on_ready=on_ready)
+    run_frontend(
+        frontend,
+        addresses,
+        model_dir,
+        children.watchdog,
+        on_ready=on_ready,
+        tokenizer=preload.get(),
+    )
     logger.info("frontend stopped")
     stop.install()  # the frontend's loop restored the default handlers on exit
 
@@ -136,16 +143,33 @@ def _resolve_model(config: EngineConfig) -> Path:
     return resolve_model_dir(config.model.model)
 
 
-def _preload_tokenizer_imports() -> threading.Thread:
-    """The frontend's tokenizer imports take seconds: do them while the children start."""
+class _TokenizerPreload:
+    """The frontend's tokenizer takes seconds to import and load: do it while the
+    children start, in a thread (off the critical path, which is the worker's load)."""
 
-    def work() -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # as kvflow.tokenizer does
-        from transformers import AutoTokenizer  # noqa: F401
+    def __init__(self, model_dir: Path) -> None:
+        self._model_dir = model_dir
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="kvflow-preload", daemon=True)
+        self._thread.start()
 
-    thread = threading.Thread(target=work, name="kvflow-preload", daemon=True)
-    thread.start()
-    return thread
+    def _work(self) -> None:
+        try:
+            from kvflow.tokenizer import load_tokenizer
+
+            self._result = load_tokenizer(self._model_dir)
+        except Exception as exc:  # re-raised in the serving thread by get()
+            self._error = exc
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def get(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def _start_children(

@@ -49,11 +49,14 @@ def run_frontend(
     watchdog: Watchdog | None = None,
     *,
     on_ready: Callable[[], None] | None = None,
+    tokenizer: Any = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM; `on_ready` is called once the port accepts requests."""
-    from kvflow.tokenizer import load_tokenizer
+    """Serve until SIGINT/SIGTERM; `on_ready` is called once the port accepts requests.
+    `tokenizer`: the model's, if the caller loaded it already (else loaded here)."""
+    if tokenizer is None:
+        from kvflow.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir)
     client = EngineClient(
         addresses, config.frontend_id, stats_timeout_s=config.stats_timeout_s, watchdog=watchdog
     )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvflow.errors import ModelNotFoundError, UnsupportedModelError
 from kvflow.gpu_worker.gguf_convert import hf_tensor_name, unpermute_rows
+from kvflow.gpu_worker.layers.rotary import rope_parameters
 from kvflow.gpu_worker.model_files import gguf_cache_dir, resolve_model_dir
 from kvflow.gpu_worker.model_loader import load_model
 from kvflow.gpu_worker.models.registry import get_model_class
@@ -114,3 +117,31 @@ def test_loaded_model_is_inference_only_in_dtype(tiny_checkpoint: Path) -> None:
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     assert torch.get_default_dtype() == torch.float32
     assert len(model.attention_layers()) == 1
+
+
+def test_explicit_llama_config_reads_like_autoconfig(embedded_model_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    from kvflow.gpu_worker.model_loader import load_hf_config
+
+    fast = load_hf_config(embedded_model_dir)
+    assert type(fast).__name__ == "SimpleNamespace"  # the embedded config is explicit
+    full = AutoConfig.from_pretrained(str(embedded_model_dir))
+    for field in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
+        "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias", "architectures",
+    ):  # fmt: skip
+        assert getattr(fast, field) == getattr(full, field), field
+    assert rope_parameters(fast) == rope_parameters(full)
+    assert getattr(fast, "sliding_window", None) == getattr(full, "sliding_window", None)
+
+
+def test_other_configs_go_through_autoconfig(tiny_model_dir: Any) -> None:
+    from kvflow.gpu_worker.model_loader import is_explicit_llama_config, load_hf_config
+
+    assert type(load_hf_config(tiny_model_dir("qwen3"))).__name__ == "Qwen3Config"
+    raw = json.loads((tiny_model_dir("llama") / "config.json").read_text())
+    for drop in ("num_key_value_heads", "rope_parameters", "head_dim"):
+        assert not is_explicit_llama_config({k: v for k, v in raw.items() if k != drop})
+    assert not is_explicit_llama_config({**raw, "rope_scaling": {"rope_type": "llama3"}})
