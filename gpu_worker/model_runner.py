@@ -90,12 +90,12 @@ class ModelRunner:
         """Capture decode CUDA graphs (after the KV cache is bound); returns the seconds
         it took, 0.0 where graphs do not apply: CPU, `enforce_eager`, or a backend other
         than Triton (the torch backend plans on the host every step)."""
+        if self.device.type != "cuda" or self.config.device.enforce_eager:
+            return 0.0  # before any Triton import: CPU images ship without Triton
         from kvflow.gpu_worker.attention.triton_backend import TritonAttentionBackend
 
         layers = self.model.attention_layers()
         backend = layers[0].backend
-        if self.device.type != "cuda" or self.config.device.enforce_eager:
-            return 0.0
         if not isinstance(backend, TritonAttentionBackend):
             return 0.0
         from kvflow.gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
