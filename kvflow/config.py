@@ -79,8 +79,8 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     device: Literal["auto", "cpu", "cuda"] = _opt("auto", "cpu or cuda; auto picks cuda if present")
-    attention_backend: Literal["auto", "torch", "triton"] = _opt(
-        "auto", "torch (CPU default) or triton (CUDA default)"
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = _opt(
+        "auto", "cpu (CPU default: torch + native decode kernel), torch, or triton (CUDA default)"
     )
     enforce_eager: bool = _opt(False, "disable CUDA graphs")
     num_threads: int | None = _opt(None, "torch CPU threads (default: all cores)")
@@ -156,9 +156,11 @@ def _nvidia_device_present() -> bool:
 
 def resolve_attention_backend(backend: str, device: str) -> str:
     if backend == "auto":
-        return "triton" if device == "cuda" else "torch"
-    if backend not in ("torch", "triton"):
-        raise InvalidRequestError(f"attention_backend must be torch or triton, got {backend!r}")
+        return "triton" if device == "cuda" else "cpu"
+    if backend not in ("torch", "cpu", "triton"):
+        raise InvalidRequestError(
+            f"attention_backend must be cpu, torch or triton, got {backend!r}"
+        )
     return backend
 
 

@@ -13,6 +13,10 @@ metadata (no device syncs) and reused by every layer:
   position seq_len - q_len + i). A prefill with no cached prefix attends its own fresh
   K/V and never reads the cache.
 
+With a native decode kernel (the `cpu` backend: kernels/cpu/paged_decode_attention.cpp)
+the decodes skip the gather and read their contexts in place from the paged cache; the
+torch decode path above stays the reference it is tested against.
+
 The cache may be an empty tensor (not bound yet, e.g. a profiling pass): then nothing is
 stored and every request must be a whole prefill.
 """
@@ -26,11 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
+from kvflow.kernels.cpu.paged_decode import PagedDecodeAttention
 
 
 @dataclass
 class _DecodeBatch:
     rows: slice | torch.Tensor  # token rows of the decode queries in the step
+    req_indices: torch.Tensor  # [num_decodes] int32, request index of each decode
+    token_rows: torch.Tensor  # [num_decodes] int32, the same rows as `rows`
     slots: torch.Tensor  # [num_decodes * context] int64, cache slot of each context position
     seq_lens: torch.Tensor  # [num_decodes, 1] int64
     num_decodes: int
@@ -130,8 +137,11 @@ def _plan_decodes(
     positions = torch.minimum(torch.arange(context, device=device)[None, :], seq_lens - 1)
     tables = md.block_tables[_as_rows(requests, device)].to(torch.int64)  # [B, max_blocks]
     slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
+    token_rows = [md.query_start_loc_cpu[i] for i in requests]
     return _DecodeBatch(
-        rows=_as_rows([md.query_start_loc_cpu[i] for i in requests], device),
+        rows=_as_rows(token_rows, device),
+        req_indices=torch.tensor(requests, dtype=torch.int32, device=device),
+        token_rows=torch.tensor(token_rows, dtype=torch.int32, device=device),
         slots=slots.reshape(-1),
         seq_lens=seq_lens,
         num_decodes=len(requests),
@@ -172,10 +182,15 @@ def _plan_step(md: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
 
 
 class TorchAttentionBackend:
-    """See the module docstring. Keeps the plan of the current step (one per metadata)."""
+    """See the module docstring. Keeps the plan of the current step (one per metadata).
 
-    def __init__(self) -> None:
+    `decode_kernel`: the native paged decode attention, used for the decodes whenever
+    it supports the dtype and the cache is on the CPU; None = torch ops only.
+    """
+
+    def __init__(self, decode_kernel: PagedDecodeAttention | None = None) -> None:
         self._plan: _StepPlan | None = None
+        self._decode_kernel = decode_kernel
 
     def _plan_for(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
         plan = self._plan
@@ -198,8 +213,15 @@ class TorchAttentionBackend:
             _store_kv(key, value, kv_cache, plan)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         out[plan.num_actual_tokens :].zero_()
-        if plan.decode is not None:
-            _decode_attention(query, kv_cache, plan.decode, out, scale, sliding_window)
+        decode, kernel = plan.decode, self._decode_kernel
+        if decode is not None and kernel is not None and kernel.supports(query):
+            md = plan.metadata
+            kernel(
+                query, kv_cache, md.block_tables, md.seq_lens, decode.req_indices,
+                decode.token_rows, out, scale, sliding_window,
+            )  # fmt: skip
+        elif decode is not None:
+            _decode_attention(query, kv_cache, decode, out, scale, sliding_window)
         for prefill in plan.prefills:
             _prefill_attention(query, key, value, kv_cache, prefill, out, scale, sliding_window)
         return out

@@ -1,0 +1,108 @@
+"""Build and load the native CPU kernels (C++ sources beside this file) at first use.
+
+torch has no paged-attention op for CPUs, so the CPU worker's hot loop over the paged
+KV cache is a small C++ file compiled here with the system's C++ compiler, cached under
+<cache>/kernels/<key>/ and loaded with ctypes (plain C ABI: no torch headers, so a build
+takes about a second). The key covers the source, the flags, the compiler and the CPU's
+feature flags, because `-march=native` code may not run on another CPU model.
+
+OpenMP: the library links `libgomp.so.1`, which resolves to the copy torch has already
+loaded, so the kernels share torch's thread pool and `torch.set_num_threads`.
+
+Without a compiler (or with KVFLOW_CPU_KERNELS=0) `load_library` returns None and the
+callers keep their torch paths; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvflow.gpu_worker.model_files import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent
+# -fno-trapping-math lets the compiler vectorize branches (the exp clamp); nothing here
+# relies on floating-point exceptions.
+CXX_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-trapping-math",
+    "-fno-math-errno",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+def _build_key(source: Path, compiler: str) -> str:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(CXX_FLAGS).encode(), version.encode()):
+        digest.update(part)
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def _build(source: Path, compiler: str, target: Path) -> None:
+    """Compile to a temporary name, then rename: concurrent workers never load a torn file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *CXX_FLAGS, str(source), "-o", str(partial)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {source.name}:\n{result.stderr[-2000:]}")
+        os.replace(partial, target)
+
+
+@functools.cache
+def load_library(name: str) -> ctypes.CDLL | None:
+    """The compiled `<name>.cpp` of this folder, built on first use; None if unavailable."""
+    if os.environ.get("KVFLOW_CPU_KERNELS", "1") == "0":
+        logger.info("native CPU kernels off (KVFLOW_CPU_KERNELS=0): using the torch paths")
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C++ compiler found: native CPU kernels off, using the torch paths")
+        return None
+    source = SOURCE_DIR / f"{name}.cpp"
+    target = default_cache_dir() / "kernels" / _build_key(source, compiler) / f"{name}.so"
+    try:
+        if not target.exists():
+            logger.info("building native CPU kernel %s with %s", name, compiler)
+            _build(source, compiler, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, RuntimeError) as error:
+        logger.warning("native CPU kernel %s unavailable (%s): using the torch path", name, error)
+        return None

@@ -1,0 +1,148 @@
+"""Launcher of the native paged decode attention (paged_decode_attention.cpp).
+
+Decode only: every request has exactly one query token (its last position), which
+attends its whole context read in place from the paged cache. The torch reference is
+the decode path of gpu_worker/attention/torch_backend.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvflow.kernels.cpu.native_build import load_library
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class PagedDecodeAttention:
+    """The compiled kernel behind a shape-checking call; see `load_paged_decode`."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fn = library.kvflow_paged_decode_attention
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.c_int, *[_P] * 7, _I, _P, *[_I] * 8, ctypes.c_float]
+
+    @staticmethod
+    def supports(query: torch.Tensor) -> bool:
+        return query.device.type == "cpu" and query.dtype in _DTYPE_CODES
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+        seq_lens: torch.Tensor,  # [num_reqs] int32, context incl. the query token
+        req_indices: torch.Tensor,  # [num_decodes] int32: the request of each decode
+        token_rows: torch.Tensor,  # [num_decodes] int32: its query row in `query`
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows token_rows written
+        scale: float,
+        window: int | None = None,
+    ) -> None:
+        _, num_heads, head_dim = query.shape
+        _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+        if query.device.type != "cpu" or query.dtype not in _DTYPE_CODES:
+            raise ValueError(f"CPU float32/bfloat16 only, got {query.dtype} on {query.device}")
+        if kv_cache.dtype != query.dtype or out.dtype != query.dtype:
+            raise ValueError("query, kv_cache and out must share one dtype")
+        if cache_head_dim != head_dim or num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} heads of {head_dim} vs cache {kv_cache.shape}")
+        for name, t in (("query", query), ("out", out)):
+            if t.stride(2) != 1 or t.stride(1) != head_dim:
+                raise ValueError(f"{name} must have contiguous [heads, head_dim] rows")
+        if not (kv_cache[0].is_contiguous() and kv_cache[1].is_contiguous()):
+            raise ValueError("each of K and V of kv_cache must be contiguous")
+        for name, t in (
+            ("block_tables", block_tables),
+            ("seq_lens", seq_lens),
+            ("req_indices", req_indices),
+            ("token_rows", token_rows),
+        ):
+            if t.dtype != torch.int32 or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous int32 tensor")
+        _check_bounds(query, block_tables, seq_lens, req_indices, token_rows, block_size)
+        status = self._fn(
+            _DTYPE_CODES[query.dtype],
+            query.data_ptr(),
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            req_indices.data_ptr(),
+            token_rows.data_ptr(),
+            req_indices.numel(),
+            out.data_ptr(),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            block_tables.shape[1],
+            query.stride(0),
+            out.stride(0),
+            window or 0,
+            scale,
+        )
+        if status != 0:
+            raise RuntimeError(f"native paged decode attention failed with status {status}")
+
+
+def paged_decode_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_indices: torch.Tensor,
+    token_rows: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> None:
+    """The spec, one decode at a time in float32: query row token_rows[i] of request
+    req_indices[i] attends positions max(0, L - window) .. L - 1 of its context."""
+    _, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    for req, row in zip(req_indices.tolist(), token_rows.tolist()):
+        seq_len = int(seq_lens[req])
+        positions = torch.arange(seq_len)
+        if window:
+            positions = positions[max(0, seq_len - window) :]
+        slots = block_tables[req].long()[positions // block_size] * block_size
+        slots += positions % block_size
+        k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots].float()  # [n, KH, D]
+        v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].float()
+        group = num_heads // num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[row].float(), k) * scale
+        out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(out.dtype)
+
+
+def _check_bounds(
+    query: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_indices: torch.Tensor,
+    token_rows: torch.Tensor,
+    block_size: int,
+) -> None:
+    """Indices the kernel follows unchecked: out of range here would be a wild read."""
+    if req_indices.shape != token_rows.shape or req_indices.dim() != 1:
+        raise ValueError("req_indices and token_rows must be 1-D, one entry per decode")
+    if seq_lens.shape != block_tables.shape[:1]:
+        raise ValueError("seq_lens must have one entry per block-table row")
+    if req_indices.numel() == 0:
+        return
+    if not (int(req_indices.min()) >= 0 and int(req_indices.max()) < block_tables.shape[0]):
+        raise ValueError("req_indices out of range of block_tables")
+    if not (int(token_rows.min()) >= 0 and int(token_rows.max()) < query.shape[0]):
+        raise ValueError("token_rows out of range of query")
+    lens = seq_lens[req_indices.long()]
+    if int(lens.min()) < 1 or int(lens.max()) > block_tables.shape[1] * block_size:
+        raise ValueError("a decode's seq_len is below 1 or beyond its block table")
+
+
+def load_paged_decode() -> PagedDecodeAttention | None:
+    """The native kernel, or None where it cannot be built (see native_build)."""
+    library = load_library("paged_decode_attention")
+    return PagedDecodeAttention(library) if library is not None else None

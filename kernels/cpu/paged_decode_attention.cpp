@@ -1,0 +1,327 @@
+// Paged decode attention on CPUs: one query token per request, attending the request's
+// whole context read in place from the paged KV cache.
+//
+// Why native code: torch has no paged-attention op on CPU, so the torch path first
+// gathers every context into a padded tensor (a full extra read + write of the KV) and
+// then runs SDPA, whose per-(request, head) overhead dominates at one query row. Here
+// each request is one task that walks its blocks in order (the G = H / KH query heads
+// of a KV head share every K/V row read), scores are kept for the whole context (two
+// passes: softmax needs the max), and the tasks run on torch's own OpenMP thread pool
+// (same libgomp).
+//
+// Vectors are GCC/Clang vector extensions of 8 floats: explicit enough that the hot
+// loops keep their accumulators in registers, portable to any target the compiler
+// knows (-march=native picks AVX2/AVX-512 where present). A head_dim that is not a
+// multiple of 8 takes the scalar loops.
+//
+// Built at first use by native_build.py; the torch reference is
+// paged_decode_attention_ref in paged_decode.py.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+struct Bf16 {
+    uint16_t bits;
+};
+
+inline float load(float x) { return x; }
+
+inline float load(Bf16 x) {
+    const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+inline f32x8 load8(const float* p) {
+    f32x8 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline f32x8 load8(const Bf16* p) {  // bf16 is the top half of a float32
+    u16x8 h;
+    std::memcpy(&h, p, sizeof h);
+    const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+    f32x8 v;
+    std::memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+inline float hsum(f32x8 v) {
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+inline void store(float* dst, float x) { *dst = x; }
+
+inline void store(Bf16* dst, float x) {  // round to nearest even
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    dst->bits = static_cast<uint16_t>(u >> 16);
+}
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (libm's expf is a scalar call):
+// x = k ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative error
+// ~2e-7, like expf), 2^k from the exponent bits. k is rounded by adding and removing
+// 1.5 * 2^23, which is plain arithmetic (nearbyint would not vectorize). Clamped at
+// -87, where e^x is ~1e-38: 0 for a softmax weight.
+inline float exp_nonpositive(float x) {
+    constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+    x = x < -87.0f ? -87.0f : x;
+    const float k = (x * 1.44269504088896341f + kRound) - kRound;
+    const float r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+    float p = 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float two_k;
+    std::memcpy(&two_k, &bits, sizeof two_k);
+    return p * two_k;
+}
+
+struct Shape {
+    int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+    int64_t q_token_stride, out_token_stride;  // elements between consecutive tokens
+    int64_t window;  // <= 0: no sliding window
+    float scale;
+};
+
+// Per-thread buffers, reused across the thread's tasks.
+struct Scratch {
+    std::vector<f32x8> q, acc;  // [heads, head_dim / 8] (vector path)
+    std::vector<float> q_flat, acc_flat, scores, denom;
+};
+
+// Calls f(i, slot, count) for each run of consecutive slots (at most a block) holding
+// the context positions first + i .. first + i + count - 1, walking the block table.
+template <typename F>
+inline void for_each_run(const int32_t* table, int64_t first, int64_t end, int64_t block_size,
+                         F&& f) {
+    for (int64_t pos = first; pos < end;) {
+        const int64_t block = pos / block_size;
+        const int64_t stop = std::min(end, (block + 1) * block_size);
+        f(pos - first, static_cast<int64_t>(table[block]) * block_size + (pos - block * block_size),
+          stop - pos);
+        pos = stop;
+    }
+}
+
+// Scores of `heads` query heads (G per KV head) against `count` K rows starting at
+// k_rows (row stride `stride` elements), written to scores[h * n + t]. A KV head's K
+// row is loaded (and converted from bf16) once into registers for its G query heads.
+constexpr int64_t kMaxRegisterChunks = 16;  // head_dim <= 128
+
+template <typename T>
+void score_rows_vec(const f32x8* q, const T* k_rows, int64_t stride, int64_t count,
+                    int64_t kv_heads, int64_t G, int64_t chunks, float* scores, int64_t n) {
+    for (int64_t t = 0; t < count; ++t) {
+        for (int64_t kh = 0; kh < kv_heads; ++kh) {
+            const T* k = k_rows + t * stride + kh * chunks * 8;
+            f32x8 kv[kMaxRegisterChunks];
+            const bool in_registers = chunks <= kMaxRegisterChunks;
+            if (in_registers)
+                for (int64_t c = 0; c < chunks; ++c) kv[c] = load8(k + c * 8);
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t h = kh * G + g;
+                const f32x8* qh = q + h * chunks;
+                f32x8 a0 = {}, a1 = {};  // two chains: the FMA latency is hidden
+                int64_t c = 0;
+                for (; c + 2 <= chunks; c += 2) {
+                    a0 += qh[c] * (in_registers ? kv[c] : load8(k + c * 8));
+                    a1 += qh[c + 1] * (in_registers ? kv[c + 1] : load8(k + c * 8 + 8));
+                }
+                if (c < chunks) a0 += qh[c] * (in_registers ? kv[c] : load8(k + c * 8));
+                scores[h * n + t] = hsum(a0 + a1);
+            }
+        }
+    }
+}
+
+// acc[h] += sum over the `count` V rows of p[h * n + t] * row_t[h / G].
+template <typename T>
+void accumulate_rows_vec(f32x8* acc, const float* p, const T* v_rows, int64_t stride,
+                         int64_t count, int64_t kv_heads, int64_t G, int64_t chunks, int64_t n) {
+    for (int64_t h = 0; h < kv_heads * G; ++h) {
+        const T* v = v_rows + (h / G) * chunks * 8;  // once per head and block: cheap
+        const float* ph = p + h * n;
+        f32x8* a = acc + h * chunks;
+        int64_t c = 0;
+        for (; c + 4 <= chunks; c += 4) {  // 4 accumulators stay in registers over the rows
+            f32x8 a0 = a[c], a1 = a[c + 1], a2 = a[c + 2], a3 = a[c + 3];
+            for (int64_t t = 0; t < count; ++t) {
+                const T* row = v + t * stride + c * 8;
+                const float w = ph[t];
+                a0 += w * load8(row);
+                a1 += w * load8(row + 8);
+                a2 += w * load8(row + 16);
+                a3 += w * load8(row + 24);
+            }
+            a[c] = a0, a[c + 1] = a1, a[c + 2] = a2, a[c + 3] = a3;
+        }
+        for (; c < chunks; ++c) {
+            f32x8 a0 = a[c];
+            for (int64_t t = 0; t < count; ++t) a0 += ph[t] * load8(v + t * stride + c * 8);
+            a[c] = a0;
+        }
+    }
+}
+
+template <typename T>
+void score_rows_scalar(const float* q, const T* k_rows, int64_t stride, int64_t count,
+                       int64_t heads, int64_t G, int64_t D, float* scores, int64_t n) {
+    for (int64_t t = 0; t < count; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+            const T* k = k_rows + t * stride + (h / G) * D;
+            float sum = 0.0f;
+            for (int64_t d = 0; d < D; ++d) sum += q[h * D + d] * load(k[d]);
+            scores[h * n + t] = sum;
+        }
+}
+
+template <typename T>
+void accumulate_rows_scalar(float* acc, const float* p, const T* v_rows, int64_t stride,
+                            int64_t count, int64_t heads, int64_t G, int64_t D, int64_t n) {
+    for (int64_t t = 0; t < count; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+            const T* v = v_rows + t * stride + (h / G) * D;
+            for (int64_t d = 0; d < D; ++d) acc[h * D + d] += p[h * n + t] * load(v[d]);
+        }
+}
+
+// In place: scores[h * n + i] becomes exp(score - max over i); denom[h] gets their sum.
+inline void softmax_numerators(float* scores, int64_t heads, int64_t n, float* denom) {
+    for (int64_t h = 0; h < heads; ++h) {
+        float* sh = scores + h * n;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
+        for (int64_t i = 0; i < n; ++i) sh[i] = exp_nonpositive(sh[i] - m);
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; ++i) sum += sh[i];
+        denom[h] = sum;
+    }
+}
+
+// One task: query heads [h0, h0 + heads) of one request (whole KV heads, from kv_begin)
+// attend its positions [first, seq_len).
+template <typename T>
+void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
+                int64_t seq_len, int64_t kv_begin, int64_t kv_end, T* out, const Shape& s,
+                Scratch& w) {
+    const int64_t G = s.num_heads / s.num_kv_heads, D = s.head_dim, KH = s.num_kv_heads;
+    const int64_t heads = (kv_end - kv_begin) * G, h0 = kv_begin * G;
+    const int64_t first = s.window > 0 ? std::max<int64_t>(0, seq_len - s.window) : 0;
+    const int64_t n = seq_len - first, stride = KH * D;
+    const bool vec = D % 8 == 0;
+    const int64_t chunks = D / 8;
+    w.scores.resize(heads * n);
+    w.denom.resize(heads);
+    w.q_flat.resize(heads * D);
+    for (int64_t i = 0; i < heads * D; ++i) w.q_flat[i] = load(q[h0 * D + i]) * s.scale;
+    if (vec) {
+        w.q.resize(heads * chunks);
+        std::memcpy(w.q.data(), w.q_flat.data(), heads * D * sizeof(float));
+        w.acc.assign(heads * chunks, f32x8{});
+    } else {
+        w.acc_flat.assign(heads * D, 0.0f);
+    }
+    float* scores = w.scores.data();
+
+    // Pass 1: every visible position's score (each K row read once for its G heads).
+    for_each_run(table, first, seq_len, s.block_size, [&](int64_t i0, int64_t slot, int64_t count) {
+        const T* k_rows = k_cache + (slot * KH + kv_begin) * D;
+        if (vec)
+            score_rows_vec(w.q.data(), k_rows, stride, count, heads / G, G, chunks, scores + i0, n);
+        else
+            score_rows_scalar(w.q_flat.data(), k_rows, stride, count, heads, G, D, scores + i0, n);
+    });
+    softmax_numerators(scores, heads, n, w.denom.data());
+    // Pass 2: probability-weighted sum of the values.
+    for_each_run(table, first, seq_len, s.block_size, [&](int64_t i0, int64_t slot, int64_t count) {
+        const T* v_rows = v_cache + (slot * KH + kv_begin) * D;
+        if (vec)
+            accumulate_rows_vec(w.acc.data(), scores + i0, v_rows, stride, count, heads / G, G, chunks,
+                                n);
+        else
+            accumulate_rows_scalar(w.acc_flat.data(), scores + i0, v_rows, stride, count, heads, G,
+                                   D, n);
+    });
+    const float* acc = vec ? reinterpret_cast<const float*>(w.acc.data()) : w.acc_flat.data();
+    for (int64_t h = 0; h < heads; ++h) {
+        const float inv = 1.0f / w.denom[h];
+        for (int64_t d = 0; d < D; ++d) store(out + (h0 + h) * D + d, acc[h * D + d] * inv);
+    }
+}
+
+template <typename T>
+void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                  const int32_t* seq_lens, const int32_t* req_indices, const int32_t* token_rows,
+                  int64_t num_decodes, T* out, const Shape& s) {
+    // A task covers a whole request, reading each block's rows front to back; only when
+    // requests are fewer than ~4 per thread are they split by KV head.
+    const int64_t threads = omp_get_max_threads();
+    const int64_t splits = num_decodes >= 4 * threads ? 1 : s.num_kv_heads;
+    const int64_t per_split = s.num_kv_heads / splits;
+    const int64_t tasks = num_decodes * splits;
+#pragma omp parallel
+    {
+        Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t i = task / splits, split = task % splits;
+            const int64_t req = req_indices[i], row = token_rows[i];
+            attend_one(q + row * s.q_token_stride, k_cache, v_cache,
+                       block_tables + req * s.max_blocks, seq_lens[req], split * per_split,
+                       (split + 1) * per_split, out + row * s.out_token_stride, s, scratch);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = float32, 1 = bfloat16. Pointer shapes:
+//   q [num_tokens, H, D] (token stride q_token_stride), out likewise;
+//   k_cache, v_cache [num_blocks, block_size, KH, D] contiguous;
+//   block_tables [num_reqs, max_blocks] int32; seq_lens [num_reqs] int32;
+//   req_indices, token_rows [num_decodes] int32: which request / query row each decode is.
+int kvflow_paged_decode_attention(int dtype, const void* q, const void* k_cache,
+                                  const void* v_cache, const int32_t* block_tables,
+                                  const int32_t* seq_lens, const int32_t* req_indices,
+                                  const int32_t* token_rows, int64_t num_decodes, void* out,
+                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t block_size, int64_t max_blocks, int64_t q_token_stride,
+                                  int64_t out_token_stride, int64_t window, float scale) {
+    const Shape s{num_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                  q_token_stride, out_token_stride, window, scale};
+    if (dtype == 0) {
+        paged_decode(static_cast<const float*>(q), static_cast<const float*>(k_cache),
+                     static_cast<const float*>(v_cache), block_tables, seq_lens, req_indices,
+                     token_rows, num_decodes, static_cast<float*>(out), s);
+        return 0;
+    }
+    if (dtype == 1) {
+        paged_decode(static_cast<const Bf16*>(q), static_cast<const Bf16*>(k_cache),
+                     static_cast<const Bf16*>(v_cache), block_tables, seq_lens, req_indices,
+                     token_rows, num_decodes, static_cast<Bf16*>(out), s);
+        return 0;
+    }
+    return 1;
+}
+
+}  // extern "C"

@@ -1,0 +1,98 @@
+"""The native CPU paged decode attention against its torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.kernels.cpu.paged_decode import load_paged_decode, paged_decode_attention_ref
+
+kernel = load_paged_decode()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler for native kernels")
+
+TOLERANCES = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-4},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2},
+}
+
+
+def _random_case(num_heads, num_kv_heads, head_dim, block_size, seq_lens, dtype, gen):
+    """Requests with ragged lengths on shuffled, non-adjacent blocks; the query is a view
+    into a fused QKV projection (token stride > heads * head_dim), as in the models."""
+    max_blocks = max(-(-n // block_size) for n in seq_lens) + 1  # one unused padding column
+    num_blocks = len(seq_lens) * max_blocks + 3
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    block_ids = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * max_blocks]
+    block_tables = block_ids.view(len(seq_lens), max_blocks).to(torch.int32)
+    num_tokens = len(seq_lens) + 2  # two rows that are not decodes (must stay untouched)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    query = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    return (
+        query.to(dtype) if dtype != torch.float32 else query,
+        kv_cache.to(dtype),
+        block_tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 80, 8), (6, 1, 96, 32), (4, 2, 36, 4)],
+)
+@pytest.mark.parametrize("window", [None, 7])
+def test_matches_reference(num_heads, num_kv_heads, head_dim, block_size, dtype, window):
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    seq_lens = [1, 17, block_size, 5, 70, 2 * block_size + 1]
+    query, kv_cache, block_tables, lens = _random_case(
+        num_heads, num_kv_heads, head_dim, block_size, seq_lens, dtype, gen
+    )
+    # Decodes in a different order from the requests, and one request not decoded.
+    req_indices = torch.tensor([3, 0, 5, 1, 4], dtype=torch.int32)
+    token_rows = torch.tensor([0, 2, 3, 5, 6], dtype=torch.int32)
+    expected = torch.full_like(query, 7.0)
+    actual = expected.clone()
+    args = (kv_cache, block_tables, lens, req_indices, token_rows)
+    paged_decode_attention_ref(query, *args, expected, 0.125, window)
+    kernel(query, *args, actual, 0.125, window)
+    torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])
+    untouched = [r for r in range(query.shape[0]) if r not in token_rows.tolist()]
+    assert (actual[untouched] == 7.0).all()
+
+
+def test_large_scores_are_stable():
+    """Scores in the thousands: the max is subtracted before exp (no overflow to inf/NaN)."""
+    gen = torch.Generator().manual_seed(0)
+    query, kv_cache, block_tables, lens = _random_case(2, 1, 64, 16, [40], torch.float32, gen)
+    query = query * 100
+    rows = torch.tensor([0], dtype=torch.int32)
+    expected, actual = torch.zeros_like(query), torch.zeros_like(query)
+    paged_decode_attention_ref(query, kv_cache, block_tables, lens, rows, rows, expected, 1.0)
+    kernel(query, kv_cache, block_tables, lens, rows, rows, actual, 1.0)
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, expected, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"req_indices": torch.tensor([9], dtype=torch.int32)}, "req_indices out of range"),
+        ({"token_rows": torch.tensor([99], dtype=torch.int32)}, "token_rows out of range"),
+        ({"seq_lens": torch.tensor([500], dtype=torch.int32)}, "beyond its block table"),
+        ({"block_tables": torch.zeros(1, 4, dtype=torch.int64)}, "int32"),
+    ],
+)
+def test_rejects_what_would_read_out_of_bounds(change, message):
+    gen = torch.Generator().manual_seed(0)
+    query, kv_cache, block_tables, lens = _random_case(2, 1, 64, 16, [40], torch.float32, gen)
+    args = {
+        "query": query,
+        "kv_cache": kv_cache,
+        "block_tables": block_tables,
+        "seq_lens": lens,
+        "req_indices": torch.tensor([0], dtype=torch.int32),
+        "token_rows": torch.tensor([0], dtype=torch.int32),
+        "out": torch.zeros_like(query),
+    }
+    with pytest.raises(ValueError, match=message):
+        kernel(**(args | change), scale=1.0)
