@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.kernels import activation, grammar_bitmask, rms_norm, rotary, store_kv
+from kvflow.kernels.cpu.paged_decode import load_paged_decode
 from kvflow.kernels.paged_attention import paged_attention, paged_attention_ref
 
 
@@ -139,11 +140,20 @@ def _decode_attention_case(a: argparse.Namespace, dev: torch.device, dt: torch.d
         k, v = (torch.stack([p.gather(r, i) for r in range(b)]).transpose(1, 2) for i in (0, 1))
         return F.scaled_dot_product_attention(q4, k, v, scale=p.scale, enable_gqa=h != kvh)
 
+    native = load_paged_decode() if dev.type == "cpu" else None
+    rows = torch.arange(b, dtype=torch.int32)
+    out = torch.empty_like(p.query)
+    cpu_native = {} if native is None or not native.supports(p.query) else {
+        "cpu-native": lambda: native(
+            p.query, p.kv_cache, p.block_tables, p.seq_lens, rows, rows, out, p.scale
+        )
+    }  # fmt: skip
     return Case(
         f"decode_attention b{b} ctx{seq}",
         2 * b * seq * kvh * d * _elt(dt) + 2 * b * h * d * _elt(dt),
         4 * b * h * seq * d,
         {
+            **cpu_native,
             "triton": lambda: paged_attention(*p.inputs(), max_query_len=1, max_seq_len=seq),
             "torch-ref": lambda: paged_attention_ref(*p.inputs()),
             "torch-gather+sdpa": gather_sdpa,

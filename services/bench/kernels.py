@@ -7,9 +7,10 @@ Decode attention (batch 64 x 2k context by default) is also timed against torch
 baselines: gather + SDPA (what the torch backend does) and SDPA on K/V already gathered
 into contiguous tensors (the best a dense kernel can do without paging).
 
-On a CUDA device the Triton kernels run, timed with CUDA events. Without one, only the
-torch references and baselines run (timed with perf_counter), and the output says so:
-interpreted Triton kernels are far too slow for a timing to mean anything.
+On a CUDA device the Triton kernels run, timed with CUDA events. Without one, the torch
+references and baselines run, plus the native CPU decode attention of the `cpu` backend
+(timed with perf_counter), and the output says so: interpreted Triton kernels are far
+too slow for a timing to mean anything.
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def _impls_to_run(device: torch.device) -> tuple[set[str], str]:
     if device.type == "cuda" and not kernels_interpreted():
         # The per-request Python loop of the attention reference is no baseline on a GPU.
         return {"triton", "torch", "torch-gather+sdpa", "torch-sdpa(contiguous kv)"}, "triton"
-    note = "torch references only: no CUDA device, Triton kernels are not timed"
-    return {"torch", "torch-ref", "torch-gather+sdpa", "torch-sdpa(contiguous kv)"}, note
+    note = "torch references and native CPU kernels: no CUDA device, Triton kernels are not timed"
+    impls = {"torch", "torch-ref", "torch-gather+sdpa", "torch-sdpa(contiguous kv)", "cpu-native"}
+    return impls, note
 
 
 def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -135,13 +137,21 @@ def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+FAST_IMPLS = ("triton", "cpu-native")  # kvflow's own kernels, in order of preference
+
+
 def _speedups(results: list[Measurement], kernel_prefix: str) -> dict[str, float]:
-    """Baseline time / triton time for each baseline of the kernel (empty without triton)."""
+    """Baseline time / kvflow kernel time (Triton, else native CPU) for each baseline of
+    the kernel; empty when neither ran."""
     rows = [m for m in results if m.kernel.startswith(kernel_prefix)]
-    triton_ms = next((m.time_ms for m in rows if m.impl == "triton"), None)
-    if triton_ms is None:
+    ours = next((m for impl in FAST_IMPLS for m in rows if m.impl == impl), None)
+    if ours is None:
         return {}
-    return {f"vs {m.impl}": round(m.time_ms / triton_ms, 2) for m in rows if m.impl != "triton"}
+    return {
+        f"{ours.impl} vs {m.impl}": round(m.time_ms / ours.time_ms, 2)
+        for m in rows
+        if m.impl not in FAST_IMPLS
+    }
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -160,5 +170,5 @@ def _table(report: dict[str, Any]) -> str:
             f"{pct(m['pct_peak_flops']):>7}"
         )
     for name, ratio in report["decode_attention_speedup"].items():
-        lines.append(f"decode attention, triton speedup {name}: {ratio}x")
+        lines.append(f"decode attention speedup, {name}: {ratio}x")
     return "\n".join(lines)

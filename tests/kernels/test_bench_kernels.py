@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvflow.kernels.cpu.paged_decode import load_paged_decode
 from kvflow.services.bench.kernel_args import add_kernel_bench_args
 from kvflow.services.bench.kernels import (
     Case,
@@ -50,10 +51,15 @@ def test_speedups_are_baseline_over_triton():
         for impl, ms in (("triton", 2.0), ("torch-gather+sdpa", 7.0), ("torch-sdpa", 3.0))
     ]
     assert _speedups(rows, "decode_attention") == {
-        "vs torch-gather+sdpa": 3.5,
-        "vs torch-sdpa": 1.5,
+        "triton vs torch-gather+sdpa": 3.5,
+        "triton vs torch-sdpa": 1.5,
     }
     assert _speedups(rows[1:], "decode_attention") == {}
+    native = Measurement("decode_attention b1", "cpu-native", 1.4, 0, 0, None, None)
+    assert _speedups([native, *rows[1:]], "decode_attention") == {
+        "cpu-native vs torch-gather+sdpa": 5.0,
+        "cpu-native vs torch-sdpa": 2.14,
+    }
 
 
 def test_tiny_run_reports_every_kernel(capsys, device):
@@ -66,4 +72,8 @@ def test_tiny_run_reports_every_kernel(capsys, device):
     }  # fmt: skip
     impls = {m["impl"] for m in report["results"]}
     assert ("triton" in impls) == (device == "cuda")
+    native_built = load_paged_decode() is not None
+    assert ("cpu-native" in impls) == (device == "cpu" and native_built)
+    if "cpu-native" in impls:
+        assert "cpu-native vs torch-gather+sdpa" in report["decode_attention_speedup"]
     assert all(m["time_ms"] > 0 for m in report["results"])
