@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
-from kvflow.kernels.cpu.paged_decode import PagedDecodeAttention
+from kvflow.kernels.cpu.paged_decode import PagedDecodeAttention, check_indices
 
 
 @dataclass
@@ -192,10 +192,18 @@ class TorchAttentionBackend:
         self._plan: _StepPlan | None = None
         self._decode_kernel = decode_kernel
 
-    def _plan_for(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
+    def _plan_for(
+        self, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_rows: int
+    ) -> _StepPlan:
         plan = self._plan
         if plan is None or plan.metadata is not metadata:
             plan = self._plan = _plan_step(metadata, kv_cache)
+            if plan.decode is not None and self._decode_kernel is not None:
+                # Once per step: the native kernel follows these indices unchecked.
+                check_indices(
+                    num_rows, metadata.block_tables, metadata.seq_lens,
+                    plan.decode.req_indices, plan.decode.token_rows, kv_cache.shape[2],
+                )  # fmt: skip
         return plan
 
     def forward(
@@ -208,7 +216,7 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        plan = self._plan_for(metadata, kv_cache)
+        plan = self._plan_for(metadata, kv_cache, query.shape[0])
         if plan.has_cache:
             _store_kv(key, value, kv_cache, plan)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
@@ -218,7 +226,7 @@ class TorchAttentionBackend:
             md = plan.metadata
             kernel(
                 query, kv_cache, md.block_tables, md.seq_lens, decode.req_indices,
-                decode.token_rows, out, scale, sliding_window,
+                decode.token_rows, out, scale, sliding_window, indices_checked=True,
             )  # fmt: skip
         elif decode is not None:
             _decode_attention(query, kv_cache, decode, out, scale, sliding_window)

@@ -1,10 +1,11 @@
 """Build and load the native CPU kernels (C++ sources beside this file) at first use.
 
-torch has no paged-attention op for CPUs, so the CPU worker's hot loop over the paged
-KV cache is a small C++ file compiled here with the system's C++ compiler, cached under
-<cache>/kernels/<key>/ and loaded with ctypes (plain C ABI: no torch headers, so a build
-takes about a second). The key covers the source, the flags, the compiler and the CPU's
-feature flags, because `-march=native` code may not run on another CPU model.
+The CPU worker's memory-bound hot loops that torch serves poorly (decode attention over
+the paged KV cache, small-batch linear layers) are small C++ files compiled here with
+the system's C++ compiler, cached under <cache>/kernels/<key>/ and loaded with ctypes
+(plain C ABI: no torch headers, so a build takes about a second). The key covers the
+source and the shared headers, the flags, the compiler and the CPU's feature flags,
+because `-march=native` code may not run on another CPU model.
 
 OpenMP: the library links `libgomp.so.1`, which resolves to the copy torch has already
 loaded, so the kernels share torch's thread pool and `torch.set_num_threads`.
@@ -64,8 +65,11 @@ def _build_key(source: Path, compiler: str) -> str:
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(CXX_FLAGS).encode(), version.encode()):
-        digest.update(part)
+    headers = sorted(source.parent.glob("*.h"))  # included by every source
+    for part in (source, *headers):
+        digest.update(part.read_bytes())
+    for text in (" ".join(CXX_FLAGS), version):
+        digest.update(text.encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]
 

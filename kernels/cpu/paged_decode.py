@@ -40,7 +40,10 @@ class PagedDecodeAttention:
         out: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows token_rows written
         scale: float,
         window: int | None = None,
+        indices_checked: bool = False,
     ) -> None:
+        """`indices_checked`: the caller ran `check_indices` on these index tensors (once
+        per step rather than once per layer)."""
         _, num_heads, head_dim = query.shape
         _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
         if query.device.type != "cpu" or query.dtype not in _DTYPE_CODES:
@@ -62,7 +65,10 @@ class PagedDecodeAttention:
         ):
             if t.dtype != torch.int32 or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous int32 tensor")
-        _check_bounds(query, block_tables, seq_lens, req_indices, token_rows, block_size)
+        if not indices_checked:
+            check_indices(
+                query.shape[0], block_tables, seq_lens, req_indices, token_rows, block_size
+            )
         status = self._fn(
             _DTYPE_CODES[query.dtype],
             query.data_ptr(),
@@ -118,8 +124,8 @@ def paged_decode_attention_ref(
         out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(out.dtype)
 
 
-def _check_bounds(
-    query: torch.Tensor,
+def check_indices(
+    num_query_rows: int,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     req_indices: torch.Tensor,
@@ -135,7 +141,7 @@ def _check_bounds(
         return
     if not (int(req_indices.min()) >= 0 and int(req_indices.max()) < block_tables.shape[0]):
         raise ValueError("req_indices out of range of block_tables")
-    if not (int(token_rows.min()) >= 0 and int(token_rows.max()) < query.shape[0]):
+    if not (int(token_rows.min()) >= 0 and int(token_rows.max()) < num_query_rows):
         raise ValueError("token_rows out of range of query")
     lens = seq_lens[req_indices.long()]
     if int(lens.min()) < 1 or int(lens.max()) > block_tables.shape[1] * block_size:

@@ -7,11 +7,7 @@
 // each request is one task that walks its blocks in order (the G = H / KH query heads
 // of a KV head share every K/V row read), scores are kept for the whole context (two
 // passes: softmax needs the max), and the tasks run on torch's own OpenMP thread pool
-// (same libgomp).
-//
-// Vectors are GCC/Clang vector extensions of 8 floats: explicit enough that the hot
-// loops keep their accumulators in registers, portable to any target the compiler
-// knows (-march=native picks AVX2/AVX-512 where present). A head_dim that is not a
+// (same libgomp). Vectors of 8 floats come from vec.h; a head_dim that is not a
 // multiple of 8 takes the scalar loops.
 //
 // Built at first use by native_build.py; the torch reference is
@@ -24,52 +20,11 @@
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-struct Bf16 {
-    uint16_t bits;
-};
-
-inline float load(float x) { return x; }
-
-inline float load(Bf16 x) {
-    const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-inline f32x8 load8(const float* p) {
-    f32x8 v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-
-inline f32x8 load8(const Bf16* p) {  // bf16 is the top half of a float32
-    u16x8 h;
-    std::memcpy(&h, p, sizeof h);
-    const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
-    f32x8 v;
-    std::memcpy(&v, &u, sizeof v);
-    return v;
-}
-
-inline float hsum(f32x8 v) {
-    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
-
-inline void store(float* dst, float x) { *dst = x; }
-
-inline void store(Bf16* dst, float x) {  // round to nearest even
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    dst->bits = static_cast<uint16_t>(u >> 16);
-}
+using namespace kvflow_cpu;
 
 // exp(x) for x <= 0 in a form the compiler vectorizes (libm's expf is a scalar call):
 // x = k ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative error

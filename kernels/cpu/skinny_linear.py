@@ -1,0 +1,77 @@
+"""Launcher of the native small-batch linear layer (skinny_linear.cpp).
+
+`skinny_linear(x, weight, bias)` is F.linear for x of at most MAX_ROWS rows on the CPU
+in float32 or bfloat16: the decode step of one or a few requests, where a linear layer
+is one pass over its weights. Anything else goes to F.linear, so callers can use it
+unconditionally.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.kernels.cpu.native_build import load_library
+
+MAX_ROWS = 8
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@functools.cache
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    library = load_library("skinny_linear")
+    if library is None:
+        return None
+    fn = library.kvflow_skinny_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, _P, _P, _P, _P, _I, _I, _I, _I]
+    return fn
+
+
+def native_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the native kernel takes this call (else it is F.linear's)."""
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.device.type == "cpu"
+        and x.dtype in _DTYPE_CODES
+        and weight.dtype == x.dtype
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+        and _kernel() is not None
+    )
+
+
+def skinny_linear(
+    x: torch.Tensor,  # [rows, in_features]
+    weight: torch.Tensor,  # [out_features, in_features]
+    bias: torch.Tensor | None = None,  # [out_features]
+) -> torch.Tensor:  # [rows, out_features]
+    if not native_applies(x, weight, bias):
+        return F.linear(x, weight, bias)
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    if weight.shape[1] != in_features or (bias is not None and bias.shape != (out_features,)):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} do not match")
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    kernel = _kernel()
+    assert kernel is not None  # native_applies checked it
+    status = kernel(
+        _DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows,
+        in_features,
+        out_features,
+        x.stride(0),
+    )
+    if status != 0:
+        raise RuntimeError(f"native skinny linear failed with status {status}")
+    return y
