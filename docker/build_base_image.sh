@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build kvflow's base image, a minimal Debian bookworm with python3 + venv, from scratch:
+# Build kvflow's base image, a minimal Debian bookworm with python3 + venv + g++, from scratch:
 # no registry pull (none is reachable here). debootstrap writes a rootfs from the apt
 # mirror this machine already uses, the security updates are applied in a chroot, and
 # `docker import` turns the tree into an image.
@@ -21,7 +21,8 @@ SUITE=bookworm
 # tini: PID 1 of the kvflow containers. A role that is still loading keeps SIGTERM's
 # default action, which the kernel never applies to a namespace's PID 1 (docker stop
 # would wait for SIGKILL); under tini the role is PID 2 and stops at once.
-PACKAGES=python3,python3-venv,ca-certificates,tini
+# g++: kvflow compiles its native CPU kernels (kernels/cpu/*.cpp) for the host CPU.
+PACKAGES=python3,python3-venv,ca-certificates,tini,g++
 DEBS="$CACHE/prometheus-debs"
 FORCE=0
 [[ "${1:-}" == "--force" ]] && FORCE=1

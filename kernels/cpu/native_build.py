@@ -110,3 +110,14 @@ def load_library(name: str) -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as error:
         logger.warning("native CPU kernel %s unavailable (%s): using the torch path", name, error)
         return None
+
+
+NATIVE_KERNELS = ("paged_decode_attention", "skinny_linear")
+
+
+def build_all() -> None:
+    """Build (or find cached) every native kernel; raise if one is unavailable. Image
+    builds call this so a container starts with its kernels compiled."""
+    missing = [name for name in NATIVE_KERNELS if load_library(name) is None]
+    if missing:
+        raise RuntimeError(f"native CPU kernels unavailable: {', '.join(missing)} (see log)")

@@ -70,3 +70,19 @@ def test_compile_error_is_reported_not_raised(
     with caplog.at_level(logging.WARNING):
         assert load_paged_decode() is None
     assert "unavailable" in caplog.text and "failed" in caplog.text
+
+
+def test_build_all_names_what_is_unavailable(fresh_library_cache: Any, monkeypatch: Any) -> None:
+    monkeypatch.setenv("KVFLOW_CPU_KERNELS", "0")
+    with pytest.raises(RuntimeError, match="paged_decode_attention, skinny_linear"):
+        native_build.build_all()
+
+
+@pytest.mark.skipif(native_build._compiler() is None, reason="no C++ compiler")
+def test_build_all_builds_into_the_cache(
+    fresh_library_cache: Any, monkeypatch: Any, tmp_path: Any
+) -> None:
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    native_build.build_all()
+    built = sorted(p.name for p in (tmp_path / "kernels").glob("*/*.so"))
+    assert built == ["paged_decode_attention.so", "skinny_linear.so"]
