@@ -112,7 +112,7 @@ def load_library(name: str) -> ctypes.CDLL | None:
         return None
 
 
-NATIVE_KERNELS = ("paged_decode_attention", "skinny_linear")
+NATIVE_KERNELS = ("paged_decode_attention", "skinny_linear", "elementwise")
 
 
 def build_all() -> None:

@@ -7,8 +7,8 @@
 // each request is one task that walks its blocks in order (the G = H / KH query heads
 // of a KV head share every K/V row read), scores are kept for the whole context (two
 // passes: softmax needs the max), and the tasks run on torch's own OpenMP thread pool
-// (same libgomp). Vectors of 8 floats come from vec.h; a head_dim that is not a
-// multiple of 8 takes the scalar loops.
+// (same libgomp). Vectors of 8 floats and a vectorizable exp come from vec.h; a
+// head_dim that is not a multiple of 8 takes the scalar loops.
 //
 // Built at first use by native_build.py; the torch reference is
 // paged_decode_attention_ref in paged_decode.py.
@@ -25,29 +25,6 @@
 namespace {
 
 using namespace kvflow_cpu;
-
-// exp(x) for x <= 0 in a form the compiler vectorizes (libm's expf is a scalar call):
-// x = k ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative error
-// ~2e-7, like expf), 2^k from the exponent bits. k is rounded by adding and removing
-// 1.5 * 2^23, which is plain arithmetic (nearbyint would not vectorize). Clamped at
-// -87, where e^x is ~1e-38: 0 for a softmax weight.
-inline float exp_nonpositive(float x) {
-    constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
-    x = x < -87.0f ? -87.0f : x;
-    const float k = (x * 1.44269504088896341f + kRound) - kRound;
-    const float r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-    float p = 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float two_k;
-    std::memcpy(&two_k, &bits, sizeof two_k);
-    return p * two_k;
-}
 
 struct Shape {
     int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
@@ -164,7 +141,7 @@ inline void softmax_numerators(float* scores, int64_t heads, int64_t n, float* d
         float* sh = scores + h * n;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
-        for (int64_t i = 0; i < n; ++i) sh[i] = exp_nonpositive(sh[i] - m);
+        for (int64_t i = 0; i < n; ++i) sh[i] = exp_approx(sh[i] - m);
         float sum = 0.0f;
         for (int64_t i = 0; i < n; ++i) sum += sh[i];
         denom[h] = sum;

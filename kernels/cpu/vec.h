@@ -54,4 +54,36 @@ inline void store(Bf16* dst, float x) {  // round to nearest even
     dst->bits = static_cast<uint16_t>(u >> 16);
 }
 
+// Round a float to the nearest bfloat16 and back (what storing and reloading does).
+inline float round_bf16(float x) {
+    Bf16 b;
+    store(&b, x);
+    return load(b);
+}
+
+// exp(x) in a form the compiler vectorizes (libm's expf is a scalar call): x = k ln2 + r
+// with |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative error ~2e-7, like expf),
+// 2^k from the exponent bits. k is rounded by adding and removing 1.5 * 2^23, which is
+// plain arithmetic (nearbyint would not vectorize; the ternaries need
+// -fno-trapping-math). x is clamped to [-87, 88]: e^-87 ~ 1e-38 is 0 for a softmax
+// weight, e^88 ~ 1.7e38 is near FLT_MAX.
+inline float exp_approx(float x) {
+    constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    const float k = (x * 1.44269504088896341f + kRound) - kRound;
+    const float r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+    float p = 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float two_k;
+    std::memcpy(&two_k, &bits, sizeof two_k);
+    return p * two_k;
+}
+
 }  // namespace kvflow_cpu

@@ -1,0 +1,72 @@
+"""The fused CPU elementwise kernels against the torch layers they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow.kernels.cpu import elementwise
+
+pytestmark = pytest.mark.skipif(
+    elementwise._library() is None, reason="no C++ compiler for native kernels"
+)
+# fp32: another summation order and exp; bf16: at most about one bf16 ulp after rounding.
+TOLERANCES = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 1.6e-2},
+}
+
+
+def _torch_rms_norm(x, weight, eps, residual=None):
+    """gpu_worker/layers/norm.py's torch path (Hugging Face's numerics)."""
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (13, 100), (4, 3, 64)])  # 100: not a multiple of 8
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_torch(dtype, shape, with_residual):
+    gen = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    residual = torch.randn(shape, generator=gen).to(dtype) if with_residual else None
+    weight = torch.rand(shape[-1], generator=gen).to(dtype) + 0.5
+    expected, expected_sum = _torch_rms_norm(x, weight, 1e-5, residual)
+    out, summed = elementwise.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    if with_residual:
+        assert summed is not None and torch.equal(summed, expected_sum)  # one rounding: exact
+    else:
+        assert summed is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (9, 2 * 37)])
+def test_silu_and_mul_matches_torch(dtype, shape):
+    gen = torch.Generator().manual_seed(shape[0])
+    x = (torch.randn(shape, generator=gen) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(elementwise.silu_and_mul(x), F.silu(gate) * up, **TOLERANCES[dtype])
+
+
+def test_extreme_gates_stay_finite():
+    x = torch.tensor([[-200.0, -30.0, 0.0, 30.0, 200.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    out = elementwise.silu_and_mul(x)
+    torch.testing.assert_close(out, F.silu(x[:, :5]) * x[:, 5:], atol=1e-5, rtol=1e-5)
+
+
+def test_applies_only_to_contiguous_cpu_tensors_of_one_supported_dtype():
+    x = torch.randn(4, 8)
+    assert elementwise.applies(x, torch.randn(8))
+    assert not elementwise.applies(x.t(), torch.randn(4))
+    assert not elementwise.applies(x.half())
+    assert not elementwise.applies(x, torch.randn(8).bfloat16())
+
+
+def test_mismatched_weight_is_rejected():
+    with pytest.raises(ValueError, match="do not match"):
+        elementwise.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
