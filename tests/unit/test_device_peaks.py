@@ -77,3 +77,25 @@ def test_real_calibration_on_a_small_shape() -> None:
     # 64^3 * 2 FLOPs and 2 MiB moved take microseconds: any sane machine is within these.
     assert 1e7 < peaks.flops < 1e14
     assert 1e7 < peaks.bandwidth < 1e13
+
+
+def test_a_calibration_below_a_measured_rate_is_redone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "peaks.json"
+    fresh = iter([DevicePeaks(5e10, 9e9, "calibrated"), DevicePeaks(1.3e11, 8e9, "calibrated")])
+    monkeypatch.setattr(device_peaks, "calibrate", lambda *args: next(fresh))
+    busy = resolve_peaks("cpu", "float32", cache_file=cache)  # taken on a busy machine
+    assert busy.flops == 5e10
+    # Below what the engine achieved: redone, each roof the higher of old and new.
+    raised = device_peaks.recalibrate_if_exceeded("cpu", "float32", busy, 9e10, 1e9, cache)
+    assert raised == DevicePeaks(1.3e11, 9e9, "recalibrated")
+    assert resolve_peaks("cpu", "float32", cache_file=cache) == DevicePeaks(
+        1.3e11, 9e9, "cached calibration"
+    )
+    # Within the roofs, or from flags / the GPU table: left alone (no calibration).
+    assert (
+        device_peaks.recalibrate_if_exceeded("cpu", "float32", raised, 1e11, 1e9, cache) is raised
+    )
+    flags = DevicePeaks(1e9, 1e9, "flags")
+    assert device_peaks.recalibrate_if_exceeded("cpu", "float32", flags, 1e12, 1e12, cache) is flags
