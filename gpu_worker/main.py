@@ -127,6 +127,11 @@ def _build_runner(
         torch.set_num_threads(config.device.num_threads)
     with phases.measure("tokenizer_load"):
         eos_token_ids = read_eos_token_ids(model_dir)
+    if config.device.device == "cpu":
+        with phases.measure("native_kernels"):
+            from kvflow.kernels.cpu.native_build import load_all
+
+            load_all()
     with phases.measure("model_load"):
         runner = ModelRunner(
             RunnerConfig(

@@ -21,6 +21,7 @@ from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
 from kvflow.gpu_worker.sampler import Sampler, compute_prompt_logprobs
 from kvflow.gpu_worker.sampling_metadata import SamplingMetadata
+from kvflow.kernels.cpu.native_build import load_all as load_native_kernels
 from kvflow.proto.step import StepPlan, StepResult, TokenLogprobs
 
 if TYPE_CHECKING:  # imports Triton: only loaded where graphs are captured
@@ -50,6 +51,7 @@ class ModelRunner:
             torch.set_flush_denormal(True)
             if config.device.num_threads is not None:
                 torch.set_num_threads(config.device.num_threads)
+            load_native_kernels()  # compiled on the first start, not in the first step
         self.dtype = _DTYPES[config.model.dtype]
         self.hf_config = load_hf_config(config.model_dir)
         self.model = load_model(

@@ -10,6 +10,7 @@ startup` reads them. Phase names in use (seconds each; a phase that did not run 
     worker_process_start    worker: interpreter start, spawn and kvflow imports
     worker_torch_import     worker: import torch and the model code
     tokenizer_load          worker: EOS ids from the tokenizer files
+    native_kernels          worker on CPU: build the native CPU kernels (cached: ~free)
     model_load              worker: build the model and load its weights
     roofline_calibration    worker: the device's peaks (a cached calibration is ~free)
     kv_cache_profile        worker: how many KV blocks fit

@@ -115,9 +115,15 @@ def load_library(name: str) -> ctypes.CDLL | None:
 NATIVE_KERNELS = ("paged_decode_attention", "skinny_linear", "elementwise")
 
 
+def load_all() -> list[str]:
+    """Build (or find cached) every native kernel now rather than inside the first
+    request's step; the names of those unavailable (already logged)."""
+    return [name for name in NATIVE_KERNELS if load_library(name) is None]
+
+
 def build_all() -> None:
-    """Build (or find cached) every native kernel; raise if one is unavailable. Image
-    builds call this so a container starts with its kernels compiled."""
-    missing = [name for name in NATIVE_KERNELS if load_library(name) is None]
+    """`load_all`, raising if a kernel is unavailable. Image builds call this so a
+    container starts with its kernels compiled."""
+    missing = load_all()
     if missing:
         raise RuntimeError(f"native CPU kernels unavailable: {', '.join(missing)} (see log)")

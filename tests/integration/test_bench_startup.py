@@ -19,6 +19,7 @@ WORKER_PHASES = [
     "worker_process_start",
     "worker_torch_import",
     "tokenizer_load",
+    "native_kernels",  # on CPU
     "model_load",
     "roofline_calibration",
     "kv_cache_profile",
