@@ -22,14 +22,13 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
-def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _library() -> ctypes.CDLL | None:
     library = load_library("skinny_linear")
     if library is None:
         return None
-    fn = library.kvflow_skinny_linear
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, _P, _P, _P, _P, _I, _I, _I, _I]
-    return fn
+    library.kvflow_skinny_linear.restype = ctypes.c_int
+    library.kvflow_skinny_linear.argtypes = [ctypes.c_int, _P, _P, _P, _P, _I, _I, _I, _I]
+    return library
 
 
 def native_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -43,7 +42,7 @@ def native_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
         and x.stride(1) == 1
         and weight.is_contiguous()
-        and _kernel() is not None
+        and _library() is not None
     )
 
 
@@ -59,9 +58,9 @@ def skinny_linear(
     if weight.shape[1] != in_features or (bias is not None and bias.shape != (out_features,)):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} do not match")
     y = torch.empty(rows, out_features, dtype=x.dtype)
-    kernel = _kernel()
-    assert kernel is not None  # native_applies checked it
-    status = kernel(
+    library = _library()
+    assert library is not None  # native_applies checked it
+    status = library.kvflow_skinny_linear(
         _DTYPE_CODES[x.dtype],
         x.data_ptr(),
         weight.data_ptr(),

@@ -10,7 +10,7 @@ from kvflow.kernels.cpu import skinny_linear as module
 from kvflow.kernels.cpu.skinny_linear import MAX_ROWS, native_applies, skinny_linear
 
 pytestmark = pytest.mark.skipif(
-    module._kernel() is None, reason="no C++ compiler for native kernels"
+    module._library() is None, reason="no C++ compiler for native kernels"
 )
 # Against an fp32 reference: fp32 sums in another order; bf16 output rounded once.
 TOLERANCES = {
