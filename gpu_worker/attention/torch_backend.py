@@ -23,6 +23,7 @@ stored and every request must be a whole prefill.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -38,12 +39,27 @@ class _DecodeBatch:
     rows: slice | torch.Tensor  # token rows of the decode queries in the step
     req_indices: torch.Tensor  # [num_decodes] int32, request index of each decode
     token_rows: torch.Tensor  # [num_decodes] int32, the same rows as `rows`
-    slots: torch.Tensor  # [num_decodes * context] int64, cache slot of each context position
+    tables: torch.Tensor  # [num_decodes, max_blocks] int64, their block tables
+    block_size: int
     seq_lens: torch.Tensor  # [num_decodes, 1] int64
     num_decodes: int
     context: int  # positions gathered per request: the longest seq_len of the batch
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @functools.cached_property
+    def slots(self) -> torch.Tensor:
+        """[num_decodes * context] int64: the cache slot of each gathered position, built
+        on first use (a step whose decodes go to the native kernel gathers nothing).
+
+        Positions past a request's seq_len (padding up to the longest) read the slot of
+        its last token instead: masked out anyway, but a finite value, whereas an
+        unwritten slot may hold NaN and 0 * NaN would poison the softmax-weighted sum.
+        """
+        positions = torch.arange(self.context, device=self.seq_lens.device)[None, :]
+        positions = torch.minimum(positions, self.seq_lens - 1)  # [B, context]
+        blocks = self.tables.gather(1, positions // self.block_size)
+        return (blocks * self.block_size + positions % self.block_size).reshape(-1)
 
     def gather(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decodes' contexts as k, v [num_decodes, kv_heads, context, head_dim] views
@@ -123,26 +139,19 @@ def _as_rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
 def _plan_decodes(
     md: AttentionMetadata, requests: list[int], block_size: int
 ) -> _DecodeBatch | None:
-    """Gather plan of the decode requests: one cache slot per (request, position).
-
-    Positions past a request's seq_len (padding up to the longest) read the slot of its
-    last token instead: masked out anyway, but a finite value, whereas an unwritten slot
-    may hold NaN and 0 * NaN would poison the softmax-weighted sum.
-    """
+    """The decode requests of the step: their rows, block tables and lengths."""
     if not requests:
         return None
     device = md.block_tables.device
     context = max(md.seq_lens_cpu[i] for i in requests)
     seq_lens = torch.tensor([md.seq_lens_cpu[i] for i in requests], device=device)[:, None]
-    positions = torch.minimum(torch.arange(context, device=device)[None, :], seq_lens - 1)
-    tables = md.block_tables[_as_rows(requests, device)].to(torch.int64)  # [B, max_blocks]
-    slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
     token_rows = [md.query_start_loc_cpu[i] for i in requests]
     return _DecodeBatch(
         rows=_as_rows(token_rows, device),
         req_indices=torch.tensor(requests, dtype=torch.int32, device=device),
         token_rows=torch.tensor(token_rows, dtype=torch.int32, device=device),
-        slots=slots.reshape(-1),
+        tables=md.block_tables[_as_rows(requests, device)].to(torch.int64),
+        block_size=block_size,
         seq_lens=seq_lens,
         num_decodes=len(requests),
         context=context,

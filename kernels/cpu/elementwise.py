@@ -10,22 +10,18 @@ import functools
 
 import torch
 
-from kvflow.kernels.cpu.native_build import load_library
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_P, _I = ctypes.c_void_p, ctypes.c_int64
+from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    library = load_library("elementwise")
-    if library is None:
-        return None
-    library.kvflow_rms_norm.restype = ctypes.c_int
-    library.kvflow_rms_norm.argtypes = [ctypes.c_int, _P, _P, _P, _P, _P, _I, _I, ctypes.c_float]
-    library.kvflow_silu_and_mul.restype = ctypes.c_int
-    library.kvflow_silu_and_mul.argtypes = [ctypes.c_int, _P, _P, _I, _I]
-    return library
+    return load_bound(
+        "elementwise",
+        {
+            "kvflow_rms_norm": [ctypes.c_int, *[POINTER] * 5, INT64, INT64, ctypes.c_float],
+            "kvflow_silu_and_mul": [ctypes.c_int, POINTER, POINTER, INT64, INT64],
+        },
+    )
 
 
 def applies(*tensors: torch.Tensor) -> bool:
@@ -33,7 +29,7 @@ def applies(*tensors: torch.Tensor) -> bool:
     supported dtype (else the caller runs its torch ops)."""
     dtype = tensors[0].dtype
     return (
-        dtype in _DTYPE_CODES
+        dtype in DTYPE_CODES
         and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)
         and _library() is not None
     )
@@ -55,12 +51,12 @@ def rms_norm(
     if weight.shape != (hidden,) or (residual is not None and residual.shape != x.shape):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} do not match")
     library = _library()
-    assert library is not None and applies(x, weight, *([] if residual is None else [residual]))
+    assert library is not None, "call only where applies() is true"
     out = torch.empty_like(x)
     summed = None if residual is None else torch.empty_like(x)
     _check(
         library.kvflow_rms_norm(
-            _DTYPE_CODES[x.dtype],
+            DTYPE_CODES[x.dtype],
             x.data_ptr(),
             None if residual is None else residual.data_ptr(),
             None if summed is None else summed.data_ptr(),
@@ -77,12 +73,12 @@ def rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
     library = _library()
-    assert library is not None and applies(x)
+    assert library is not None, "call only where applies() is true"
     d = x.shape[-1] // 2
     out = x.new_empty((*x.shape[:-1], d))
     _check(
         library.kvflow_silu_and_mul(
-            _DTYPE_CODES[x.dtype], x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d
+            DTYPE_CODES[x.dtype], x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d
         ),
         "silu_and_mul",
     )

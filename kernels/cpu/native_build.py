@@ -25,7 +25,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import torch
 
 from kvflow.gpu_worker.model_files import default_cache_dir
 
@@ -110,6 +113,22 @@ def load_library(name: str) -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as error:
         logger.warning("native CPU kernel %s unavailable (%s): using the torch path", name, error)
         return None
+
+
+# The `dtype` argument every kernel takes, and the ctypes of its other arguments.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+POINTER, INT64 = ctypes.c_void_p, ctypes.c_int64
+
+
+def load_bound(name: str, signatures: Mapping[str, Sequence[type]]) -> ctypes.CDLL | None:
+    """`load_library(name)` with the argument types of its functions set; every kernel
+    returns an int status (0 = done)."""
+    library = load_library(name)
+    if library is not None:
+        for function, argtypes in signatures.items():
+            getattr(library, function).restype = ctypes.c_int
+            getattr(library, function).argtypes = list(argtypes)
+    return library
 
 
 NATIVE_KERNELS = ("paged_decode_attention", "skinny_linear", "elementwise")

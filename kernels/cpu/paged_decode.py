@@ -11,10 +11,9 @@ import ctypes
 
 import torch
 
-from kvflow.kernels.cpu.native_build import load_library
+from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURE = [ctypes.c_int, *[POINTER] * 7, INT64, POINTER, *[INT64] * 8, ctypes.c_float]
 
 
 class PagedDecodeAttention:
@@ -22,12 +21,10 @@ class PagedDecodeAttention:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.kvflow_paged_decode_attention
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_int, *[_P] * 7, _I, _P, *[_I] * 8, ctypes.c_float]
 
     @staticmethod
     def supports(query: torch.Tensor) -> bool:
-        return query.device.type == "cpu" and query.dtype in _DTYPE_CODES
+        return query.device.type == "cpu" and query.dtype in DTYPE_CODES
 
     def __call__(
         self,
@@ -46,7 +43,7 @@ class PagedDecodeAttention:
         per step rather than once per layer)."""
         _, num_heads, head_dim = query.shape
         _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-        if query.device.type != "cpu" or query.dtype not in _DTYPE_CODES:
+        if query.device.type != "cpu" or query.dtype not in DTYPE_CODES:
             raise ValueError(f"CPU float32/bfloat16 only, got {query.dtype} on {query.device}")
         if kv_cache.dtype != query.dtype or out.dtype != query.dtype:
             raise ValueError("query, kv_cache and out must share one dtype")
@@ -70,7 +67,7 @@ class PagedDecodeAttention:
                 query.shape[0], block_tables, seq_lens, req_indices, token_rows, block_size
             )
         status = self._fn(
-            _DTYPE_CODES[query.dtype],
+            DTYPE_CODES[query.dtype],
             query.data_ptr(),
             kv_cache[0].data_ptr(),
             kv_cache[1].data_ptr(),
@@ -150,5 +147,5 @@ def check_indices(
 
 def load_paged_decode() -> PagedDecodeAttention | None:
     """The native kernel, or None where it cannot be built (see native_build)."""
-    library = load_library("paged_decode_attention")
+    library = load_bound("paged_decode_attention", {"kvflow_paged_decode_attention": _SIGNATURE})
     return PagedDecodeAttention(library) if library is not None else None

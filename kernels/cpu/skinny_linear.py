@@ -14,21 +14,15 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels.cpu.native_build import load_library
+from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
 
 MAX_ROWS = 8
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    library = load_library("skinny_linear")
-    if library is None:
-        return None
-    library.kvflow_skinny_linear.restype = ctypes.c_int
-    library.kvflow_skinny_linear.argtypes = [ctypes.c_int, _P, _P, _P, _P, _I, _I, _I, _I]
-    return library
+    args = [ctypes.c_int, *[POINTER] * 4, *[INT64] * 4]
+    return load_bound("skinny_linear", {"kvflow_skinny_linear": args})
 
 
 def native_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -37,7 +31,7 @@ def native_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.device.type == "cpu"
-        and x.dtype in _DTYPE_CODES
+        and x.dtype in DTYPE_CODES
         and weight.dtype == x.dtype
         and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
         and x.stride(1) == 1
@@ -61,7 +55,7 @@ def skinny_linear(
     library = _library()
     assert library is not None  # native_applies checked it
     status = library.kvflow_skinny_linear(
-        _DTYPE_CODES[x.dtype],
+        DTYPE_CODES[x.dtype],
         x.data_ptr(),
         weight.data_ptr(),
         None if bias is None else bias.data_ptr(),
