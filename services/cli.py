@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_kernel_bench(bench_sub: Any) -> None:
     from kvflow.services.bench.kernel_args import add_kernel_bench_args
 
-    kb = bench_sub.add_parser("kernels", help="Triton kernels: time, bandwidth, % of roofline")
+    kb = bench_sub.add_parser("kernels", help="kernels: time, bandwidth, %% of roofline")
     add_kernel_bench_args(kb)
     kb.set_defaults(handler=_run_kernel_bench)
 
