@@ -19,7 +19,7 @@ from torch import nn
 
 from kvflow.gpu_worker.layers.linear import copy_checked, new_parameter
 from kvflow.gpu_worker.parallel_state import get_tp_group
-from kvflow.kernels.cpu.skinny_linear import skinny_linear
+from kvflow.kernels.cpu.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -62,7 +62,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
-        logits = skinny_linear(hidden, self.weight)  # [num_rows, per_rank]
+        logits = linear(hidden, self.weight)  # [num_rows, per_rank]
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()

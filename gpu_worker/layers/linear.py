@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kvflow.gpu_worker.parallel_state import divide, get_tp_group
-from kvflow.kernels.cpu.skinny_linear import skinny_linear
+from kvflow.kernels.cpu.linear import linear
 
 
 def new_parameter(
@@ -77,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, self.bias)  # F.linear unless few CPU rows
+        return linear(x, self.weight, self.bias)  # F.linear's fastest CPU route
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -144,8 +144,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return skinny_linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(skinny_linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

@@ -39,18 +39,27 @@ struct Scratch {
     std::vector<float> q_flat, acc_flat, scores, denom;
 };
 
-// Calls f(i, slot, count) for each run of consecutive slots (at most a block) holding
-// the context positions first + i .. first + i + count - 1, walking the block table.
+// Calls f(i, slot, count, next) for each run of consecutive slots (at most a block)
+// holding the context positions first + i .. first + i + count - 1, walking the block
+// table; `next` is the first slot of the following run (-1 after the last), to prefetch.
 template <typename F>
 inline void for_each_run(const int32_t* table, int64_t first, int64_t end, int64_t block_size,
                          F&& f) {
     for (int64_t pos = first; pos < end;) {
         const int64_t block = pos / block_size;
         const int64_t stop = std::min(end, (block + 1) * block_size);
+        const int64_t next = stop < end ? static_cast<int64_t>(table[block + 1]) * block_size : -1;
         f(pos - first, static_cast<int64_t>(table[block]) * block_size + (pos - block * block_size),
-          stop - pos);
+          stop - pos, next);
         pos = stop;
     }
+}
+
+// Asks for the `bytes` from p to be brought to cache ahead of use: the block table makes
+// the context's blocks discontiguous, which the hardware prefetchers do not follow.
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
 // Scores of `heads` query heads (G per KV head) against `count` K rows starting at
@@ -60,8 +69,10 @@ constexpr int64_t kMaxRegisterChunks = 16;  // head_dim <= 128
 
 template <typename T>
 void score_rows_vec(const f32x8* q, const T* k_rows, int64_t stride, int64_t count,
-                    int64_t kv_heads, int64_t G, int64_t chunks, float* scores, int64_t n) {
+                    int64_t kv_heads, int64_t G, int64_t chunks, float* scores, int64_t n,
+                    const T* next_rows) {
     for (int64_t t = 0; t < count; ++t) {
+        if (next_rows) prefetch_bytes(next_rows + t * stride, kv_heads * chunks * 8 * sizeof(T));
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
             const T* k = k_rows + t * stride + kh * chunks * 8;
             f32x8 kv[kMaxRegisterChunks];
@@ -87,7 +98,11 @@ void score_rows_vec(const f32x8* q, const T* k_rows, int64_t stride, int64_t cou
 // acc[h] += sum over the `count` V rows of p[h * n + t] * row_t[h / G].
 template <typename T>
 void accumulate_rows_vec(f32x8* acc, const float* p, const T* v_rows, int64_t stride,
-                         int64_t count, int64_t kv_heads, int64_t G, int64_t chunks, int64_t n) {
+                         int64_t count, int64_t kv_heads, int64_t G, int64_t chunks, int64_t n,
+                         const T* next_rows) {
+    if (next_rows)
+        for (int64_t t = 0; t < count; ++t)
+            prefetch_bytes(next_rows + t * stride, kv_heads * chunks * 8 * sizeof(T));
     for (int64_t h = 0; h < kv_heads * G; ++h) {
         const T* v = v_rows + (h / G) * chunks * 8;  // once per head and block: cheap
         const float* ph = p + h * n;
@@ -174,24 +189,29 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
     float* scores = w.scores.data();
 
     // Pass 1: every visible position's score (each K row read once for its G heads).
-    for_each_run(table, first, seq_len, s.block_size, [&](int64_t i0, int64_t slot, int64_t count) {
+    auto score_run = [&](int64_t i0, int64_t slot, int64_t count, int64_t next) {
         const T* k_rows = k_cache + (slot * KH + kv_begin) * D;
+        const T* k_next = next >= 0 ? k_cache + (next * KH + kv_begin) * D : nullptr;
         if (vec)
-            score_rows_vec(w.q.data(), k_rows, stride, count, heads / G, G, chunks, scores + i0, n);
+            score_rows_vec(w.q.data(), k_rows, stride, count, heads / G, G, chunks, scores + i0, n,
+                           k_next);
         else
             score_rows_scalar(w.q_flat.data(), k_rows, stride, count, heads, G, D, scores + i0, n);
-    });
+    };
+    for_each_run(table, first, seq_len, s.block_size, score_run);
     softmax_numerators(scores, heads, n, w.denom.data());
     // Pass 2: probability-weighted sum of the values.
-    for_each_run(table, first, seq_len, s.block_size, [&](int64_t i0, int64_t slot, int64_t count) {
+    auto accumulate_run = [&](int64_t i0, int64_t slot, int64_t count, int64_t next) {
         const T* v_rows = v_cache + (slot * KH + kv_begin) * D;
+        const T* v_next = next >= 0 ? v_cache + (next * KH + kv_begin) * D : nullptr;
         if (vec)
-            accumulate_rows_vec(w.acc.data(), scores + i0, v_rows, stride, count, heads / G, G, chunks,
-                                n);
+            accumulate_rows_vec(w.acc.data(), scores + i0, v_rows, stride, count, heads / G, G,
+                                chunks, n, v_next);
         else
             accumulate_rows_scalar(w.acc_flat.data(), scores + i0, v_rows, stride, count, heads, G,
                                    D, n);
-    });
+    };
+    for_each_run(table, first, seq_len, s.block_size, accumulate_run);
     const float* acc = vec ? reinterpret_cast<const float*>(w.acc.data()) : w.acc_flat.data();
     for (int64_t h = 0; h < heads; ++h) {
         const float inv = 1.0f / w.denom[h];

@@ -1,0 +1,93 @@
+"""The CPU linear dispatcher: each route gives F.linear's result, and each call takes the
+route its rows and dtype call for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow.kernels.cpu import linear as module
+from kvflow.kernels.cpu import skinny_linear
+from kvflow.kernels.cpu.linear import linear, onednn_applies
+
+needs_onednn = pytest.mark.skipif(
+    not module._onednn_available(), reason="torch built without oneDNN"
+)
+
+
+def _inputs(rows: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed + rows)
+    wide = torch.randn(rows, 600, generator=gen).to(dtype)
+    x = wide[:, 10:586]  # 576 features, row stride 600: a view, as layers may pass
+    weight = torch.randn(1000, 576, generator=gen).to(dtype)
+    b = torch.randn(1000, generator=gen).to(dtype) if bias else None
+    return x, weight, b
+
+
+def _route_spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records which implementation each `linear` call reached."""
+    taken: list[str] = []
+    native, pointwise = module.run_native, torch.ops.mkldnn._linear_pointwise
+
+    def spy_native(*args):
+        taken.append("native")
+        return native(*args)
+
+    class SpyOps:
+        @staticmethod
+        def _linear_pointwise(*args):
+            taken.append("onednn")
+            return pointwise(*args)
+
+    monkeypatch.setattr(module, "run_native", spy_native)
+    monkeypatch.setattr(module.torch.ops, "mkldnn", SpyOps)
+    return taken
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [9, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_batches_match_f_linear_through_onednn(rows, bias, monkeypatch):
+    x, weight, b = _inputs(rows, torch.float32, bias)
+    taken = _route_spy(monkeypatch)
+    actual = linear(x, weight, b)
+    assert taken == ["onednn"]
+    assert actual.shape == (rows, 1000) and actual.dtype == torch.float32
+    torch.testing.assert_close(actual, F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(skinny_linear._library() is None, reason="no C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_take_the_native_kernel(dtype, monkeypatch):
+    x, weight, b = _inputs(skinny_linear.MAX_ROWS, dtype, bias=True)
+    taken = _route_spy(monkeypatch)
+    actual = linear(x, weight, b)
+    assert taken == ["native"]
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        actual.float(), F.linear(x.float(), weight.float(), b.float()), atol=tol, rtol=tol
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["bfloat16 batch", "switched off", "3-d input"],
+)
+def test_other_calls_go_to_f_linear(case, monkeypatch):
+    dtype = torch.bfloat16 if case == "bfloat16 batch" else torch.float32
+    x, weight, b = _inputs(32, dtype, bias=True)
+    if case == "switched off":
+        monkeypatch.setattr(module, "ONEDNN_FLOAT32", False)
+    if case == "3-d input":
+        x = x.contiguous().view(4, 8, 576)
+    assert not onednn_applies(x, weight, b)
+    taken = _route_spy(monkeypatch)
+    actual = linear(x, weight, b)
+    assert taken == []
+    torch.testing.assert_close(actual, F.linear(x, weight, b))
+
+
+def test_empty_batch() -> None:
+    x, weight, b = _inputs(0, torch.float32, bias=True)
+    assert linear(x, weight, b).shape == (0, 1000)
