@@ -95,7 +95,10 @@ def run_transformers(
     input_ids = torch.tensor(prompts)  # equal lengths: one static batch, no padding
     kwargs = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len)
     with torch.inference_mode():
-        model.generate(input_ids[:2, :8], max_new_tokens=2, do_sample=False)  # warm-up
+        warm = input_ids[:2, :8]
+        model.generate(
+            warm, attention_mask=torch.ones_like(warm), do_sample=False, max_new_tokens=2
+        )
         start = time.perf_counter()
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
         elapsed = time.perf_counter() - start
