@@ -1,13 +1,17 @@
 """The worker process: the socket shell around `ModelRunner`, one process per rank.
 
-    SUB  worker_plan    StepPlan | Shutdown            (every rank runs every plan)
-    PUSH worker_result  WorkerInfo (rank 0, once), StepResult (rank 0 only: with tensor
-                        or pipeline parallelism the other ranks compute the same step
-                        and hold no extra answer), WorkerHeartbeat (every rank, 1/s,
-                        from a side thread with its own socket), ProcessFailed
+    SUB  worker_plan    StepPlan | SchedulerHello | Shutdown
+    PUSH worker_result  WorkerInfo (rank 0, answering each SchedulerHello), StepResult
+                        (rank 0 only: with tensor or pipeline parallelism the other
+                        ranks compute the same step and hold no extra answer),
+                        WorkerHeartbeat (every rank, 1/s, from a side thread with its
+                        own socket), ProcessFailed
 
-The plan socket is connected first, before the model loads, so the subscription has
-long reached the scheduler when WorkerInfo tells it to start planning.
+The plan socket is connected first, before the model loads: the scheduler says
+SchedulerHello once it sees every rank subscribed, and the hello waits in the socket
+until the model is ready to answer it. A scheduler that restarts says hello again to
+the same workers (ZeroMQ reconnects them): they drop the old scheduler's requests and
+rank 0 answers with WorkerInfo as at start-up.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from kvflow.device_peaks import DevicePeaks, resolve_peaks
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
 from kvflow.proto.sockets import TypedSocket
-from kvflow.proto.step import Shutdown, StepPlan, WorkerInput
+from kvflow.proto.step import SchedulerHello, Shutdown, StepPlan, WorkerInput
 from kvflow.services.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.startup_phases import StartupPhases, process_age_s
 
@@ -84,28 +88,32 @@ def _serve(
     if age is not None:
         phases.add("worker_process_start", age)
     runner, max_model_len, peaks = _build_runner(config, model_dir, phases)
-    if rank == 0:
-        results.send(
-            WorkerInfo(
-                rank,
-                runner.num_blocks,
-                runner.vocab_size,
-                max_model_len,
-                startup_phases=phases.seconds,
-                peak_flops=peaks.flops,
-                peak_bandwidth=peaks.bandwidth,
-            )
-        )
     load_s = time.perf_counter() - start
     link.ready(num_blocks=runner.num_blocks, load_s=round(load_s, 3))
     logger.info("worker rank %d ready in %.1f s: %d KV blocks", rank, load_s, runner.num_blocks)
     while not stop.is_set():
         message = plans.recv(timeout_ms=_POLL_MS)
         match message:
-            case StepPlan():
+            case StepPlan():  # every rank runs every plan
                 result = runner.execute(message)
                 if rank == 0:
                     results.send(result)
+            case SchedulerHello(incarnation=incarnation):
+                runner.drop_all_requests()
+                logger.info("worker rank %d: hello from scheduler %s", rank, incarnation)
+                if rank == 0:
+                    results.send(
+                        WorkerInfo(
+                            rank,
+                            runner.num_blocks,
+                            runner.vocab_size,
+                            max_model_len,
+                            startup_phases=phases.seconds,
+                            peak_flops=peaks.flops,
+                            peak_bandwidth=peaks.bandwidth,
+                            incarnation=incarnation,
+                        )
+                    )
             case Shutdown():
                 return 0
     return 0

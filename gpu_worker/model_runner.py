@@ -118,6 +118,11 @@ class ModelRunner:
         logger.info("captured %d decode CUDA graphs in %.1f s", len(graphs.sizes), took)
         return took
 
+    def drop_all_requests(self) -> None:
+        """Forget every request: a new scheduler knows none of them (its KV cache
+        manager starts empty, so the cached K/V is simply overwritten)."""
+        self.batch.requests.clear()
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()

@@ -33,7 +33,8 @@ class WorkerHeartbeat(msgspec.Struct, tag=True, array_like=True):
 
 
 class WorkerInfo(msgspec.Struct, tag=True, array_like=True):
-    """Worker rank 0 tells the scheduler how many KV blocks fit after profiling."""
+    """Worker rank 0's answer to a SchedulerHello: how many KV blocks fit (after
+    profiling), the model's limits and the device's peaks."""
 
     rank: int
     num_blocks: int
@@ -43,6 +44,7 @@ class WorkerInfo(msgspec.Struct, tag=True, array_like=True):
     startup_phases: dict[str, float] = {}
     peak_flops: float = 0.0  # FLOP/s of the device at the dtype in use; 0 = unknown
     peak_bandwidth: float = 0.0  # bytes/s of device memory; 0 = unknown
+    incarnation: str = ""  # of the SchedulerHello this answers
 
 
 LauncherInput = ProcessReady | ProcessFailed

@@ -36,3 +36,6 @@ class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tr
     peak_bandwidth: float = 0.0  # bytes/s
     # Seconds per start-up phase (model_load, kv_cache_allocate, ...; the same every time).
     startup_phases: dict[str, float] = {}
+    # Random id of the scheduler process: a new value means the scheduler restarted and
+    # requests in flight before it are lost (frontends fail them).
+    incarnation: str = ""

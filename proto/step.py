@@ -67,4 +67,12 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Tells workers to exit cleanly."""
 
 
-WorkerInput = StepPlan | Shutdown
+class SchedulerHello(msgspec.Struct, tag=True, array_like=True):
+    """A scheduler (re)starting, once it sees every worker subscribed: each rank drops
+    the request state it holds from any earlier scheduler, and rank 0 answers with
+    WorkerInfo. This is what lets a restarted scheduler pick up running workers."""
+
+    incarnation: str  # random id of this scheduler process
+
+
+WorkerInput = StepPlan | SchedulerHello | Shutdown

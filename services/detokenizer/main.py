@@ -1,6 +1,7 @@
 """The detokenizer process: the socket shell around `DetokenizerStreams`.
 
-    PULL detokenizer_input  AddRequest | EngineOutputs | EngineDead | Shutdown  (bound)
+    PULL detokenizer_input  AddRequest | EngineOutputs | EngineDead | SchedulerHello |
+                            Shutdown (bound)
     ROUTER frontend_output  FrontendOutputs | EngineDead to the frontend that owns a
                             request; frontends connect DEALERs whose identity is their
                             `frontend_id` (bound)
@@ -23,14 +24,14 @@ from kvflow.proto.addresses import ServiceAddresses, bind_address
 from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs
 from kvflow.proto.frontend import EngineDead, FrontendOutputs
 from kvflow.proto.sockets import TypedSocket
-from kvflow.proto.step import Shutdown
+from kvflow.proto.step import SchedulerHello, Shutdown
 from kvflow.services.detokenizer.streams import DetokenizerStreams, Routed
 from kvflow.services.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.tokenizer import load_decoding_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DetokenizerInput = AddRequest | EngineOutputs | EngineDead | Shutdown
+DetokenizerInput = AddRequest | EngineOutputs | EngineDead | SchedulerHello | Shutdown
 _POLL_MS = 200
 
 
@@ -99,6 +100,12 @@ class _DetokenizerShell:
                 logger.error("engine dead: %s", reason)
                 for frontend_id in self.streams.fail_all():
                     self._send(frontend_id, EngineDead(reason))
+            case SchedulerHello(incarnation=incarnation):
+                # A (re)started scheduler: earlier requests will get no more outputs
+                # (frontends fail them when they see the new incarnation).
+                dropped = len(self.streams.streams)
+                self.streams.fail_all()
+                logger.info("scheduler %s started; dropped %d streams", incarnation, dropped)
             case _:
                 logger.error("unexpected message %r", type(message).__name__)
 

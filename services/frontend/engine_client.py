@@ -15,10 +15,14 @@ Invariants:
   (try/finally, so task cancellation after a client disconnect frees its KV blocks too);
 - death is noticed three ways: an `EngineDead` message, a `watchdog` callable naming a
   dead child process, or no `SchedulerStats` for `stats_timeout_s` (the scheduler
-  publishes about every 0.5 s, idle or not). The first two are final; stale stats
-  recover when stats come back, but the requests in flight at that moment are failed
-  (and aborted) anyway, so no caller waits on an engine that may never answer. Until
-  the first stats arrive the engine counts as not ready (503), not as dead.
+  publishes about every 0.5 s, idle or not). A watchdog death is final (`kvflow serve`
+  stops then); stale stats recover when stats come back, but the requests in flight at
+  that moment are failed (and aborted) anyway, so no caller waits on an engine that may
+  never answer. Until the first stats arrive the engine counts as not ready (503), not
+  as dead;
+- a restarted scheduler (compose restarts a failed container) shows a new
+  `incarnation` in its stats: the requests in flight are failed, since the old process
+  took them with it, and an `EngineDead` the old one sent is forgotten.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class EngineClient:
         self._listeners: list[StatsListener] = []
         self._queues: dict[str, asyncio.Queue[RequestOutputDelta]] = {}  # child id -> queue
         self._dead_reason: str | None = None
+        self._dead_final = False  # a watchdog verdict: no restart will clear it
+        self._incarnations: dict[str, str] = {}  # engine label -> its scheduler's id
         self._stale = False
         self._context: zmq.asyncio.Context | None = None
         self._sockets: list[TypedSocket[object]] = []
@@ -272,6 +278,10 @@ class EngineClient:
                 self._mark_dead(reason)
 
     def _on_stats(self, stats: SchedulerStats) -> None:
+        known = self._incarnations.get(stats.engine)
+        self._incarnations[stats.engine] = stats.incarnation
+        if known is not None and known != stats.incarnation:
+            self._on_restart(stats.engine)
         self.latest_stats[stats.engine] = stats
         self._stats_seen[stats.engine] = time.monotonic()
         for listener in self._listeners:
@@ -280,10 +290,18 @@ class EngineClient:
             except Exception:
                 logger.exception("a stats listener failed")
 
-    def _mark_dead(self, reason: str) -> None:
+    def _on_restart(self, engine: str) -> None:
+        # Aborted too: requests queued for the dead scheduler reach the new one.
+        self.fail_all(f"the engine restarted (scheduler of engine {engine})", abort=True)
+        if self._dead_reason is not None and not self._dead_final:
+            logger.warning("engine %s is back after: %s", engine, self._dead_reason)
+            self._dead_reason = None
+
+    def _mark_dead(self, reason: str, *, final: bool = False) -> None:
         if self._dead_reason is None:
             logger.error("engine is dead: %s", reason)
             self._dead_reason = reason
+        self._dead_final = self._dead_final or final
         self.fail_all(f"the engine died: {reason}")
 
     async def _liveness_loop(self) -> None:
@@ -302,7 +320,7 @@ class EngineClient:
                 logger.exception("the engine watchdog failed")
                 reason = None
             if reason is not None:
-                self._mark_dead(reason)
+                self._mark_dead(reason, final=True)
                 return
         stale = self._stale_reason(time.monotonic())
         if stale is not None and not self._stale:

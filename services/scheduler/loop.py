@@ -99,6 +99,7 @@ class SchedulerLoop:
         liveness: Liveness,
         engine_id: str = "0",
         instruments: Instruments | None = None,
+        incarnation: str = "",
     ) -> None:
         self.core = core
         self.limits = limits
@@ -106,6 +107,7 @@ class SchedulerLoop:
         self.inbox = inbox
         self.liveness = liveness
         self.engine_id = engine_id
+        self.incarnation = incarnation
         self.pending: StepPlan | None = None  # the plan whose result is awaited
         self.owners: dict[str, str] = {}  # live req_id -> frontend_id
         self.counters = _Counters()
@@ -169,7 +171,8 @@ class SchedulerLoop:
             case ProcessFailed(rank=rank, error=error):
                 self.dead_reason = f"worker rank {rank} failed: {error}"
             case WorkerInfo(rank=rank):
-                logger.warning("worker rank %d re-registered; restarts are not supported", rank)
+                # Only a SchedulerHello asks for one, and it is sent once, at start-up.
+                logger.warning("unexpected WorkerInfo from worker rank %d: ignored", rank)
             case WorkerDisconnected():
                 self.liveness.suspect(now)
             case Shutdown():
@@ -314,4 +317,5 @@ class SchedulerLoop:
             peak_flops=instruments.peak_flops,
             peak_bandwidth=instruments.peak_bandwidth,
             startup_phases=instruments.startup_phases,
+            incarnation=self.incarnation,
         )

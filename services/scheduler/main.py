@@ -7,9 +7,13 @@
                                      PUSH detokenizer_input ◀ AddRequest, EngineOutputs ◀┤
                                                   PUB stats ◀ SchedulerStats | EngineDead ◀┘
 
-Start-up: bind everything, wait for `WorkerInfo` from rank 0 and for every rank's
-subscription to the plan socket (XPUB shows them, so no first plan is lost to PUB/SUB's
-slow-joiner gap), build the KV cache manager and the core, ack the launcher.
+Start-up: bind everything, wait for every rank's subscription to the plan socket (XPUB
+shows them, so nothing is lost to PUB/SUB's slow-joiner gap), say `SchedulerHello`
+with this process's random incarnation id, wait for rank 0's `WorkerInfo` answering it,
+build the KV cache manager and the core, ack the launcher. The same sequence lets a
+restarted scheduler (compose restarts a failed container) take over running workers:
+they drop the old scheduler's requests on the hello, and frontends, seeing a new
+incarnation in the stats, fail the requests that were in flight.
 A dead worker (ProcessFailed, or no heartbeat for `heartbeat_timeout_s`) or a fatal
 error in the core: EngineDead to the frontends (stats) and the detokenizer, Shutdown to
 the remaining workers, ProcessFailed to the launcher, exit code 1.
@@ -21,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +41,7 @@ from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo, Wor
 from kvflow.proto.engine import AbortRequests, AddRequest
 from kvflow.proto.frontend import EngineDead
 from kvflow.proto.sockets import TypedSocket
-from kvflow.proto.step import Shutdown
+from kvflow.proto.step import SchedulerHello, Shutdown
 from kvflow.roofline import ModelShape, RooflineMeter
 from kvflow.services.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.services.scheduler.admission import EngineLimits
@@ -110,7 +115,8 @@ def _serve(
     heartbeat_timeout_s: float,
     instruments: Instruments,
 ) -> int:
-    started = _await_workers(sockets, config.parallel.world_size, stop)
+    incarnation = uuid.uuid4().hex[:12]
+    started = _await_workers(sockets, config.parallel.world_size, stop, incarnation)
     if started is None:
         return 0  # stopped before any worker came up
     info, early = started
@@ -130,12 +136,19 @@ def _serve(
     ranks = range(config.parallel.world_size)
     liveness = Liveness(heartbeat_timeout_s, dict.fromkeys(ranks, time.monotonic()))
     loop = SchedulerLoop(
-        core, limits, sockets.outputs(), sockets.inbox, liveness, engine_id, instruments
+        core,
+        limits,
+        sockets.outputs(),
+        sockets.inbox,
+        liveness,
+        engine_id,
+        instruments,
+        incarnation=incarnation,
     )
     for message in early:  # requests that raced the workers' start-up, in order
         loop.handle(message)
     link.ready(num_blocks=info.num_blocks, max_model_len=info.max_model_len)
-    logger.info("scheduler ready: %d KV blocks", info.num_blocks)
+    logger.info("scheduler %s ready: %d KV blocks", incarnation, info.num_blocks)
     return _finish(_run_loop(loop, stop), sockets, link)
 
 
@@ -176,20 +189,26 @@ class EngineStartError(KvflowError):
 
 
 def _await_workers(
-    sockets: _SchedulerSockets, world_size: int, stop: StopFlag
+    sockets: _SchedulerSockets, world_size: int, stop: StopFlag, incarnation: str
 ) -> tuple[WorkerInfo, list[Any]] | None:
-    """Rank 0's WorkerInfo, once all ranks subscribed; other messages are kept."""
+    """Says hello once all ranks subscribed; returns rank 0's answer and the other
+    messages that came meanwhile (requests racing the start-up), in order."""
     info: WorkerInfo | None = None
     early: list[Any] = []
-    while info is None or sockets.count_subscriptions() < world_size:
+    hello_sent = False
+    while info is None:
         if stop.is_set():
             return None
+        if not hello_sent and sockets.count_subscriptions() >= world_size:
+            sockets.plans.send(SchedulerHello(incarnation))
+            sockets.detokenizer.send(SchedulerHello(incarnation))
+            hello_sent = True
         try:
             message = sockets.inbox.get(timeout=_POLL_MS / 1000)
         except queue.Empty:
             continue
         match message:
-            case WorkerInfo(rank=0):
+            case WorkerInfo(rank=0) if message.incarnation == incarnation:
                 info = message
             case ProcessFailed(rank=rank, error=error):
                 raise EngineStartError(f"worker rank {rank} failed to start: {error}")

@@ -968,3 +968,49 @@ def test_not_ready_before_the_first_stats(tmp_path: Path) -> None:
     assert problem is not None and "no scheduler stats received yet" in problem
     client.check_liveness()  # nothing seen yet: not dead, just not ready
     assert client.health_problem() == problem
+
+
+def _stats(incarnation: str) -> SchedulerStats:
+    return SchedulerStats(
+        timestamp=time.time(),
+        engine="0",
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        incarnation=incarnation,
+    )
+
+
+def test_a_restarted_scheduler_fails_the_requests_in_flight(tmp_path: Path) -> None:
+    import asyncio
+
+    client = EngineClient(ServiceAddresses.ipc(str(tmp_path)), "frontend-x")
+    client._handle(_stats("first"))
+    in_flight: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()
+    client._queues["req-1#0"] = in_flight
+    client._handle(_stats("first"))  # the same scheduler: nothing happens
+    assert in_flight.empty() and client.num_in_flight == 1
+    client._handle(_stats("second"))
+    delta = in_flight.get_nowait()
+    assert delta.finish_reason == "error" and "restarted" in (delta.error or "")
+    assert client.num_in_flight == 0 and client.is_healthy
+
+
+def test_engine_dead_is_cleared_by_a_new_scheduler_but_a_watchdog_verdict_is_not(
+    tmp_path: Path,
+) -> None:
+    addresses = ServiceAddresses.ipc(str(tmp_path))
+    client = EngineClient(addresses, "frontend-x")
+    client._handle(_stats("first"))
+    client._handle(EngineDead("worker rank 0 failed"))
+    assert client.health_problem() == "worker rank 0 failed"
+    client._handle(_stats("first"))  # a late stats message of the dead one
+    assert client.health_problem() == "worker rank 0 failed"
+    client._handle(_stats("second"))
+    assert client.is_healthy
+
+    watched = EngineClient(addresses, "frontend-y", watchdog=lambda: "scheduler exited")
+    watched._handle(_stats("first"))
+    watched.check_liveness()
+    watched._handle(_stats("second"))
+    assert watched.health_problem() == "scheduler exited"

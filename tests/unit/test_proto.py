@@ -9,6 +9,7 @@ from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs, TokenD
 from kvflow.proto.step import (
     CachedRequestData,
     NewRequestData,
+    SchedulerHello,
     Shutdown,
     StepPlan,
     StepResult,
@@ -51,6 +52,7 @@ MESSAGES = [
         prompt_logprobs_start={"r1": 0},
         execute_time_s=0.01,
     ),
+    SchedulerHello("3f2a9c"),
     Shutdown(),
 ]
 
@@ -63,7 +65,7 @@ def test_round_trip(message: msgspec.Struct) -> None:
 
 def test_worker_channel_is_a_tagged_union() -> None:
     decoder = msgspec.msgpack.Decoder(WorkerInput)
-    for message in (MESSAGES[3], Shutdown()):
+    for message in (MESSAGES[3], SchedulerHello("3f2a9c"), Shutdown()):
         assert decoder.decode(msgspec.msgpack.encode(message)) == message
 
 
