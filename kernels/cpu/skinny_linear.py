@@ -2,8 +2,9 @@
 
 `skinny_linear(x, weight, bias)` is F.linear for x of at most MAX_ROWS rows on the CPU
 in float32 or bfloat16: the decode step of one or a few requests, where a linear layer
-is one pass over its weights. Anything else goes to F.linear, so callers can use it
-unconditionally.
+is one pass over its weights. Anything else goes to F.linear. The model's layers do not
+call it directly: they call kernels/cpu/linear.py, which sends what `native_applies`
+accepts to `run_native` and routes the rest (oneDNN for float32 batches).
 """
 
 from __future__ import annotations
