@@ -2,10 +2,13 @@
 
     model.gguf ──GGUFReader──▶ metadata ──▶ config.json, generation_config.json
                           └──▶ tensors ──dequantize, rename, un-permute──▶ model.safetensors
+                                      └──Q8_0/Q4_0/Q4_1 blocks, un-permuted──▶ gguf_blocks/
     transformers' GGUF tokenizer reader ──▶ tokenizer.json, tokenizer_config.json, ...
 
 Dequantized weights are stored as float32, so the directory holds exactly the values the
-GGUF encodes whatever dtype the model later runs in. llama.cpp permutes the rows of the
+GGUF encodes whatever dtype the model later runs in. The blocks of the formats the CPU
+block kernels read are kept too (gguf_blocks/blocks.safetensors, see block_weights.py):
+a float32 model reads them instead of its float32 weights at small batch. llama.cpp permutes the rows of the
 Q and K projections of llama-arch models (interleaved rotary pairs); we undo it, as
 transformers' GGUF loader does. The output appears atomically: everything is written to
 a temporary sibling directory which is renamed into place at the end, so a crash never
@@ -20,12 +23,13 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from kvflow.errors import UnsupportedModelError
+from kvflow.gpu_worker.block_weights import BLOCK_FORMATS, BLOCKS_FILE
 
 # llama.cpp architecture -> (HF model_type, HF architecture class).
 ARCHITECTURES = {
@@ -145,8 +149,16 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return heads.swapaxes(1, 2).reshape(weight.shape)
 
 
-def dequantized_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every GGUF tensor, with a progress bar."""
+class ConvertedTensor(NamedTuple):
+    name: str  # HF parameter name
+    weight: torch.Tensor  # float32, the values the GGUF encodes
+    block_format: str | None  # GGUF type when the CPU block kernels can read the blocks
+    blocks: torch.Tensor | None  # uint8 [rows, bytes per row], the GGUF blocks, HF row order
+
+
+def converted_tensors(reader: Any, config: dict[str, Any]) -> Iterator[ConvertedTensor]:
+    """Every GGUF tensor dequantized (and for block formats the CPU kernels read, its raw
+    blocks too), renamed and in HF row order, with a progress bar."""
     from gguf.quants import dequantize
     from tqdm import tqdm
 
@@ -161,12 +173,20 @@ def dequantized_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[s
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists ne0 first
         weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = weight.reshape(shape)
+        block_format = tensor.tensor_type.name if tensor.tensor_type.name in BLOCK_FORMATS else None
+        blocks = np.asarray(tensor.data) if block_format and len(shape) == 2 else None
         projection = name.split(".")[-2]
         if llama_arch and projection in heads:
             weight = unpermute_rows(weight, heads[projection])
+            blocks = None if blocks is None else unpermute_rows(blocks, heads[projection])
         if not (weight.flags.writeable and weight.flags.c_contiguous):
             weight = np.array(weight, order="C")  # unquantized tensors are read-only mmap views
-        yield name, torch.from_numpy(weight)
+        yield ConvertedTensor(
+            name,
+            torch.from_numpy(weight),
+            block_format if blocks is not None else None,
+            None if blocks is None else torch.from_numpy(np.array(blocks, order="C")),
+        )
 
 
 def save_tokenizer(gguf_path: Path, out: Path) -> None:
@@ -190,14 +210,19 @@ def _write_directory(gguf_path: Path, out: Path) -> None:
     config.save_pretrained(out)
     token_ids = {key: kwargs[key] for key in TOKEN_ID_KEYS if key in kwargs}
     GenerationConfig(**token_ids).save_pretrained(out)
-    save_file(
-        dict(dequantized_tensors(reader, kwargs)), out / "model.safetensors", {"format": "pt"}
-    )
+    weights, blocks, formats = {}, {}, {}
+    for tensor in converted_tensors(reader, kwargs):
+        weights[tensor.name] = tensor.weight
+        if tensor.blocks is not None and tensor.block_format is not None:
+            blocks[tensor.name], formats[tensor.name] = tensor.blocks, tensor.block_format
+    save_file(weights, out / "model.safetensors", {"format": "pt"})
+    if blocks:  # safetensors metadata: HF name -> GGUF type
+        (out / BLOCKS_FILE).parent.mkdir()
+        save_file(blocks, out / BLOCKS_FILE, formats)
     save_tokenizer(gguf_path, out)
     # mkdtemp made the directory private; the cache holds public weights, readable by all.
-    out.chmod(0o755)
-    for path in out.iterdir():
-        path.chmod(0o644)
+    for path in (out, *out.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:

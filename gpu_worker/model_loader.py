@@ -66,6 +66,7 @@ def load_model(
 ) -> nn.Module:
     """The model of `model_dir` on `device` in `dtype`, weights loaded, in eval mode."""
     from kvflow.gpu_worker.attention.backend import get_attention_backend
+    from kvflow.gpu_worker.block_weights import attach_block_weights
     from kvflow.gpu_worker.models.registry import get_model_class
     from kvflow.gpu_worker.weights import iterate_safetensors, load_weights
 
@@ -75,4 +76,5 @@ def load_model(
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config, backend)  # type: ignore[call-arg]
     load_weights(model, iterate_safetensors(model_dir))
+    attach_block_weights(model, model_dir)  # a converted GGUF's blocks, for small batches
     return model.eval().requires_grad_(False)

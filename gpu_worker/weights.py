@@ -50,7 +50,8 @@ def _skipped(name: str, tied: bool) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
 
 
-def _target(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+def packed_target(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+    """(parameter name, shard_id) of checkpoint tensor `name` (see the module docstring)."""
     for checkpoint_name, (packed_name, shard_id) in mapping.items():
         if f".{checkpoint_name}." in name:
             return name.replace(f".{checkpoint_name}.", f".{packed_name}."), shard_id
@@ -66,7 +67,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     for name, tensor in weights:
         if _skipped(name, tied):
             continue
-        target, shard_id = _target(name, mapping)
+        target, shard_id = packed_target(name, mapping)
         param = params.get(target)
         if param is None:
             raise UnsupportedModelError(f"checkpoint tensor {name!r} matches no model parameter")

@@ -1,5 +1,8 @@
-"""`linear(x, weight, bias)`: F.linear routed to the fastest CPU implementation of a call.
+"""`linear(x, weight, bias, blocks)`: F.linear routed to the fastest CPU implementation.
 
+    rows <= block_linear.MAX_ROWS, float32,     the native block kernel: reads the GGUF
+    the layer has GGUF blocks                   blocks `weight` was dequantized from
+                                                (4-5x fewer bytes, same values)
     rows <= skinny_linear.MAX_ROWS (fp32/bf16)  the native skinny kernel: one pass over
                                                 the weights, the decode step of a few
                                                 requests
@@ -20,9 +23,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kvflow.kernels.cpu import block_linear
+from kvflow.kernels.cpu.block_linear import BlockWeights
 from kvflow.kernels.cpu.skinny_linear import native_applies, run_native
 
-ONEDNN_FLOAT32 = True  # module switch: benchmarks and tests compare against MKL with it off
+# Module switches: benchmarks and tests compare each route with the next one down.
+ONEDNN_FLOAT32 = True
+GGUF_BLOCKS = True
 
 
 @functools.cache
@@ -46,7 +53,10 @@ def linear(
     x: torch.Tensor,  # [rows, in_features]
     weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None = None,  # [out_features]
+    blocks: BlockWeights | None = None,  # `weight` as GGUF blocks, when the layer has them
 ) -> torch.Tensor:  # [rows, out_features]
+    if blocks is not None and GGUF_BLOCKS and block_linear.applies(x, blocks, bias):
+        return block_linear.block_linear(x, blocks, bias)
     if native_applies(x, weight, bias):
         return run_native(x, weight, bias)
     if onednn_applies(x, weight, bias):

@@ -131,7 +131,7 @@ def load_bound(name: str, signatures: Mapping[str, Sequence[type]]) -> ctypes.CD
     return library
 
 
-NATIVE_KERNELS = ("paged_decode_attention", "skinny_linear", "elementwise")
+NATIVE_KERNELS = ("paged_decode_attention", "skinny_linear", "block_linear", "elementwise")
 
 
 def load_all() -> list[str]:

@@ -19,7 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from kvflow.gpu_worker import gguf_convert
+from kvflow.gpu_worker.block_weights import BLOCKS_FILE
 from kvflow.gpu_worker.model_loader import load_model
+from kvflow.kernels.cpu import block_linear
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2)
 CONFIGS = {
@@ -49,7 +51,13 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's Q/K r
     )
 
 
-def _write_gguf(path: Path, arch: str, config: Any, state: dict[str, torch.Tensor]) -> None:
+def _write_gguf(
+    path: Path,
+    arch: str,
+    config: Any,
+    state: dict[str, torch.Tensor],
+    formats: dict[str, str] | None = None,  # HF name -> GGUF block type (default F32)
+) -> None:
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -67,7 +75,12 @@ def _write_gguf(path: Path, arch: str, config: Any, state: dict[str, torch.Tenso
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             weight = _permute(weight, heads)
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(weight))
+        qtype = gguf.GGMLQuantizationType[(formats or {}).get(name, "F32")]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(weight))
+        else:
+            blocks = gguf.quants.quantize(np.ascontiguousarray(weight), qtype)
+            writer.add_tensor(_gguf_name(name), blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -98,3 +111,70 @@ def test_converted_gguf_reproduces_model(arch, tmp_path, monkeypatch, prefill_lo
     with torch.inference_mode():
         expected = hf_model(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(prefill_logits(model, tokens), expected, atol=1e-4, rtol=1e-4)
+
+
+def _quantized_llama(tmp_path: Path, monkeypatch) -> Path:
+    """A tiny llama GGUF whose matrices are Q4_1, Q4_0 and Q8_0 blocks, converted."""
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config).eval()
+    state = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    formats = {name: "Q4_1" for name, t in state.items() if t.dim() == 2}
+    formats["model.embed_tokens.weight"] = "Q8_0"  # tied: the LM head reads it
+    formats["model.layers.1.self_attn.o_proj.weight"] = "Q4_0"
+    formats["model.layers.1.mlp.up_proj.weight"] = "Q8_0"  # gate stays Q4_1: mixed layer
+    _write_gguf(tmp_path / "q.gguf", "llama", config, state, formats)
+    monkeypatch.setattr(gguf_convert, "save_tokenizer", lambda gguf_path, out: None)
+    return gguf_convert.convert_gguf(tmp_path / "q.gguf", tmp_path / "converted")
+
+
+@pytest.mark.skipif(not block_linear.available(), reason="no C++ compiler for native kernels")
+def test_quantized_gguf_layers_read_their_blocks(tmp_path, monkeypatch, prefill_logits) -> None:
+    out = _quantized_llama(tmp_path, monkeypatch)
+    assert (out / BLOCKS_FILE).is_file()
+    model = load_model(out, torch.float32, torch.device("cpu"), "torch")
+    with_blocks = sorted(n for n, m in model.named_modules() if getattr(m, "blocks", None))
+    expected = [
+        f"model.layers.{i}.{layer}"
+        for i in range(2)
+        for layer in ("mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj", "self_attn.qkv_proj")
+        if (i, layer) != (1, "mlp.gate_up_proj")  # gate Q4_1, up Q8_0: no single format
+    ]
+    assert with_blocks == sorted([*expected, "lm_head"])
+    assert model.model.layers[1].self_attn.o_proj.blocks.format == "Q4_0"
+    assert model.lm_head.blocks.format == "Q8_0"
+
+    # Seven tokens: every matmul of the step reads blocks, and the logits are those of
+    # the dequantized float32 model, as transformers computes them from the same directory.
+    calls: list[int] = []
+    original = block_linear.block_linear
+    monkeypatch.setattr(block_linear, "block_linear", lambda *a: calls.append(1) or original(*a))
+    tokens = [5, 9, 33, 2, 61, 17, 40]
+    hf_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected_logits = hf_model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(prefill_logits(model, tokens), expected_logits, atol=1e-4, rtol=1e-4)
+    assert len(calls) == len(with_blocks)
+
+
+@pytest.mark.skipif(not block_linear.available(), reason="no C++ compiler for native kernels")
+def test_blocks_that_do_not_reproduce_the_weights_are_not_used(tmp_path, monkeypatch, caplog):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    out = _quantized_llama(tmp_path, monkeypatch)
+    with safe_open(str(out / BLOCKS_FILE), framework="pt") as f:
+        metadata = f.metadata()
+    blocks = load_file(out / BLOCKS_FILE)
+    blocks["model.layers.0.self_attn.o_proj.weight"][3, 7] ^= 0xFF  # one corrupted byte
+    save_file(blocks, out / BLOCKS_FILE, metadata)
+    model = load_model(out, torch.float32, torch.device("cpu"), "torch")
+    assert model.model.layers[0].self_attn.o_proj.blocks is None
+    assert model.model.layers[1].self_attn.o_proj.blocks is not None
+    assert "model.layers.0.self_attn.o_proj do not reproduce" in caplog.text
+    # Other dtypes run on their own weights: blocks are for float32 only.
+    bf16 = load_model(out, torch.bfloat16, torch.device("cpu"), "torch")
+    assert all(getattr(m, "blocks", None) is None for m in bf16.modules())

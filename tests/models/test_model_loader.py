@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvflow.errors import ModelNotFoundError, UnsupportedModelError
 from kvflow.gpu_worker.gguf_convert import hf_tensor_name, unpermute_rows
 from kvflow.gpu_worker.layers.rotary import rope_parameters
-from kvflow.gpu_worker.model_files import gguf_cache_dir, resolve_model_dir
+from kvflow.gpu_worker.model_files import CONVERTER_VERSION, gguf_cache_dir, resolve_model_dir
 from kvflow.gpu_worker.model_loader import load_model
 from kvflow.gpu_worker.models.registry import get_model_class
 
@@ -73,7 +73,7 @@ def test_gguf_cache_key_follows_size_and_mtime(tmp_path: Path) -> None:
     gguf.write_bytes(b"0123")
     os.utime(gguf, ns=(1_000_000_000, 1_000_000_000))
     first = gguf_cache_dir(gguf, tmp_path / "cache")
-    assert first == tmp_path / "cache" / "models" / "m-4-1000000000-v1"
+    assert first == tmp_path / "cache" / "models" / f"m-4-1000000000-v{CONVERTER_VERSION}"
     os.utime(gguf, ns=(2_000_000_000, 2_000_000_000))
     assert gguf_cache_dir(gguf, tmp_path / "cache") != first
 
