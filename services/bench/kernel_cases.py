@@ -6,6 +6,7 @@ implementations to compare (the Triton kernel, torch references and baselines).
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -192,3 +193,40 @@ def _prefill_attention_case(a: argparse.Namespace, dev: torch.device, dt: torch.
 
 def attention_cases(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> list[Case]:
     return [_decode_attention_case(a, dev, dt), _prefill_attention_case(a, dev, dt)]
+
+
+def cpu_linear_cases(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> list[Case]:
+    """Small-batch linear layers on the CPU (hidden -> intermediate, `--linear-rows`):
+    float32 weights (`torch`: F.linear; `cpu-native`: kvflow's route, kernels/cpu/linear.py)
+    and each GGUF block format (`torch`: F.linear on the dequantized weights;
+    `cpu-native`: the block kernel). Bytes: the weights in the form read, x and y."""
+    import gguf
+
+    from kvflow.kernels.cpu import block_linear
+    from kvflow.kernels.cpu.linear import linear
+
+    if dev.type != "cpu" or dt != torch.float32:
+        return []
+    k, n = a.hidden_size, a.intermediate_size
+    weight = torch.randn(n, k)
+    cases = []
+    for rows in (int(r) for r in a.linear_rows.split(",")):
+        x = torch.randn(rows, k)
+        activations = 4 * rows * (k + n)
+        flops = 2 * rows * k * n
+        cases.append(Case(f"linear_f32 {rows}x{k}->{n}", 4 * k * n + activations, flops, {
+            "torch": functools.partial(F.linear, x, weight),
+            "cpu-native": functools.partial(linear, x, weight),
+        }))  # fmt: skip
+        if rows > block_linear.MAX_ROWS or not block_linear.available():
+            continue
+        for fmt in block_linear.FORMATS:
+            qtype = gguf.GGMLQuantizationType[fmt]
+            raw = torch.from_numpy(gguf.quants.quantize(weight.numpy(), qtype))
+            blocks = block_linear.BlockWeights.from_gguf(fmt, raw, k)
+            dense = block_linear.dequantize(blocks)
+            cases.append(Case(f"linear_{fmt.lower()} {rows}x{k}->{n}", blocks.nbytes + activations, flops, {
+                "torch": functools.partial(F.linear, x, dense),
+                "cpu-native": functools.partial(block_linear.block_linear, x, blocks),
+            }))  # fmt: skip
+    return cases

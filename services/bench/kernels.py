@@ -5,7 +5,9 @@ minimum: each input read once, each output written once), times it, and prints t
 GB/s, GFLOP/s and the % of the device's peak bandwidth and bf16 dense tensor throughput.
 Decode attention (batch 64 x 2k context by default) is also timed against torch
 baselines: gather + SDPA (what the torch backend does) and SDPA on K/V already gathered
-into contiguous tensors (the best a dense kernel can do without paging).
+into contiguous tensors (the best a dense kernel can do without paging). On the CPU in
+float32, small-batch linear layers are timed too: float32 weights and each GGUF block
+format, F.linear against kvflow's routes.
 
 On a CUDA device the Triton kernels run, timed with CUDA events. Without one, the torch
 references and baselines run, plus the native CPU decode attention of the `cpu` backend
@@ -29,6 +31,7 @@ from kvflow.kernels.launch_utils import kernels_interpreted
 from kvflow.services.bench.kernel_cases import (
     Case,
     attention_cases,
+    cpu_linear_cases,
     elementwise_cases,
     store_and_mask_cases,
 )
@@ -118,7 +121,7 @@ def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
     impls, mode = _impls_to_run(device)
     results: list[Measurement] = []
     with torch.inference_mode():
-        for build in (store_and_mask_cases, elementwise_cases, attention_cases):
+        for build in (store_and_mask_cases, elementwise_cases, attention_cases, cpu_linear_cases):
             for case in build(args, device, dtype):
                 for impl, fn in case.impls.items():
                     if impl in impls:

@@ -77,3 +77,26 @@ def test_tiny_run_reports_every_kernel(capsys, device):
     if "cpu-native" in impls:
         assert "cpu-native vs torch-gather+sdpa" in report["decode_attention_speedup"]
     assert all(m["time_ms"] > 0 for m in report["results"])
+
+
+def test_cpu_linear_cases_agree_and_count_the_bytes_read():
+    import torch
+
+    from kvflow.kernels.cpu import block_linear
+    from kvflow.services.bench.kernel_cases import cpu_linear_cases
+
+    args = _args(TINY + " --linear-rows 1,3")
+    assert cpu_linear_cases(args, torch.device("cpu"), torch.bfloat16) == []  # float32 only
+    cases = {c.name: c for c in cpu_linear_cases(args, torch.device("cpu"), torch.float32)}
+    formats = list(block_linear.FORMATS) if block_linear.available() else []
+    assert sorted(cases) == sorted(
+        f"linear_{kind.lower()} {rows}x64->64" for rows in (1, 3) for kind in ["f32", *formats]
+    )
+    activations = 4 * 3 * (64 + 64)
+    assert cases["linear_f32 3x64->64"].bytes == 4 * 64 * 64 + activations
+    for name, case in cases.items():
+        torch.testing.assert_close(
+            case.impls["cpu-native"](), case.impls["torch"](), atol=1e-4, rtol=1e-4, msg=name
+        )
+    if formats:  # Q4_1: 64 rows x 2 blocks x (16 code bytes + 4 + 4 float scale/offset)
+        assert cases["linear_q4_1 3x64->64"].bytes == 64 * 2 * 24 + activations
