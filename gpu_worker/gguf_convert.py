@@ -8,9 +8,9 @@
 Dequantized weights are stored as float32, so the directory holds exactly the values the
 GGUF encodes whatever dtype the model later runs in. The blocks of the formats the CPU
 block kernels read are kept too (gguf_blocks/blocks.safetensors, see block_weights.py):
-a float32 model reads them instead of its float32 weights at small batch. llama.cpp permutes the rows of the
-Q and K projections of llama-arch models (interleaved rotary pairs); we undo it, as
-transformers' GGUF loader does. The output appears atomically: everything is written to
+a float32 model reads them instead of its float32 weights at small batch. llama.cpp
+permutes the rows of the Q and K projections of llama-arch models (interleaved rotary
+pairs); we undo it, as transformers' GGUF loader does. The output appears atomically: everything is written to
 a temporary sibling directory which is renamed into place at the end, so a crash never
 leaves a half-written cache and concurrent converters agree on one result.
 """
@@ -173,8 +173,9 @@ def converted_tensors(reader: Any, config: dict[str, Any]) -> Iterator[Converted
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists ne0 first
         weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = weight.reshape(shape)
-        block_format = tensor.tensor_type.name if tensor.tensor_type.name in BLOCK_FORMATS else None
-        blocks = np.asarray(tensor.data) if block_format and len(shape) == 2 else None
+        kept = tensor.tensor_type.name in BLOCK_FORMATS and len(shape) == 2
+        block_format = tensor.tensor_type.name if kept else None
+        blocks = np.asarray(tensor.data) if kept else None
         projection = name.split(".")[-2]
         if llama_arch and projection in heads:
             weight = unpermute_rows(weight, heads[projection])
@@ -184,7 +185,7 @@ def converted_tensors(reader: Any, config: dict[str, Any]) -> Iterator[Converted
         yield ConvertedTensor(
             name,
             torch.from_numpy(weight),
-            block_format if blocks is not None else None,
+            block_format,
             None if blocks is None else torch.from_numpy(np.array(blocks, order="C")),
         )
 

@@ -135,8 +135,9 @@ def block_linear(
     blocks: BlockWeights,  # W [out_features, in_features]
     bias: torch.Tensor | None = None,  # float32 [out_features]
 ) -> torch.Tensor:  # float32 [rows, out_features]
-    """F.linear(x, dequantize(blocks), bias), for a call `applies` accepted."""
-    if not applies(x, blocks, bias):
+    """F.linear(x, dequantize(blocks), bias), for a call `applies` accepted (the
+    dispatcher checked it: only the shape is checked again here)."""
+    if x.dim() != 2 or x.shape[1] != blocks.in_features:
         raise ValueError(f"block_linear does not take x {tuple(x.shape)} {x.dtype}")
     rows = x.shape[0]
     y = torch.empty(rows, blocks.out_features)
