@@ -111,12 +111,12 @@ def full_prefill_logits(model: nn.Module, tokens: Sequence[int]) -> torch.Tensor
             layer.kv_cache = cache
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def paged_runner() -> Callable[..., PagedRunner]:
     return PagedRunner
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def prefill_logits() -> Callable[[nn.Module, Sequence[int]], torch.Tensor]:
     return full_prefill_logits
 
