@@ -26,6 +26,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.device_peaks import DevicePeaks, resolve_peaks
+from kvflow.model_limits import read_model_limits
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
 from kvflow.proto.sockets import TypedSocket
@@ -127,7 +128,6 @@ def _build_runner(
     with phases.measure("worker_torch_import"):
         import torch
 
-        from kvflow.engine import resolve_max_model_len
         from kvflow.gpu_worker.model_runner import ModelRunner, RunnerConfig
         from kvflow.tokenizer import read_eos_token_ids
 
@@ -150,7 +150,7 @@ def _build_runner(
                 eos_token_ids=eos_token_ids,
             )
         )
-    max_model_len = resolve_max_model_len(runner.hf_config, config.model.max_model_len)
+    max_model_len = read_model_limits(model_dir, config.model.max_model_len).max_model_len
     with phases.measure("roofline_calibration"):
         peaks = _device_peaks(config)
     with phases.measure("kv_cache_profile"):

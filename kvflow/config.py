@@ -58,6 +58,13 @@ class SchedulerConfig:
         0, "cap on prefill tokens one request may take in a step (0 = budget/ no cap)"
     )
     policy: Literal["fcfs", "priority"] = _opt("fcfs", "waiting-queue order")
+    async_scheduling: bool = _opt(
+        False, "plan the next step while the worker runs the current one (2 steps in flight)"
+    )
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        return 2 if self.async_scheduling else 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

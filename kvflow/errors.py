@@ -19,6 +19,11 @@ class InvalidRequestError(KvflowError):
         self.param = param
 
 
+class ConfigError(KvflowError):
+    """The server or engine was configured with something it cannot run (an option out
+    of range, a limit the model does not allow): a start-up error, never an HTTP 400."""
+
+
 class PromptTooLongError(InvalidRequestError):
     """prompt + max_tokens does not fit the model's context (HTTP 400, like vLLM)."""
 

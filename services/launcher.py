@@ -207,15 +207,16 @@ def make_frontend_config(
 ) -> FrontendConfig:
     """The frontend's settings: its model facts are the ones the workers use."""
     from kvflow.gpu_worker.model_files import EMBEDDED_GGUF
-    from kvflow.services.frontend.config import FrontendConfig, read_model_facts
+    from kvflow.model_limits import read_model_limits
+    from kvflow.services.frontend.config import FrontendConfig
 
-    max_model_len, vocab_size = read_model_facts(model_dir, config.model.max_model_len)
+    limits = read_model_limits(model_dir, config.model.max_model_len)
     # vLLM's default name is the --model argument as given.
     name = config.model.served_model_name or config.model.model or EMBEDDED_GGUF.split(".")[0]
     return FrontendConfig(
         served_model_name=name,
-        max_model_len=max_model_len,
-        vocab_size=vocab_size,
+        max_model_len=limits.max_model_len,
+        vocab_size=limits.vocab_size,
         host=options.host,
         port=options.port,
         api_key=options.api_key,

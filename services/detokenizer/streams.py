@@ -81,6 +81,11 @@ class DetokenizerStreams:
         routed.by_frontend = dict(by_frontend)
         return routed
 
+    def forget(self, req_ids: list[str]) -> None:
+        """Drop requests whose end the caller already knows (an offline abort)."""
+        for req_id in req_ids:
+            self.streams.pop(req_id, None)
+
     def drop_frontend(self, frontend_id: str) -> list[str]:
         """Forget the requests of a frontend that went away; returns their ids."""
         req_ids = [r for r, s in self.streams.items() if s.frontend_id == frontend_id]

@@ -1,13 +1,11 @@
-"""The frontend's settings and the model facts it validates requests against."""
+"""The frontend's settings, with the model limits it validates requests against."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from kvflow.errors import InvalidRequestError
+from kvflow.errors import ConfigError
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -40,23 +38,8 @@ class FrontendConfig:
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.vocab_size < 1:
-            raise InvalidRequestError("max_model_len and vocab_size must be >= 1")
+            raise ConfigError("max_model_len and vocab_size must be >= 1")
         if self.max_body_bytes < 1:
-            raise InvalidRequestError("max_body_bytes must be >= 1")
+            raise ConfigError("max_body_bytes must be >= 1")
         if "#" in self.frontend_id or not self.frontend_id:
-            raise InvalidRequestError("frontend_id must be non-empty and without '#'")
-
-
-def read_model_facts(model_dir: Path, max_model_len: int | None = None) -> tuple[int, int]:
-    """(max_model_len, vocab_size) from an HF config.json, capped by `max_model_len`."""
-    hf_config = json.loads((model_dir / "config.json").read_text())
-    text_config = hf_config.get("text_config", hf_config)
-    model_len = int(text_config.get("max_position_embeddings") or 2048)
-    vocab_size = int(text_config["vocab_size"])
-    if max_model_len is not None:
-        if max_model_len > model_len:
-            raise InvalidRequestError(
-                f"max_model_len {max_model_len} exceeds the model's context {model_len}"
-            )
-        model_len = max_model_len
-    return model_len, vocab_size
+            raise ConfigError("frontend_id must be non-empty and without '#'")

@@ -1,15 +1,18 @@
 """The scheduler's busy loop: queue in, plans / deltas / stats out. No socket reads here.
 
-One step is in flight at a time. While it runs, the loop keeps taking requests and
-aborts from the inbox (an abort frees its blocks at once: nothing reuses them before the
-in-flight step's result is back, because the next plan is only made after it). The loop
-blocks on the inbox only when no step can be planned: idle, or a result is awaited.
+The loop is the served transport of `EngineCore` (engine_core.py), which holds every
+rule; the offline `LLM` drives the same core in process. Up to `max_steps_in_flight`
+plans await their results (1, or 2 with async scheduling). While they run, the loop
+keeps taking requests and aborts from the inbox: an abort frees its blocks at once,
+and a later plan may hand them out again, which is safe because the worker runs plans
+in order (the in-flight step writes them before the later one does). The loop blocks on
+the inbox only when no step can be planned: idle, or every slot is awaiting a result.
 
-    inbox ─▶ AddRequest ─▶ forward to detokenizer ─▶ admit ─▶ core.add_request
-                                                         └▶ error TokenDelta
-          ─▶ AbortRequests ─▶ core.finish_requests ─▶ "abort" TokenDelta
-          ─▶ StepResult ─▶ core.update_from_output ─▶ EngineOutputs ─▶ detokenizer
-    no step in flight and work left ─▶ core.schedule ─▶ StepPlan ─▶ workers
+    inbox ─▶ AddRequest ─▶ forward to detokenizer ─▶ core.add_request
+                                                  └▶ (rejected) error TokenDelta
+          ─▶ AbortRequests ─▶ core.abort_requests ─▶ "abort" TokenDelta
+          ─▶ StepResult ─▶ core.update ─▶ EngineOutputs ─▶ detokenizer
+    a slot free and work left ─▶ core.schedule ─▶ StepPlan ─▶ workers
 """
 
 from __future__ import annotations
@@ -26,12 +29,10 @@ from kvflow.errors import InvalidRequestError
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
 from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.stats import SchedulerStats
-from kvflow.proto.step import Shutdown, StepPlan, StepResult
-from kvflow.roofline import RooflineMeter, StepBatch
-from kvflow.services.scheduler.admission import EngineLimits, admit
+from kvflow.proto.step import Shutdown, StepResult
+from kvflow.roofline import RooflineMeter
+from kvflow.services.scheduler.engine_core import EngineCore, StepInFlight
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
-from kvflow.services.scheduler.request import RequestStatus
-from kvflow.services.scheduler.scheduler import Scheduler
 from kvflow.services.scheduler.step_trace import StepSample, StepTrace
 
 logger = logging.getLogger(__name__)
@@ -55,29 +56,6 @@ class Outputs:
 
 
 @dataclass
-class _Counters:
-    """Cumulative token and step counts for SchedulerStats."""
-
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_steps: int = 0
-    step_tokens: list[int] = field(default_factory=list)  # since the last stats message
-    started: set[str] = field(default_factory=set)  # requests with a first token
-
-    def on_step(self, plan: StepPlan, deltas: list[TokenDelta]) -> None:
-        if plan.scheduled_req_ids:
-            self.num_steps += 1
-            self.step_tokens.append(plan.total_num_scheduled_tokens)
-        for delta in deltas:
-            self.num_generation_tokens += len(delta.new_token_ids)
-            if delta.req_id not in self.started:
-                self.started.add(delta.req_id)
-                self.num_prompt_tokens += delta.num_prompt_tokens
-            if delta.finish_reason is not None:
-                self.started.discard(delta.req_id)
-
-
-@dataclass
 class Instruments:
     """What the loop measures besides tokens: estimated work per step phase, an optional
     step trace, and start-up facts it only passes on in its stats."""
@@ -92,8 +70,7 @@ class Instruments:
 class SchedulerLoop:
     def __init__(
         self,
-        core: Scheduler,
-        limits: EngineLimits,
+        core: EngineCore,
         outputs: Outputs,
         inbox: queue.Queue[Any],
         liveness: Liveness,
@@ -102,18 +79,15 @@ class SchedulerLoop:
         incarnation: str = "",
     ) -> None:
         self.core = core
-        self.limits = limits
         self.outputs = outputs
         self.inbox = inbox
         self.liveness = liveness
         self.engine_id = engine_id
         self.incarnation = incarnation
-        self.pending: StepPlan | None = None  # the plan whose result is awaited
-        self.owners: dict[str, str] = {}  # live req_id -> frontend_id
-        self.counters = _Counters()
         self.instruments = instruments or Instruments()
-        self._step_batch = StepBatch([], [], 0, 0)  # of the pending plan
-        self._step_started = 0.0  # perf_counter() when the pending plan was sent
+        # perf_counter() when the worker could start the oldest step in flight: when it
+        # was sent, or when the step before it came back, whichever was later.
+        self._step_started = 0.0
         self.dead_reason: str | None = None
         self.shutdown_requested = False
         self._stalled = False  # the last plan was empty: wait for a message, do not spin
@@ -125,7 +99,7 @@ class SchedulerLoop:
     def run_once(self) -> None:
         """Take what arrived (blocking only when nothing can be planned), then step."""
         self._drain(self._wait_timeout(time.monotonic()))
-        if self._can_plan() and not self._stalled and not self.finished:
+        while self._can_plan() and not self._stalled and not self.finished:
             self._start_step()
         self._housekeeping(time.monotonic())
 
@@ -134,7 +108,7 @@ class SchedulerLoop:
         return self.shutdown_requested or self.dead_reason is not None
 
     def _can_plan(self) -> bool:
-        return self.pending is None and self.core.has_unfinished_requests()
+        return self.core.can_schedule()
 
     def _wait_timeout(self, now: float) -> float:
         if self._can_plan() and not self._stalled:
@@ -183,93 +157,61 @@ class SchedulerLoop:
     # ---- requests ----------------------------------------------------------------
 
     def _add(self, message: AddRequest) -> None:
-        if message.req_id in self.owners:
+        if message.req_id in self.core.owners:
             logger.error("duplicate request id %r: dropped", message.req_id)
             return
         # First, on the same socket as the deltas: the detokenizer knows every request
         # before any of its outputs, including the error below.
         self.outputs.detokenizer.send(message)
         try:
-            request = admit(message, self.limits, queued_time=time.time())
+            self.core.add_request(message, now=time.time())
         except Exception as exc:
             if not isinstance(exc, InvalidRequestError):
                 logger.exception("admitting request %s failed", message.req_id)
-            error = TokenDelta(
-                message.req_id,
-                [],
-                finish_reason="error",
-                num_prompt_tokens=len(message.prompt_token_ids),
-                frontend_id=message.frontend_id,
-                error=str(exc),
-            )
-            self._send_deltas([error])
-            return
-        self.owners[message.req_id] = message.frontend_id
-        self.core.add_request(request)
+            self._send_deltas([self.core.error_delta(message, str(exc))])
 
     def _abort(self, message: AbortRequests) -> None:
-        stopped = message.finish_reason == "stop"
-        status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
-        deltas = []
-        for request in self.core.finish_requests(message.req_ids, status):
-            frontend_id = self.owners.pop(request.request_id, "")
-            self.counters.started.discard(request.request_id)
-            if not stopped:  # a stop string was already final at the detokenizer
-                deltas.append(
-                    TokenDelta(
-                        request.request_id,
-                        [],
-                        finish_reason="abort",
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        frontend_id=frontend_id,
-                    )
-                )
-        self._send_deltas(deltas)
+        self._send_deltas(self.core.abort_requests(message.req_ids, message.finish_reason))
 
     # ---- steps -------------------------------------------------------------------
 
     def _start_step(self) -> None:
         plan = self.core.schedule(now=time.time())
-        if not plan.scheduled_req_ids and not plan.finished_req_ids:
+        if plan is None:
             self._stalled = True
             return
         self.outputs.plans.send(plan)
-        self.pending = plan
-        self._step_started = time.perf_counter()
-        self._step_batch = StepBatch.from_plan(plan, self.core.requests)
+        if len(self.core.in_flight) == 1:
+            self._step_started = time.perf_counter()
 
     def _finish_step(self, result: StepResult) -> None:
-        plan = self.pending
-        if plan is None or result.step_id != plan.step_id:
-            logger.error("result of step %d was not awaited: dropped", result.step_id)
+        try:
+            step, deltas = self.core.update(result, now=time.time())
+        except ValueError as exc:
+            logger.error("%s: dropped", exc)
             return
-        self.pending = None
-        if self._step_batch.num_tokens:
-            self._measure_step(plan, time.perf_counter() - self._step_started)
-        deltas = self.core.update_from_output(plan, result, now=time.time())
-        self.counters.on_step(plan, deltas)
-        for delta in deltas:
-            if delta.finish_reason is None:
-                delta.frontend_id = self.owners.get(delta.req_id, "")
-            else:
-                delta.frontend_id = self.owners.pop(delta.req_id, "")
+        finished_at = time.perf_counter()
+        if step.batch.num_tokens:
+            self._measure_step(step, finished_at - self._step_started)
+        self._step_started = finished_at  # the next step in flight, if any, runs from here
         self._send_deltas(deltas)
 
-    def _measure_step(self, plan: StepPlan, seconds: float) -> None:
-        """Roofline totals always; the trace (before finished requests free their
-        blocks, so KV usage is the step's own) only when it is on."""
-        cost = self.instruments.roofline.record(self._step_batch, seconds)
+    def _measure_step(self, step: StepInFlight, seconds: float) -> None:
+        """Roofline totals always; the trace only when it is on (KV usage after the
+        step's update, before the next plan allocates)."""
+        cost = self.instruments.roofline.record(step.batch, seconds)
         if self.instruments.trace is not None:
+            scheduler = self.core.scheduler
             sample = StepSample(
-                step_id=plan.step_id,
+                step_id=step.plan.step_id,
                 start_s=time.time() - seconds,
                 duration_s=seconds,
-                batch=self._step_batch,
+                batch=step.batch,
                 cost=cost,
-                num_running=len(self.core.running),
-                num_waiting=len(self.core.waiting),
-                kv_cache_usage=self.core.kv_cache.usage,
-                num_preemptions=self.core.num_preemptions,
+                num_running=len(scheduler.running),
+                num_waiting=len(scheduler.waiting),
+                kv_cache_usage=scheduler.kv_cache.usage,
+                num_preemptions=scheduler.num_preemptions,
             )
             self.instruments.trace.record_step(sample)
 
@@ -287,15 +229,15 @@ class SchedulerLoop:
                 self.instruments.trace.flush()  # a live trace file lags by 0.5 s at most
         if self.dead_reason is None:
             self.dead_reason = self.liveness.dead_reason(now)
-        idle = self.pending is None and not self.core.has_unfinished_requests()
+        idle = not self.core.in_flight and not self.core.has_unfinished_requests()
         if idle and now >= self._next_integrity:
             self._next_integrity = now + INTEGRITY_INTERVAL_S
-            self.core.kv_cache.check_integrity()
+            self.core.scheduler.kv_cache.check_integrity()
 
     def stats_message(self) -> SchedulerStats:
-        stats = self.core.stats()
-        counters = self.counters
-        step_tokens, counters.step_tokens = counters.step_tokens, []
+        stats = self.core.scheduler.stats()
+        counters = self.core.counters
+        step_tokens = counters.take_step_tokens()
         instruments = self.instruments
         return SchedulerStats(
             timestamp=time.time(),

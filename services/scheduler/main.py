@@ -45,6 +45,7 @@ from kvflow.proto.step import SchedulerHello, Shutdown
 from kvflow.roofline import ModelShape, RooflineMeter
 from kvflow.services.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.services.scheduler.admission import EngineLimits
+from kvflow.services.scheduler.engine_core import EngineCore
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.loop import Instruments, Outputs, SchedulerLoop
@@ -132,12 +133,12 @@ def _serve(
     kv_cache = KVCacheManager(
         info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
     )
-    core = Scheduler(config.scheduler, kv_cache, info.max_model_len)
+    scheduler = Scheduler(config.scheduler, kv_cache, info.max_model_len)
+    core = EngineCore(scheduler, limits, config.scheduler.max_steps_in_flight)
     ranks = range(config.parallel.world_size)
     liveness = Liveness(heartbeat_timeout_s, dict.fromkeys(ranks, time.monotonic()))
     loop = SchedulerLoop(
         core,
-        limits,
         sockets.outputs(),
         sockets.inbox,
         liveness,

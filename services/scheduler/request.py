@@ -9,6 +9,11 @@ Glossary (vLLM's vocabulary)::
 
     num_tokens = len(all_token_ids)
 
+With steps in flight (async scheduling), a step that will sample for a request is
+planned before the token it samples is known: `num_output_placeholders` counts those
+tokens, and the next step may already compute at their positions (the worker fills
+in what it sampled). Each sampled token that comes back replaces one placeholder.
+
 A request is *sampled* in a step when the tokens scheduled for it reach `num_tokens`
 (the end of what is known): a prefill chunk that stops short samples nothing. A
 preempted request drops its KV (`num_computed_tokens = 0`) and later recomputes prompt
@@ -72,6 +77,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0  # planned samples whose token is not back yet
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -80,6 +86,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Known tokens plus the ones steps in flight will sample."""
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    def may_sample_more(self, max_model_len: int) -> bool:
+        """Whether one more sample can be planned: the in-flight ones may already reach
+        max_tokens or the context (an EOS cannot be foreseen and costs one token)."""
+        planned = self.num_planned_tokens
+        return planned - self.num_prompt_tokens < self.max_tokens and planned < max_model_len
 
     @property
     def num_output_tokens(self) -> int:
@@ -95,6 +112,7 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        self.num_output_placeholders = max(self.num_output_placeholders - 1, 0)
 
     def check_stop(self, max_model_len: int) -> bool:
         """After appending a token: set a finished status if a stop condition holds."""

@@ -111,7 +111,10 @@ class Scheduler:
         if not step.preempted:  # admitting new work while preempting would thrash
             self._schedule_waiting(step, now)
         for req_id, num_tokens in step.scheduled.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_planned_tokens:
+                request.num_output_placeholders += 1  # this step samples for it
         self._step_id += 1
         plan = StepPlan(
             step_id=self._step_id,
@@ -125,7 +128,11 @@ class Scheduler:
         return plan
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+        num_new = request.num_planned_tokens - request.num_computed_tokens
+        # Decoding on a token still in flight: only if that sample may be followed.
+        placeholder = num_new == 1 and request.num_output_placeholders > 0
+        if placeholder and not request.may_sample_more(self.max_model_len):
+            return 0
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
@@ -177,6 +184,7 @@ class Scheduler:
         self.kv_cache.free(request.request_id, step_discarded=planned)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # the in-flight samples are dropped
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._worker_forget.append(request.request_id)

@@ -16,6 +16,7 @@ from kvflow.proto.stats import SchedulerStats
 from kvflow.proto.step import Shutdown, StepPlan, StepResult
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.scheduler.admission import EngineLimits
+from kvflow.services.scheduler.engine_core import EngineCore
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.loop import Outputs, SchedulerLoop
@@ -34,13 +35,16 @@ class Recorder:
         self.sent.append(message)
 
 
-def make_loop(num_blocks: int = 16) -> tuple[SchedulerLoop, queue.Queue[Any], Outputs]:
+def make_loop(
+    num_blocks: int = 16, steps_in_flight: int = 1
+) -> tuple[SchedulerLoop, queue.Queue[Any], Outputs]:
     kv_cache = KVCacheManager(num_blocks, BLOCK_SIZE)
-    core = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv_cache, max_model_len=32)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv_cache, max_model_len=32)
     limits = EngineLimits(100, 32, BLOCK_SIZE, num_blocks, frozenset({EOS}))
+    core = EngineCore(scheduler, limits, steps_in_flight)
     outputs = Outputs(plans=Recorder(), detokenizer=Recorder(), stats=Recorder())
     inbox: queue.Queue[Any] = queue.Queue()
-    loop = SchedulerLoop(core, limits, outputs, inbox, Liveness(5.0, {0: 1e18}), "7")
+    loop = SchedulerLoop(core, outputs, inbox, Liveness(5.0, {0: 1e18}), "7")
     return loop, inbox, outputs
 
 
@@ -79,7 +83,7 @@ def test_request_is_forwarded_planned_and_streamed() -> None:
     assert [d.finish_reason for d in got] == [None, None, "length"]
     assert {d.frontend_id for d in got} == {"fe-a"}
     assert got[0].num_prompt_tokens == 5 and got[0].queued_time > 0
-    assert loop.core.kv_cache.usage == 0.0 and loop.owners == {}
+    assert loop.core.scheduler.kv_cache.usage == 0.0 and loop.core.owners == {}
     stats = loop.stats_message()
     assert (stats.engine, stats.num_steps, stats.num_prompt_tokens) == ("7", 3, 5)
     assert (stats.num_generation_tokens, stats.num_running) == (3, 0)
@@ -110,12 +114,12 @@ def test_abort_frees_blocks_and_sends_a_final_delta() -> None:
     loop.run_once()
     inbox.put(AbortRequests(["a", "unknown"]))
     loop.run_once()  # aborted while its step is in flight
-    assert loop.core.kv_cache.usage == 0.0
+    assert loop.core.scheduler.kv_cache.usage == 0.0
     assert [(d.req_id, d.finish_reason) for d in deltas(outputs)] == [("a", "abort")]
     inbox.put(StepResult(step_id=1, req_ids=["a"], sampled_token_ids=[[11]]))
     loop.run_once()
     assert len(deltas(outputs)) == 1  # the late token is not streamed
-    loop.core.kv_cache.check_integrity()
+    loop.core.scheduler.kv_cache.check_integrity()
 
 
 def test_stop_string_abort_sends_nothing_back() -> None:
@@ -139,7 +143,7 @@ def test_duplicate_request_id_is_dropped() -> None:
     inbox.put(add("a", [7, 8]))
     loop.run_once()
     assert len(sent(outputs, "detokenizer")) == 1
-    assert loop.core.num_unfinished_requests == 1
+    assert loop.core.scheduler.num_unfinished_requests == 1
 
 
 def test_stats_are_published_even_when_idle() -> None:

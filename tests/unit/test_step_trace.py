@@ -17,6 +17,7 @@ from kvflow.proto.step import StepResult
 from kvflow.roofline import ModelShape, RooflineMeter, StepBatch, StepCost, estimate_step_cost
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.scheduler.admission import EngineLimits
+from kvflow.services.scheduler.engine_core import EngineCore
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.liveness import Liveness
 from kvflow.services.scheduler.loop import Instruments, Outputs, SchedulerLoop
@@ -96,7 +97,8 @@ def test_writer_events(tmp_path: Path) -> None:
 
 def test_loop_traces_steps_and_counts_roofline(tmp_path: Path) -> None:
     kv_cache = KVCacheManager(16, 4)
-    core = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv_cache, max_model_len=32)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv_cache, max_model_len=32)
+    core = EngineCore(scheduler, EngineLimits(100, 32, 4, 16, frozenset({2})))
     outputs = Outputs(plans=Recorder(), detokenizer=Recorder(), stats=Recorder())
     inbox: queue.Queue[Any] = queue.Queue()
     trace = StepTrace(tmp_path / "t.json")
@@ -105,7 +107,6 @@ def test_loop_traces_steps_and_counts_roofline(tmp_path: Path) -> None:
     )
     loop = SchedulerLoop(
         core,
-        EngineLimits(100, 32, 4, 16, frozenset({2})),
         outputs,
         inbox,
         Liveness(5.0, {0: 1e18}),

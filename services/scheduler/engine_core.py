@@ -1,0 +1,185 @@
+"""The engine core: admit -> schedule -> (the worker executes) -> update. Sans-IO.
+
+Both the scheduler process (`loop.py`, over ZeroMQ) and the offline `LLM`
+(`kvflow/engine.py`, in process) drive this one class, so every rule (admission,
+limits, stop conditions, step bookkeeping) lives once. Callers bring the clock: one
+wall clock (`time.time()`), the one the frontends' request metrics use.
+
+Steps in flight: up to `max_steps_in_flight` plans may await their results. With 1 the
+core plans step N+1 only after step N's result is applied; with 2 (async scheduling)
+it plans N+1 while the worker runs N, counting one placeholder token per request that
+N samples (request.py). A result that ends a request (EOS, stop, length) retires it
+one step late: the token its next, already planned, step samples is never emitted.
+
+    AddRequest ─▶ add_request ─▶ admit ─▶ scheduler.waiting   (InvalidRequestError out)
+    abort_requests ─▶ scheduler.finish_requests ─▶ "abort" deltas
+    schedule ─▶ StepPlan (kept in flight) ─▶ the worker
+    update(StepResult) ─▶ scheduler.update_from_output ─▶ TokenDeltas
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvflow.errors import InvalidRequestError
+from kvflow.proto.engine import AddRequest, TokenDelta
+from kvflow.proto.step import StepPlan, StepResult
+from kvflow.roofline import StepBatch
+from kvflow.services.scheduler.admission import EngineLimits, admit
+from kvflow.services.scheduler.request import RequestStatus
+from kvflow.services.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInFlight:
+    """A plan whose result is awaited, and the requests whose samples still count
+    (a request preempted or aborted since the plan was made drops out)."""
+
+    plan: StepPlan
+    batch: StepBatch
+    live: set[str]
+
+
+@dataclass
+class TokenCounters:
+    """Cumulative token and step counts (for the engine's stats)."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    step_tokens: list[int] = field(default_factory=list)  # since the last take_step_tokens
+    started: set[str] = field(default_factory=set)  # requests with a first token
+
+    def on_step(self, plan: StepPlan, deltas: list[TokenDelta]) -> None:
+        if plan.scheduled_req_ids:
+            self.num_steps += 1
+            self.step_tokens.append(plan.total_num_scheduled_tokens)
+        for delta in deltas:
+            self.num_generation_tokens += len(delta.new_token_ids)
+            if delta.req_id not in self.started:
+                self.started.add(delta.req_id)
+                self.num_prompt_tokens += delta.num_prompt_tokens
+            if delta.finish_reason is not None:
+                self.started.discard(delta.req_id)
+
+    def take_step_tokens(self) -> list[int]:
+        step_tokens, self.step_tokens = self.step_tokens, []
+        return step_tokens
+
+
+class EngineCore:
+    def __init__(
+        self, scheduler: Scheduler, limits: EngineLimits, max_steps_in_flight: int = 1
+    ) -> None:
+        if max_steps_in_flight < 1:
+            raise ValueError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}")
+        self.scheduler = scheduler
+        self.limits = limits
+        self.max_steps_in_flight = max_steps_in_flight
+        self.in_flight: deque[StepInFlight] = deque()
+        self.owners: dict[str, str] = {}  # live req_id -> frontend_id
+        self.counters = TokenCounters()
+
+    # ---- requests ----------------------------------------------------------------
+
+    def add_request(self, message: AddRequest, now: float) -> None:
+        """Admit a request; raises InvalidRequestError (or PromptTooLongError) with the
+        reason when it cannot run. Duplicate ids are refused the same way."""
+        if message.req_id in self.owners:
+            raise InvalidRequestError(f"duplicate request id {message.req_id!r}")
+        request = admit(message, self.limits, queued_time=now)
+        self.owners[message.req_id] = message.frontend_id
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: list[str], finish_reason: str = "abort") -> list[TokenDelta]:
+        """Finish requests from outside the step loop: a client that left ("abort") or a
+        stop string the detokenizer matched ("stop", already final there, so no delta)."""
+        stopped = finish_reason == "stop"
+        status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
+        deltas = []
+        for request in self.scheduler.finish_requests(req_ids, status):
+            self._forget(request.request_id)
+            frontend_id = self.owners.pop(request.request_id, "")
+            if not stopped:
+                deltas.append(
+                    TokenDelta(
+                        request.request_id,
+                        [],
+                        finish_reason="abort",
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        frontend_id=frontend_id,
+                    )
+                )
+        return deltas
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- steps -------------------------------------------------------------------
+
+    def can_schedule(self) -> bool:
+        return (
+            len(self.in_flight) < self.max_steps_in_flight
+            and self.scheduler.has_unfinished_requests()
+        )
+
+    def schedule(self, now: float) -> StepPlan | None:
+        """The next step's plan, now in flight; None when there is nothing to send."""
+        plan = self.scheduler.schedule(now=now)
+        if not plan.scheduled_req_ids and not plan.finished_req_ids:
+            return None
+        for req_id in plan.finished_req_ids:  # preempted or finished: drop stale samples
+            self._forget(req_id)
+        batch = StepBatch.from_plan(plan, self.scheduler.requests)
+        self.in_flight.append(StepInFlight(plan, batch, set(plan.scheduled_req_ids)))
+        return plan
+
+    def update(self, result: StepResult, now: float) -> tuple[StepInFlight, list[TokenDelta]]:
+        """Apply the oldest step's result; returns that step and the token deltas."""
+        if not self.in_flight or self.in_flight[0].plan.step_id != result.step_id:
+            raise ValueError(f"result of step {result.step_id} was not awaited")
+        step = self.in_flight.popleft()
+        if len(step.live) < len(result.req_ids):
+            result = _only_live(result, step.live)
+        deltas = self.scheduler.update_from_output(step.plan, result, now=now)
+        self.counters.on_step(step.plan, deltas)
+        for delta in deltas:
+            if delta.finish_reason is None:
+                delta.frontend_id = self.owners.get(delta.req_id, "")
+            else:
+                delta.frontend_id = self.owners.pop(delta.req_id, "")
+        return step, deltas
+
+    def error_delta(self, message: AddRequest, error: str) -> TokenDelta:
+        """The final delta of a request that could not be admitted."""
+        return TokenDelta(
+            message.req_id,
+            [],
+            finish_reason="error",
+            num_prompt_tokens=len(message.prompt_token_ids),
+            frontend_id=message.frontend_id,
+            error=error,
+        )
+
+    def _forget(self, req_id: str) -> None:
+        self.counters.started.discard(req_id)
+        for step in self.in_flight:
+            step.live.discard(req_id)
+
+
+def _only_live(result: StepResult, live: set[str]) -> StepResult:
+    """The result without the samples of requests that left since its plan was made."""
+    keep = [i for i, req_id in enumerate(result.req_ids) if req_id in live]
+    return StepResult(
+        step_id=result.step_id,
+        req_ids=[result.req_ids[i] for i in keep],
+        sampled_token_ids=[result.sampled_token_ids[i] for i in keep],
+        logprobs=[result.logprobs[i] for i in keep] if result.logprobs else [],
+        prompt_logprobs={k: v for k, v in result.prompt_logprobs.items() if k in live},
+        prompt_logprobs_start={k: v for k, v in result.prompt_logprobs_start.items() if k in live},
+        execute_time_s=result.execute_time_s,
+    )
