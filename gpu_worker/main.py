@@ -25,14 +25,14 @@ from typing import Any
 import zmq
 
 from kvflow.config import EngineConfig
-from kvflow.device_peaks import DevicePeaks, resolve_peaks
+from kvflow.metrics.device_peaks import DevicePeaks, resolve_peaks
+from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.model_limits import read_model_limits
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
+from kvflow.proto.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.step import SchedulerHello, Shutdown, StepPlan, WorkerInput
-from kvflow.services.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
-from kvflow.startup_phases import StartupPhases, process_age_s
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +126,9 @@ def _build_runner(
     """The model runner with its KV cache allocated, the context length served and the
     device's peaks (calibrated, if need be, before the KV cache takes the memory)."""
     with phases.measure("worker_torch_import"):
-        import torch
-
         from kvflow.gpu_worker.model_runner import ModelRunner, RunnerConfig
         from kvflow.tokenizer import read_eos_token_ids
 
-    if config.device.num_threads is not None:
-        torch.set_num_threads(config.device.num_threads)
     with phases.measure("tokenizer_load"):
         eos_token_ids = read_eos_token_ids(model_dir)
     if config.device.device == "cpu":

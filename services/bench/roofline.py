@@ -1,8 +1,8 @@
 """The roofline section of the offline benchmarks (`bench throughput`, `bench latency`).
 
-The engine counts step time and estimated FLOPs / bytes per phase (kvflow/roofline.py);
+The engine counts step time and estimated FLOPs / bytes per phase (kvflow/metrics/roofline.py);
 this turns them into achieved FLOP/s and bytes/s and their % of the device's peaks
-(kvflow/device_peaks.py), separately for prefill-heavy and decode-heavy steps. Step time
+(kvflow/metrics/device_peaks.py), separately for prefill-heavy and decode-heavy steps. Step time
 is the model runner's `execute` (forward + sampling), timed in this process. A cached
 CPU calibration that a phase just beat (taken on a busy machine) is redone first.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvflow.device_peaks import recalibrate_if_exceeded, resolve_peaks
-from kvflow.roofline import roofline_report
+from kvflow.metrics.device_peaks import recalibrate_if_exceeded, resolve_peaks
+from kvflow.metrics.roofline import roofline_report
 
 if TYPE_CHECKING:
     from kvflow.engine import LLMEngine

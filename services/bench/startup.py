@@ -8,7 +8,7 @@ subprocess on a free 127.0.0.1 port and measures, from the launch:
 
 then reads the server's own phase timings from /metrics
 (`kvflow:startup_phase_seconds{phase=...}`: model_resolve, model_load, kv_cache_allocate,
-...; see kvflow/startup_phases.py) and stops the server with SIGTERM. The phases run one
+...; see kvflow/metrics/startup_phases.py) and stops the server with SIGTERM. The phases run one
 after another (launcher, then worker); `after_phases_s` is the rest of the time to
 health: the scheduler's ack, the frontend's start and its first engine stats. With
 --num-iters N the report gives the mean and the min of each number.

@@ -23,10 +23,10 @@ import zmq
 from kvflow.proto.addresses import ServiceAddresses, bind_address
 from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs
 from kvflow.proto.frontend import EngineDead, FrontendOutputs
+from kvflow.proto.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.step import SchedulerHello, Shutdown
 from kvflow.services.detokenizer.streams import DetokenizerStreams, Routed
-from kvflow.services.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.tokenizer import load_decoding_tokenizer
 
 logger = logging.getLogger(__name__)

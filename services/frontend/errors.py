@@ -128,8 +128,3 @@ def error_body(info: ErrorInfo) -> bytes:
 def error_response(exc: BaseException) -> Response:
     status, info = error_info(exc)
     return Response(error_body(info), status_code=status, media_type="application/json")
-
-
-def server_error_info(message: str) -> ErrorInfo:
-    """For a request that failed after it started (the engine died or errored)."""
-    return ErrorInfo(message, "server_error", None, HTTPStatus.INTERNAL_SERVER_ERROR)

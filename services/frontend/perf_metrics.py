@@ -9,7 +9,7 @@
     kvflow:startup_phase_seconds{phase}      seconds of each start-up phase
 
 `phase` of the step metrics is "prefill" or "decode" (the majority of a step's tokens;
-see kvflow/roofline.py). % of roofline over the last minute, per phase:
+see kvflow/metrics/roofline.py). % of roofline over the last minute, per phase:
 
     rate(kvflow:estimated_flops_total[1m]) / rate(kvflow:engine_step_seconds_total[1m])
       / kvflow:device_peak_flops_per_second

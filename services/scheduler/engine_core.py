@@ -24,9 +24,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvflow.errors import InvalidRequestError
+from kvflow.metrics.roofline import StepBatch
 from kvflow.proto.engine import AddRequest, TokenDelta
 from kvflow.proto.step import StepPlan, StepResult
-from kvflow.roofline import StepBatch
 from kvflow.services.scheduler.admission import EngineLimits, admit
 from kvflow.services.scheduler.request import RequestStatus
 from kvflow.services.scheduler.scheduler import Scheduler

@@ -26,11 +26,11 @@ from typing import Any, Protocol
 import msgspec
 
 from kvflow.errors import InvalidRequestError
+from kvflow.metrics.roofline import RooflineMeter
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
 from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.stats import SchedulerStats
 from kvflow.proto.step import Shutdown, StepResult
-from kvflow.roofline import RooflineMeter
 from kvflow.services.scheduler.engine_core import EngineCore, StepInFlight
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.step_trace import StepSample, StepTrace
@@ -235,7 +235,7 @@ class SchedulerLoop:
             self.core.scheduler.kv_cache.check_integrity()
 
     def stats_message(self) -> SchedulerStats:
-        stats = self.core.scheduler.stats()
+        stats = self.core.scheduler.snapshot()
         counters = self.core.counters
         step_tokens = counters.take_step_tokens()
         instruments = self.instruments

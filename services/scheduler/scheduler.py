@@ -31,7 +31,10 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class SchedulerStats:
+class SchedulerSnapshot:
+    """The core's own counts at one moment (the loop adds its counters and sends
+    `proto.stats.SchedulerStats`)."""
+
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -296,8 +299,8 @@ class Scheduler:
         self._prompt_logprobs.pop(request.request_id, None)
         self._worker_forget.append(request.request_id)
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+    def snapshot(self) -> SchedulerSnapshot:
+        return SchedulerSnapshot(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache.usage,

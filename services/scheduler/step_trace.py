@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from kvflow.roofline import StepBatch, StepCost
+from kvflow.metrics.roofline import StepBatch, StepCost
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvflow.config import EngineConfig
+from kvflow.metrics.roofline import RooflineMeter
 from kvflow.proto.stats import PhaseTotals
-from kvflow.roofline import RooflineMeter
 from kvflow.services.bench.roofline import roofline_lines, roofline_section
 from kvflow.services.bench.startup import StartupRun, report_lines, serve_flags, summarize
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow import device_peaks
-from kvflow.device_peaks import DevicePeaks, calibrate, gpu_table_peaks, resolve_peaks
+from kvflow.metrics import device_peaks
+from kvflow.metrics.device_peaks import DevicePeaks, calibrate, gpu_table_peaks, resolve_peaks
 
 
 @pytest.mark.parametrize(

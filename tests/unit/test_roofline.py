@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvflow.config import SchedulerConfig
-from kvflow.proto.stats import PhaseTotals
-from kvflow.roofline import (
+from kvflow.metrics.roofline import (
     ModelShape,
     RooflineMeter,
     StepBatch,
@@ -17,6 +16,7 @@ from kvflow.roofline import (
     estimate_step_cost,
     roofline_report,
 )
+from kvflow.proto.stats import PhaseTotals
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.request import Request

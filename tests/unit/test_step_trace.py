@@ -11,10 +11,16 @@ from typing import Any
 import msgspec
 
 from kvflow.config import SchedulerConfig
+from kvflow.metrics.roofline import (
+    ModelShape,
+    RooflineMeter,
+    StepBatch,
+    StepCost,
+    estimate_step_cost,
+)
 from kvflow.proto.engine import AddRequest
 from kvflow.proto.stats import SchedulerStats
 from kvflow.proto.step import StepResult
-from kvflow.roofline import ModelShape, RooflineMeter, StepBatch, StepCost, estimate_step_cost
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore

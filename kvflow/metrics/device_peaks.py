@@ -201,7 +201,7 @@ def resolve_peaks(
 
 
 def default_cache_file() -> Path:
-    from kvflow.gpu_worker.model_files import default_cache_dir
+    from kvflow.cache_dir import default_cache_dir
 
     return default_cache_dir() / "device_peaks.json"
 
