@@ -165,9 +165,7 @@ def resolve_attention_backend(backend: str, device: str) -> str:
     if backend == "auto":
         return "triton" if device == "cuda" else "cpu"
     if backend not in ("torch", "cpu", "triton"):
-        raise ConfigError(
-            f"attention_backend must be cpu, torch or triton, got {backend!r}"
-        )
+        raise ConfigError(f"attention_backend must be cpu, torch or triton, got {backend!r}")
     return backend
 
 

@@ -2,7 +2,8 @@
 
 The one place that knows where they live (a multimodal config nests them under
 `text_config`) and how `max_model_len` caps the context. The frontend, the offline
-engine and the worker all call `read_model_limits`.
+engine and the worker all call `read_model_limits`; the frontend (for its 4xx) and the
+engine's admission (its own guard) both check prompts with `check_prompt`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvflow.errors import ConfigError
+from kvflow.errors import ConfigError, InvalidRequestError, PromptTooLongError
 
 DEFAULT_CONTEXT_LEN = 2048  # a config without max_position_embeddings
 
@@ -41,3 +42,31 @@ def limits_from_config(config: dict[str, Any], max_model_len: int | None = None)
 def read_model_limits(model_dir: Path, max_model_len: int | None = None) -> ModelLimits:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return limits_from_config(config, max_model_len)
+
+
+def check_prompt(
+    token_ids: list[int], max_tokens: int | None, max_model_len: int, vocab_size: int
+) -> int:
+    """Check a prompt's ids and length; returns max_tokens resolved to fit the context
+    (None fills it). Raises InvalidRequestError / PromptTooLongError (HTTP 400)."""
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt token id {bad} is out of vocabulary", param="prompt")
+    room = max_model_len - len(token_ids)
+    if room < 1:
+        raise PromptTooLongError(
+            f"the prompt has {len(token_ids)} tokens; this model's context is "
+            f"{max_model_len} tokens and leaves no room to generate",
+            param="prompt",
+        )
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise PromptTooLongError(
+            f"the prompt ({len(token_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+            f"this model's context length of {max_model_len} tokens",
+            param="max_tokens",
+        )
+    return max_tokens

@@ -117,8 +117,7 @@ class _Chat(ServedRequest):
     """One /v1/chat/completions request after validation."""
 
     def __init__(self, ctx: ServingContext, request: ChatCompletionRequest) -> None:
-        params = request.to_sampling_params()
-        params.validate(ctx.config.vocab_size)
+        params = request.to_sampling_params()  # validated in ctx.prepare, once per prompt
         conversation = request.conversation()
         token_ids = ctx.render_chat(conversation, request.add_generation_prompt)
         super().__init__(

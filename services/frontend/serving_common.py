@@ -23,8 +23,8 @@ from kvflow.errors import (
     InvalidRequestError,
     KvflowError,
     ModelNotFoundError,
-    PromptTooLongError,
 )
+from kvflow.model_limits import check_prompt
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
 from kvflow.sampling_params import SamplingParams
@@ -50,26 +50,6 @@ class PreparedPrompt:
     token_ids: list[int]
     text: str | None  # the prompt as text (given or decoded), for echo
     params: SamplingParams  # validated, with max_tokens resolved for this prompt's length
-
-
-def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """max_tokens that fits the context; None fills it. Raises PromptTooLongError."""
-    room = max_model_len - num_prompt_tokens
-    if room < 1:
-        raise PromptTooLongError(
-            f"the prompt has {num_prompt_tokens} tokens; this model's context is "
-            f"{max_model_len} tokens and leaves no room to generate",
-            param="prompt",
-        )
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise PromptTooLongError(
-            f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
-            f"this model's context length of {max_model_len} tokens",
-            param="max_tokens",
-        )
-    return max_tokens
 
 
 @dataclass
@@ -112,14 +92,9 @@ class ServingContext:
         self, token_ids: list[int], params: SamplingParams, text: str | None
     ) -> PreparedPrompt:
         """Check the ids and the lengths; validate params with max_tokens resolved."""
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab_size = self.config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is out of vocabulary", param="prompt")
-        max_tokens = resolve_max_tokens(
-            len(token_ids), params.max_tokens, self.config.max_model_len
+        max_tokens = check_prompt(
+            token_ids, params.max_tokens, self.config.max_model_len, vocab_size
         )
         resolved = msgspec.structs.replace(params, max_tokens=max_tokens)
         resolved.validate(vocab_size)

@@ -144,8 +144,7 @@ class _Completion(ServedRequest):
     """One /v1/completions request after validation."""
 
     def __init__(self, ctx: ServingContext, request: CompletionRequest) -> None:
-        params = request.to_sampling_params()
-        params.validate(ctx.config.vocab_size)
+        params = request.to_sampling_params()  # validated in ctx.prepare, once per prompt
         prompts = [
             ctx.prepare(prompt, params, request.add_special_tokens) for prompt in request.prompts()
         ]

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from kvflow.errors import InvalidRequestError, PromptTooLongError
+from kvflow.model_limits import check_prompt
 from kvflow.proto.engine import AddRequest
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.scheduler.request import Request
@@ -29,25 +30,9 @@ class EngineLimits:
 
 def check_lengths(prompt_ids: list[int], params: SamplingParams, limits: EngineLimits) -> int:
     """Validate prompt ids and lengths; returns the effective max_tokens."""
-    if not prompt_ids:
-        raise InvalidRequestError("the prompt is empty", param="prompt")
-    for token_id in prompt_ids:
-        if not 0 <= token_id < limits.vocab_size:
-            raise InvalidRequestError(f"prompt token id {token_id} is out of vocabulary")
-    room = limits.max_model_len - len(prompt_ids)
-    if room < 1:
-        raise PromptTooLongError(
-            f"prompt has {len(prompt_ids)} tokens; this model's context is "
-            f"{limits.max_model_len} tokens",
-            param="prompt",
-        )
-    max_tokens = room if params.max_tokens is None else params.max_tokens
-    if max_tokens > room:
-        raise PromptTooLongError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-            f"context length {limits.max_model_len}",
-            param="max_tokens",
-        )
+    max_tokens = check_prompt(
+        prompt_ids, params.max_tokens, limits.max_model_len, limits.vocab_size
+    )
     # A request that cannot fit the whole cache alone would be preempted forever.
     needed_blocks = math.ceil((len(prompt_ids) + max_tokens) / limits.block_size)
     if needed_blocks > limits.num_blocks:

@@ -13,6 +13,7 @@ from kvflow.errors import (
     ModelNotFoundError,
     PromptTooLongError,
 )
+from kvflow.model_limits import check_prompt
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.frontend.engine_client import (
     child_request_ids,
@@ -27,7 +28,6 @@ from kvflow.services.frontend.protocol import (
     decode_request,
 )
 from kvflow.services.frontend.serving_chat import token_bytes
-from kvflow.services.frontend.serving_common import resolve_max_tokens
 
 
 def completion(**body: Any) -> CompletionRequest:
@@ -297,15 +297,20 @@ def test_child_requests() -> None:
 # --- lengths --------------------------------------------------------------------------------
 
 
-def test_resolve_max_tokens() -> None:
-    assert resolve_max_tokens(10, None, 64) == 54
-    assert resolve_max_tokens(10, 54, 64) == 54
+def test_check_prompt_resolves_max_tokens() -> None:
+    prompt = list(range(10))
+    assert check_prompt(prompt, None, 64, 100) == 54
+    assert check_prompt(prompt, 54, 64, 100) == 54
     with pytest.raises(PromptTooLongError) as info:
-        resolve_max_tokens(10, 55, 64)
+        check_prompt(prompt, 55, 64, 100)
     assert info.value.param == "max_tokens"
     for prompt_len in (64, 65):
         with pytest.raises(PromptTooLongError) as info:
-            resolve_max_tokens(prompt_len, None, 64)
+            check_prompt([1] * prompt_len, None, 64, 100)
+        assert status_and_param(info.value) == (400, "prompt")
+    for bad in ([], [100]):
+        with pytest.raises(InvalidRequestError) as info:
+            check_prompt(bad, None, 64, 100)
         assert status_and_param(info.value) == (400, "prompt")
 
 
