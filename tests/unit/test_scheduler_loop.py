@@ -189,3 +189,20 @@ def test_heartbeats_and_disconnects_reach_liveness() -> None:
     loop.run_once()
     assert loop.liveness.last_seen[0] > 0.0 and loop.liveness.suspect_since is not None
     assert loop.dead_reason is None
+
+
+def test_async_loop_sends_the_next_plan_before_the_result_and_stops_on_time() -> None:
+    loop, inbox, outputs = make_loop(steps_in_flight=2)
+    inbox.put(add("a", [5, 6, 7, 8, 9]))  # max_tokens 3
+    loop.run_once()
+    plans = sent(outputs, "plans")
+    assert [p.num_scheduled_tokens for p in plans] == [[5], [1]]  # step 2 rides on step 1
+    for step_id, token in ((1, 11), (2, 12), (3, 13)):
+        inbox.put(StepResult(step_id=step_id, req_ids=["a"], sampled_token_ids=[[token]]))
+        loop.run_once()
+    # Step 3 was planned on the placeholder of token 2; nothing is planned past max_tokens.
+    assert [p.step_id for p in sent(outputs, "plans") if p.scheduled_req_ids] == [1, 2, 3]
+    got = deltas(outputs)
+    assert [d.new_token_ids for d in got] == [[11], [12], [13]]
+    assert [d.finish_reason for d in got] == [None, None, "length"]
+    assert loop.core.scheduler.kv_cache.usage == 0.0 and not loop.core.in_flight
