@@ -95,7 +95,6 @@ class EngineClient:
         # The DEALER's link to the detokenizer: None until start() (tests drive a
         # client without sockets), then False until the handshake is done.
         self._detokenizer_linked: bool | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
         self._context: zmq.asyncio.Context | None = None
         self._sockets: list[TypedSocket[object]] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -115,6 +114,7 @@ class EngineClient:
             bind=False,
             recv_type=FrontendInput,
             identity=self.frontend_id.encode(),
+            monitor_events=zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
         )
         self._stats = TypedSocket.open(
             self._context,
@@ -125,11 +125,8 @@ class EngineClient:
             subscribe=b"",
         )
         self._detokenizer_linked = False
-        monitor = self._output.socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-        )
+        monitor = self._output.monitor
         assert isinstance(monitor, zmq.asyncio.Socket)
-        self._monitor = monitor
         self._sockets = [self._input, self._output, self._stats]
         self._tasks = [
             asyncio.create_task(self._read_loop(self._output), name="kvflow-engine-outputs"),
@@ -152,10 +149,6 @@ class EngineClient:
         # The aborts just sent must still reach the scheduler (their KV blocks are
         # freed there): give the input socket a moment to flush instead of linger=0.
         self._input.socket.close(linger=_FLUSH_ON_CLOSE_MS)
-        if self._monitor is not None:
-            self._output.socket.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
         for sock in self._sockets[1:]:
             sock.close()
         self._sockets = []
