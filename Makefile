@@ -37,7 +37,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy kvflow proto services gpu_worker kernels docker/healthcheck.py
 
 test: lint typecheck
-	$(VENV)/bin/pytest -q -x --durations=15
+	$(VENV)/bin/pytest -q --durations=15
 
 # Builds the images locally (no registry), brings compose.yaml up, queries it, tears down.
 test-compose: $(STAMP)

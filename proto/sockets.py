@@ -22,8 +22,11 @@ _HWM = 0  # 0 = unlimited queue (messages are small; a stuck peer is detected by
 class TypedSocket(Generic[RecvT]):
     """A zmq socket that sends msgspec Structs and decodes frames as `recv_type`."""
 
-    def __init__(self, socket: zmq.Socket, recv_type: Any = None) -> None:
+    def __init__(
+        self, socket: zmq.Socket, recv_type: Any = None, monitor: zmq.Socket | None = None
+    ) -> None:
         self.socket = socket
+        self.monitor = monitor  # PAIR socket of the events `open(monitor_events=)` asked for
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(recv_type) if recv_type is not None else None
 
@@ -38,6 +41,7 @@ class TypedSocket(Generic[RecvT]):
         recv_type: Any = None,
         identity: bytes | None = None,
         subscribe: bytes | None = None,
+        monitor_events: int = 0,
     ) -> TypedSocket[Any]:
         socket = context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
@@ -47,11 +51,13 @@ class TypedSocket(Generic[RecvT]):
             socket.setsockopt(zmq.IDENTITY, identity)
         if subscribe is not None:
             socket.setsockopt(zmq.SUBSCRIBE, subscribe)
+        # Attached before connecting: the first connection's events are not missed.
+        monitor = socket.get_monitor_socket(monitor_events) if monitor_events else None
         if bind:
             socket.bind(address)
         else:
             socket.connect(address)
-        return cls(socket, recv_type)
+        return cls(socket, recv_type, monitor)
 
     def send(self, message: msgspec.Struct, *, to: bytes | None = None) -> None:
         """Send one message; `to` is the peer identity on a ROUTER socket."""
@@ -79,4 +85,8 @@ class TypedSocket(Generic[RecvT]):
         return self._decoder.decode(payload)  # type: ignore[no-any-return]
 
     def close(self) -> None:
+        if self.monitor is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
+            self.monitor = None
         self.socket.close(linger=0)

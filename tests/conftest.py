@@ -70,3 +70,28 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir:
         return made[arch]
 
     return make
+
+
+# The native CPU kernels (kernels/cpu/*.cpp) are compiled at first use by a C++ compiler.
+# A test that needs one is marked `@pytest.mark.native(<kernel loaded?>)`: without the
+# kernel it skips, except under KVFLOW_REQUIRE_NATIVE=1 (set by .ci/run), where it fails.
+REQUIRE_NATIVE_ENV = "KVFLOW_REQUIRE_NATIVE"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "native(available): needs the native CPU kernels (a C++ compiler)"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("native")
+    if marker is None:
+        return
+    (available,) = marker.args
+    if available:
+        return
+    reason = "native CPU kernels unavailable: no C++ compiler, or their build failed (see log)"
+    if os.environ.get(REQUIRE_NATIVE_ENV) == "1":
+        pytest.fail(f"{reason}; required by {REQUIRE_NATIVE_ENV}=1 (install g++)")
+    pytest.skip(reason)

@@ -22,7 +22,12 @@ Invariants:
   as dead;
 - a restarted scheduler (compose restarts a failed container) shows a new
   `incarnation` in its stats: the requests in flight are failed, since the old process
-  took them with it, and an `EngineDead` the old one sent is forgotten.
+  took them with it, and an `EngineDead` the old one sent is forgotten;
+- a lost connection to the detokenizer (it died, or restarts) fails the requests in
+  flight at once (their text state died with it: a restarted detokenizer drops their
+  deltas), and until the connection is back the frontend is not ready (503), so no new
+  request's outputs can reach the detokenizer before this frontend is connected to it
+  (it routes by the connection's identity and drops what it cannot route).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from collections.abc import AsyncGenerator, Callable
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvflow.errors import EngineDeadError
 from kvflow.proto.addresses import ServiceAddresses
@@ -86,6 +92,9 @@ class EngineClient:
         self._dead_final = False  # a watchdog verdict: no restart will clear it
         self._incarnations: dict[str, str] = {}  # engine label -> its scheduler's id
         self._stale = False
+        # The DEALER's link to the detokenizer: None until start() (tests drive a
+        # client without sockets), then False until the handshake is done.
+        self._detokenizer_linked: bool | None = None
         self._context: zmq.asyncio.Context | None = None
         self._sockets: list[TypedSocket[object]] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -105,6 +114,7 @@ class EngineClient:
             bind=False,
             recv_type=FrontendInput,
             identity=self.frontend_id.encode(),
+            monitor_events=zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
         )
         self._stats = TypedSocket.open(
             self._context,
@@ -114,11 +124,15 @@ class EngineClient:
             recv_type=SchedulerStats | EngineDead,
             subscribe=b"",
         )
+        self._detokenizer_linked = False
+        monitor = self._output.monitor
+        assert isinstance(monitor, zmq.asyncio.Socket)
         self._sockets = [self._input, self._output, self._stats]
         self._tasks = [
             asyncio.create_task(self._read_loop(self._output), name="kvflow-engine-outputs"),
             asyncio.create_task(self._read_loop(self._stats), name="kvflow-engine-stats"),
             asyncio.create_task(self._liveness_loop(), name="kvflow-engine-liveness"),
+            asyncio.create_task(self._link_loop(monitor), name="kvflow-detokenizer-link"),
         ]
 
     async def close(self) -> None:
@@ -160,6 +174,8 @@ class EngineClient:
             # Not connected yet (or the scheduler never came up): refuse rather than
             # queue requests nobody may ever run.
             return "waiting for the engine: no scheduler stats received yet"
+        if self._detokenizer_linked is False:
+            return "waiting for the engine: not connected to the detokenizer"
         return self._stale_reason(time.monotonic())
 
     @property
@@ -303,6 +319,15 @@ class EngineClient:
             self._dead_reason = reason
         self._dead_final = self._dead_final or final
         self.fail_all(f"the engine died: {reason}")
+
+    async def _link_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._detokenizer_linked = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._detokenizer_linked = False
+                self.fail_all("lost the connection to the detokenizer", abort=True)
 
     async def _liveness_loop(self) -> None:
         while True:

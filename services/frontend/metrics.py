@@ -181,9 +181,13 @@ class FrontendMetrics:
         self.num_requests_waiting.labels(*labels).set(stats.num_waiting)
         self.kv_cache_usage.labels(*labels).set(stats.kv_cache_usage)
         for field, attr in _CUMULATIVE.items():
+            # Created at 0 by the engine's first stats (as vLLM's are at start-up): a
+            # counter that has not counted yet (no preemption, no prefix-cache hit) reads
+            # 0 on a dashboard, not "No data".
+            counter = getattr(self, attr).labels(*labels)
             increment = self._increment(stats.engine, field, getattr(stats, field))
             if increment:
-                getattr(self, attr).labels(*labels).inc(increment)
+                counter.inc(increment)
         iteration = self.iteration_tokens.labels(*labels)
         for num_tokens in stats.step_tokens:
             iteration.observe(num_tokens)

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,3 +182,46 @@ def sse_events(response: httpx.Response) -> Iterator[Any]:
         if line.startswith("data: "):
             payload = line[len("data: ") :]
             yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:
+    """Poll `predicate` until it holds or `timeout_s` passes; its last answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
+def metric_values(base_url: str) -> dict[str, float]:
+    """Sample name -> value from /metrics (labels dropped: one model, one engine)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=5.0).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses with a TCP socket listening on `port`, from /proc/net/tcp{,6}
+    (IPv4 as dotted quads, IPv6 as 32 hex digits)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            address, port_hex = local.split(":")
+            if state != "0A" or int(port_hex, 16) != port:  # 0A = LISTEN
+                continue
+            if len(address) == 8:  # one little-endian 32-bit word
+                found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+            else:
+                found.add(address)
+    return found

@@ -4,9 +4,7 @@ and numbers that agree with each other and with what was asked."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import subprocess
 import sys
@@ -21,18 +19,6 @@ pytestmark = pytest.mark.slow
 
 KVFLOW = Path(sys.executable).with_name("kvflow")
 RUN_TIMEOUT_S = 300.0
-# Until services/cli.py registers a bench command, the same add_args/run behind a
-# minimal parser: the test still runs the module's own code.
-SHIM = """
-import argparse, sys
-from kvflow.services.bench import {name} as bench
-from kvflow.services.cli_args import add_engine_args
-parser = argparse.ArgumentParser(prog="kvflow bench {name}")
-bench.add_args(parser)
-if {engine}:
-    add_engine_args(parser)
-sys.exit(bench.run(parser.parse_args(sys.argv[1:])))
-"""
 METRICS = ("ttft", "tpot", "itl", "e2el")
 RESULT_KEYS = (
     "date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate",
@@ -43,20 +29,9 @@ RESULT_KEYS = (
 )  # fmt: skip
 
 
-def bench_command(name: str) -> list[str]:
-    from kvflow.services.cli import build_parser
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage on a miss
-            build_parser().parse_args(["bench", name])
-        return [str(KVFLOW), "bench", name]
-    except SystemExit:  # not registered (yet): argparse rejected the choice
-        return [sys.executable, "-c", SHIM.format(name=name, engine=name == "latency")]
-
-
 def run_bench(name: str, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*bench_command(name), *flags], capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+        [str(KVFLOW), "bench", name, *flags], capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
 
 

@@ -33,4 +33,9 @@ def test_throughput_compared_with_transformers(tiny_model_dir: Path) -> None:
         assert result["output_tokens_per_s"] == pytest.approx(32 / result["elapsed_s"], rel=1e-2)
     ratio = kvflow["output_tokens_per_s"] / transformers["output_tokens_per_s"]
     assert report["speedup_output_tokens_per_s"] == pytest.approx(ratio, rel=2e-2)
-    assert set(report["roofline"]["phases"]) <= {"prefill", "decode"}
+    # The 4 prompts (64 tokens) are prefilled in one step, then each of the 7 other
+    # output tokens of the 4 requests is one decode step of 4 tokens.
+    phases = report["roofline"]["phases"]
+    assert {phase: row["steps"] for phase, row in phases.items()} == {"prefill": 1, "decode": 7}
+    for row in phases.values():
+        assert row["seconds"] > 0 and row["gflop_per_s"] > 0 and row["gb_per_s"] > 0

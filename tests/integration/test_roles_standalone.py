@@ -1,7 +1,8 @@
 """Each role as its own command over tcp, addresses from KVFLOW_ADDR_* (how compose runs
 them): a completion goes through, SIGTERM to the scheduler stops its workers and
-detokenizer too, and a scheduler killed outright can be restarted onto the running
-worker, detokenizer and frontend."""
+detokenizer too, a scheduler killed outright can be restarted onto the running
+worker, detokenizer and frontend, and a killed frontend, detokenizer or worker (with
+its scheduler, which exits when its worker dies) can be started again and serves."""
 
 from __future__ import annotations
 
@@ -138,3 +139,110 @@ def test_killed_scheduler_restarts_onto_running_workers(stack: Stack) -> None:
     assert stack.processes["worker"].pid == worker_pid  # the same worker, not a new one
     reply = stack.complete(7).json()
     assert reply["usage"]["completion_tokens"] == 7, (reply, stack.logs())
+
+
+# ---- restarting the other roles -----------------------------------------------------
+# One stack serves the three tests below (a stack takes 30 s or more to start here):
+# each kills a role while a stream runs, starts it again and checks that the service
+# serves again, so each leaves the stack serving for the next.
+
+
+@pytest.fixture(scope="module")
+def shared_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = Stack(tiny_model_dir, tmp_path_factory.mktemp("roles"))
+    try:
+        for role in ROLES:
+            stack.start(role)
+        assert stack.wait_healthy(240.0), stack.logs()
+        yield stack
+    finally:
+        stack.stop_all()
+
+
+class LongStream:
+    """A streamed completion in a thread, already streaming when the constructor returns."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.lines: list[str] = []
+        self.streaming = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+        assert self.streaming.wait(60.0), stack.logs()
+
+    def _run(self) -> None:
+        body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 500, "ignore_eos": True}
+        url = self.stack.url + "/v1/completions"
+        try:
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120.0) as r:
+                for line in r.iter_lines():
+                    self.lines.append(line)
+                    self.streaming.set()
+        except httpx.HTTPError as exc:  # the frontend itself was killed
+            self.lines.append(f"connection lost: {exc}")
+
+    def events(self, timeout: float = 60.0) -> list[str]:
+        """The `data:` payloads, once the stream has ended (it must, within `timeout`)."""
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the stream never ended\n" + self.stack.logs()
+        return [line.removeprefix("data: ") for line in self.lines if line.startswith("data: ")]
+
+
+def _kill(stack: Stack, role: str) -> None:
+    stack.processes[role].kill()  # SIGKILL: the role says nothing to anyone
+    stack.processes[role].wait()
+
+
+def _health(stack: Stack) -> int:
+    try:
+        return httpx.get(stack.url + "/health", timeout=2.0).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def _serves(stack: Stack) -> None:
+    assert stack.wait_healthy(120.0), stack.logs()
+    reply = stack.complete(7).json()
+    assert reply["usage"]["completion_tokens"] == 7, (reply, stack.logs())
+
+
+def test_killed_frontend_restarts(shared_stack: Stack) -> None:
+    stack = shared_stack
+    stream = LongStream(stack)
+    _kill(stack, "frontend")
+    assert stream.events()[-1:] != ["[DONE]"]  # the connection just dropped
+    stack.start("frontend", log_name="frontend-restarted")  # same port, new frontend id
+    _serves(stack)
+
+
+def test_killed_detokenizer_restarts(shared_stack: Stack) -> None:
+    stack = shared_stack
+    stream = LongStream(stack)
+    _kill(stack, "detokenizer")
+    # The stream's text state died with the detokenizer, and a new one drops deltas of
+    # requests it never saw: the frontend ends the stream with an error at once.
+    events = stream.events()
+    assert events[-1] == "[DONE]" and "detokenizer" in events[-2], events[-3:]
+    assert '"length"' not in "".join(events)
+    # Not ready until a detokenizer is back: a request now would get no outputs.
+    deadline = time.monotonic() + 10.0
+    while _health(stack) != 503 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _health(stack) == 503
+    stack.start("detokenizer", log_name="detokenizer-restarted")
+    _serves(stack)
+
+
+def test_killed_worker_restarts_with_the_scheduler(shared_stack: Stack) -> None:
+    """docs/deployment.md: the scheduler sees its worker die, tells the frontends
+    (EngineDead) and exits 1; both restart (compose's restart policy) and serve again."""
+    stack = shared_stack
+    stream = LongStream(stack)
+    _kill(stack, "worker")
+    events = stream.events()
+    assert events[-1] == "[DONE]" and "engine died" in events[-2], events[-3:]
+    assert stack.processes["scheduler"].wait(30.0) == 1, stack.logs()
+    assert _health(stack) == 503
+    stack.start("worker", log_name="worker-restarted")
+    stack.start("scheduler", log_name="scheduler-restarted")
+    _serves(stack)

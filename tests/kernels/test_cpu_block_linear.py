@@ -21,7 +21,7 @@ from kvflow.kernels.cpu.block_linear import (
     dequantize,
 )
 
-pytestmark = pytest.mark.skipif(not module.available(), reason="no C++ compiler for native kernels")
+pytestmark = pytest.mark.native(module.available())
 
 
 def _quantized(block_format: str, out_features: int, in_features: int, seed: int = 0):

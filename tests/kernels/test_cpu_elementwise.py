@@ -8,9 +8,7 @@ import torch.nn.functional as F
 
 from kvflow.kernels.cpu import elementwise
 
-pytestmark = pytest.mark.skipif(
-    elementwise._library() is None, reason="no C++ compiler for native kernels"
-)
+pytestmark = pytest.mark.native(elementwise._library() is not None)
 # fp32: another summation order and exp; bf16: at most about one bf16 ulp after rounding.
 TOLERANCES = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},

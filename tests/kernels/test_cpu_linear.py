@@ -57,7 +57,7 @@ def test_float32_batches_match_f_linear_through_onednn(rows, bias, monkeypatch):
     torch.testing.assert_close(actual, F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(skinny_linear._library() is None, reason="no C++ compiler")
+@pytest.mark.native(skinny_linear._library() is not None)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_rows_take_the_native_kernel(dtype, monkeypatch):
     x, weight, b = _inputs(skinny_linear.MAX_ROWS, dtype, bias=True)

@@ -8,7 +8,7 @@ import torch
 from kvflow.kernels.cpu.paged_decode import load_paged_decode, paged_decode_attention_ref
 
 kernel = load_paged_decode()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler for native kernels")
+pytestmark = pytest.mark.native(kernel is not None)
 
 TOLERANCES = {
     torch.float32: {"atol": 2e-5, "rtol": 1e-4},

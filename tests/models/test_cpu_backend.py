@@ -16,7 +16,7 @@ def _backend(llm: LLM) -> Any:
     return llm.engine.runner.model.attention_layers()[0].backend
 
 
-@pytest.mark.skipif(load_paged_decode() is None, reason="no C++ compiler for native kernels")
+@pytest.mark.native(load_paged_decode() is not None)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cpu_backend_matches_torch_backend(tiny_model_dir: Any, arch: str) -> None:
     path = str(tiny_model_dir(arch))
@@ -59,14 +59,13 @@ def test_switched_off_by_environment(fresh_library_cache: Any, monkeypatch: Any)
     assert load_paged_decode() is None
 
 
+@pytest.mark.native(native_build._compiler() is not None)
 def test_compile_error_is_reported_not_raised(
     fresh_library_cache: Any, monkeypatch: Any, tmp_path: Any, caplog: Any
 ) -> None:
     (tmp_path / "paged_decode_attention.cpp").write_text("this is not C++\n")
     monkeypatch.setattr(native_build, "SOURCE_DIR", tmp_path)
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
-    if native_build._compiler() is None:
-        pytest.skip("no C++ compiler")
     with caplog.at_level(logging.WARNING):
         assert load_paged_decode() is None
     assert "unavailable" in caplog.text and "failed" in caplog.text
@@ -78,7 +77,7 @@ def test_build_all_names_what_is_unavailable(fresh_library_cache: Any, monkeypat
         native_build.build_all()
 
 
-@pytest.mark.skipif(native_build._compiler() is None, reason="no C++ compiler")
+@pytest.mark.native(native_build._compiler() is not None)
 def test_build_all_builds_into_the_cache(
     fresh_library_cache: Any, monkeypatch: Any, tmp_path: Any
 ) -> None:

@@ -131,7 +131,7 @@ def _quantized_llama(tmp_path: Path, monkeypatch) -> Path:
     return gguf_convert.convert_gguf(tmp_path / "q.gguf", tmp_path / "converted")
 
 
-@pytest.mark.skipif(not block_linear.available(), reason="no C++ compiler for native kernels")
+@pytest.mark.native(block_linear.available())
 def test_quantized_gguf_layers_read_their_blocks(tmp_path, monkeypatch, prefill_logits) -> None:
     out = _quantized_llama(tmp_path, monkeypatch)
     assert (out / BLOCKS_FILE).is_file()
@@ -160,7 +160,7 @@ def test_quantized_gguf_layers_read_their_blocks(tmp_path, monkeypatch, prefill_
     assert len(calls) == len(with_blocks)
 
 
-@pytest.mark.skipif(not block_linear.available(), reason="no C++ compiler for native kernels")
+@pytest.mark.native(block_linear.available())
 def test_blocks_that_do_not_reproduce_the_weights_are_not_used(tmp_path, monkeypatch, caplog):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file

@@ -72,6 +72,14 @@ def test_unknown_peaks_are_not_exported() -> None:
     assert "kvflow:startup_phase_seconds" not in names
 
 
+def test_engine_counters_exist_before_they_count() -> None:
+    metrics = FrontendMetrics("m", 64)
+    metrics.observe_scheduler_stats(SchedulerStats(1.0, "0", 0, 0, 0.0))
+    values = samples(metrics)
+    for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
+        assert at(values, f"kvflow:{name}_total") == 0.0
+
+
 def test_promtool_accepts_them() -> None:
     promtool = shutil.which("promtool")
     if promtool is None:

@@ -1,0 +1,107 @@
+"""README's engine options through the real engine (`kvflow.LLM`, in this process), each
+by an effect a user can see: `dtype=auto`, `max_model_len`, `kv_cache_memory`,
+`num_threads` and `policy=priority`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.errors import InvalidRequestError, PromptTooLongError
+
+pytestmark = pytest.mark.slow  # each test loads an engine or two (1-4 s here)
+
+BASE: dict[str, Any] = {"dtype": "float32", "device": "cpu"}
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_dtype_auto_resolves_by_cpu_and_generates(tiny_model_dir: Path) -> None:
+    # README: "bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32".
+    fast_bf16 = bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
+    expected = torch.bfloat16 if fast_bf16 else torch.float32
+    llm = LLM(str(tiny_model_dir), dtype="auto", device="cpu", num_blocks=32)
+    engine = llm.engine
+    assert engine.config.model.dtype == str(expected).removeprefix("torch.")
+    assert {p.dtype for p in engine.runner.model.parameters()} == {expected}
+    assert engine.runner.kv_spec.dtype == expected
+    # Which tokens depends on the dtype, so on the machine: only lengths are asserted.
+    output = llm.generate(["The capital of France is"], GREEDY)[0].outputs[0]
+    assert len(output.token_ids) == 4 and output.finish_reason == "length"
+
+
+def test_max_model_len_caps_the_context(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), **BASE, num_blocks=32, max_model_len=64)  # the model's: 512
+    assert llm.engine.max_model_len == 64
+    assert len(llm.generate([[5] * 60], GREEDY)[0].outputs[0].token_ids) == 4
+    with pytest.raises(PromptTooLongError, match="64"):
+        llm.generate([[5] * 61], GREEDY)  # 61 + 4 > 64
+    with pytest.raises(InvalidRequestError, match="exceeds the model's context 512"):
+        LLM(str(tiny_model_dir), **BASE, num_blocks=32, max_model_len=1024)
+
+
+def _bytes_per_block(model_dir: Path, block_size: int = 16) -> int:
+    """K and V, every layer, float32: from config.json, not from kvflow's own code."""
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    return per_token * block_size
+
+
+def test_kv_cache_memory_sets_the_number_of_blocks(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    per_block = _bytes_per_block(tiny_model_dir)
+    for gib in (0.001, 0.002):
+        with caplog.at_level(logging.INFO, logger="kvflow.engine"):
+            llm = LLM(str(tiny_model_dir), **BASE, kv_cache_memory=gib)
+        expected = int(gib * (1 << 30) // per_block)
+        assert llm.engine.runner.num_blocks == expected
+        assert f"engine ready: {expected} KV blocks of 16 tokens" in caplog.text
+    # A cache of 13 blocks holds 208 tokens: a request needing more is refused up front
+    # (it would otherwise be preempted forever), though the context (512) allows it.
+    small = LLM(str(tiny_model_dir), **BASE, kv_cache_memory=13.5 * per_block / (1 << 30))
+    assert small.engine.runner.num_blocks == 13
+    assert len(small.generate([[5] * 200], GREEDY)[0].outputs[0].token_ids) == 4
+    with pytest.raises(PromptTooLongError, match="raise kv_cache_memory"):
+        small.generate([[5] * 300], GREEDY)
+
+
+def test_num_threads_sets_torch_threads(tiny_model_dir: Path) -> None:
+    before = torch.get_num_threads()
+    try:
+        target = 1 if before != 1 else 2
+        llm = LLM(str(tiny_model_dir), **BASE, num_blocks=32, num_threads=target)
+        assert torch.get_num_threads() == target  # the engine's worker is this process
+        assert len(llm.generate(["Hi"], GREEDY)[0].outputs[0].token_ids) == 4
+    finally:
+        torch.set_num_threads(before)  # the rest of the session keeps its threads
+
+
+@pytest.mark.parametrize(
+    ("policy", "order"), [("fcfs", ["a", "b", "c", "d"]), ("priority", ["d", "b", "c", "a"])]
+)
+def test_policy_orders_admission(tiny_model_dir: Path, policy: str, order: list[str]) -> None:
+    """One request runs at a time (max_num_seqs=1), so requests finish in the order the
+    scheduler admits them: arrival under fcfs, lowest priority value first under
+    priority (vLLM's convention; ties by arrival)."""
+    llm = LLM(str(tiny_model_dir), **BASE, num_blocks=32, max_num_seqs=1, policy=policy)
+    engine = llm.engine
+    for request_id, priority in (("a", 3), ("b", 1), ("c", 1), ("d", 0)):
+        engine.add_request(request_id, "Hello", GREEDY, priority=priority)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [output.request_id for output in engine.step() if output.finished]
+    assert finished == order
