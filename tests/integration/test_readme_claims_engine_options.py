@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.errors import InvalidRequestError, PromptTooLongError
+from kvflow.errors import ConfigError, PromptTooLongError
 
 pytestmark = pytest.mark.slow  # each test loads an engine or two (1-4 s here)
 
@@ -48,7 +48,7 @@ def test_max_model_len_caps_the_context(tiny_model_dir: Path) -> None:
     assert len(llm.generate([[5] * 60], GREEDY)[0].outputs[0].token_ids) == 4
     with pytest.raises(PromptTooLongError, match="64"):
         llm.generate([[5] * 61], GREEDY)  # 61 + 4 > 64
-    with pytest.raises(InvalidRequestError, match="exceeds the model's context 512"):
+    with pytest.raises(ConfigError, match="exceeds the model's context 512"):
         LLM(str(tiny_model_dir), **BASE, num_blocks=32, max_model_len=1024)
 
 
