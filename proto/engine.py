@@ -7,6 +7,10 @@ import msgspec
 from kvflow.proto.step import TokenLogprobs
 from kvflow.sampling_params import SamplingParams
 
+# The prompt tokens the detokenizer reads: the context of a request's first text delta.
+# The scheduler forwards only these, not the whole prompt.
+DETOKENIZER_PROMPT_TAIL = 12
+
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     req_id: str

@@ -47,11 +47,12 @@ import tokenizers
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from kvflow.sampling_params import SamplingParams
+from kvflow.proto.engine import DETOKENIZER_PROMPT_TAIL
+from kvflow.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens kept as decoding context; the start is moved back past a split character.
-_PROMPT_CONTEXT = 4
+_PROMPT_CONTEXT = 4  # of DETOKENIZER_PROMPT_TAIL ids, kept in the window after skip ids
 # Cut the window once this many tokens precede `read` (trades decode length vs. cuts).
 _SLIDE_AFTER = 4
 # Unread ids after which bytes that never complete a character are emitted as U+FFFD
@@ -158,7 +159,7 @@ class IncrementalDetokenizer:
         all of the prompt's complete characters: the longer of the text before `read`
         and the whole tail's text without its U+FFFD (byte-level "Ġð" keeps its space;
         byte fallback turns the whole byte run into U+FFFD, so the former is longer)."""
-        tail = [t for t in prompt[-(_PROMPT_CONTEXT + 8) :] if t not in self._skip_ids]
+        tail = [t for t in prompt[-DETOKENIZER_PROMPT_TAIL:] if t not in self._skip_ids]
         start = max(0, len(tail) - _PROMPT_CONTEXT)
         while start > 0 and not self._starts_character(tail[start : start + 4]):
             start -= 1

@@ -28,7 +28,13 @@ import msgspec
 from kvflow.errors import InvalidRequestError
 from kvflow.metrics.roofline import RooflineMeter
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
-from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs, TokenDelta
+from kvflow.proto.engine import (
+    DETOKENIZER_PROMPT_TAIL,
+    AbortRequests,
+    AddRequest,
+    EngineOutputs,
+    TokenDelta,
+)
 from kvflow.proto.stats import SchedulerStats
 from kvflow.proto.step import Shutdown, StepResult
 from kvflow.services.scheduler.engine_core import EngineCore, StepInFlight
@@ -161,8 +167,10 @@ class SchedulerLoop:
             logger.error("duplicate request id %r: dropped", message.req_id)
             return
         # First, on the same socket as the deltas: the detokenizer knows every request
-        # before any of its outputs, including the error below.
-        self.outputs.detokenizer.send(message)
+        # before any of its outputs, including the error below. It reads only the
+        # prompt's tail, so that is all that crosses this socket.
+        tail = message.prompt_token_ids[-DETOKENIZER_PROMPT_TAIL:]
+        self.outputs.detokenizer.send(msgspec.structs.replace(message, prompt_token_ids=tail))
         try:
             self.core.add_request(message, now=time.time())
         except Exception as exc:

@@ -11,7 +11,13 @@ import pytest
 
 from kvflow.config import SchedulerConfig
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat
-from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs, TokenDelta
+from kvflow.proto.engine import (
+    DETOKENIZER_PROMPT_TAIL,
+    AbortRequests,
+    AddRequest,
+    EngineOutputs,
+    TokenDelta,
+)
 from kvflow.proto.stats import SchedulerStats
 from kvflow.proto.step import Shutdown, StepPlan, StepResult
 from kvflow.sampling_params import SamplingParams
@@ -206,3 +212,14 @@ def test_async_loop_sends_the_next_plan_before_the_result_and_stops_on_time() ->
     assert [d.new_token_ids for d in got] == [[11], [12], [13]]
     assert [d.finish_reason for d in got] == [None, None, "length"]
     assert loop.core.scheduler.kv_cache.usage == 0.0 and not loop.core.in_flight
+
+
+def test_only_the_prompt_tail_is_forwarded_to_the_detokenizer() -> None:
+    loop, inbox, outputs = make_loop()
+    prompt = list(range(3, 3 + DETOKENIZER_PROMPT_TAIL + 10))
+    inbox.put(add("a", prompt))
+    loop.run_once()
+    (forwarded,) = sent(outputs, "detokenizer")
+    assert forwarded.prompt_token_ids == prompt[-DETOKENIZER_PROMPT_TAIL:]
+    (plan,) = sent(outputs, "plans")
+    assert plan.new_requests[0].token_ids == prompt  # the worker gets all of it
