@@ -177,7 +177,9 @@ class LLMEngine:
         if delta.prompt_logprobs and parent.output.prompt_logprobs is None:
             parent.output.prompt_logprobs = self._prompt_logprob_dicts(delta.prompt_logprobs)
         parent.output.num_cached_tokens = delta.num_cached_tokens
-        update = sample.detokenizer.update(delta.new_token_ids)
+        # The scheduler finishes with "stop" only on an EOS or stop token id.
+        stop_terminated = delta.finish_reason == "stop"
+        update = sample.detokenizer.update(delta.new_token_ids, stop_terminated)
         completion.text = sample.detokenizer.output_text
         if update.stop_reason is not None and delta.finish_reason is None:
             # A stop string: the scheduler does not see text, so stop it from here.
