@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
+from kvflow.gpu_worker.sampling_metadata import request_generator
 from kvflow.proto.step import StepPlan
 from kvflow.sampling_params import SamplingParams
 
@@ -64,7 +65,8 @@ class InputBatch:
             params = new.sampling_params
             generator = None
             if params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                num_drawn = len(new.token_ids) - new.num_prompt_tokens  # > 0 if resumed
+                generator = request_generator(params.seed, self.device, num_drawn)
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),

@@ -141,10 +141,17 @@ class SamplingMetadata:
         )
 
 
-def request_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """The per-request generator a seeded request keeps for its whole life."""
+def request_generator(seed: int, device: torch.device | str, num_drawn: int = 0) -> torch.Generator:
+    """The per-request generator a seeded request keeps for its whole life.
+
+    A request resumed after preemption reaches the worker again with `num_drawn` output
+    tokens, each of which took exactly one draw (the `Sampler`'s contract). Those draws
+    are replayed: a fresh generator would hand out its first draws again, so the tokens
+    of a seeded request would depend on whether the KV cache was full."""
     generator = torch.Generator(device=torch.device(device))
     generator.manual_seed(seed)
+    for _ in range(num_drawn):  # one call per draw: CUDA's philox offsets count calls
+        torch.rand(1, generator=generator, device=generator.device)
     return generator
 
 

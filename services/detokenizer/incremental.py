@@ -187,10 +187,19 @@ class IncrementalDetokenizer:
     def stop_reason(self) -> str | None:
         return self._stop_reason
 
-    def update(self, new_token_ids: Sequence[int]) -> DetokenizerUpdate:
-        """Add sampled ids; return the text that can be streamed now."""
+    def update(
+        self, new_token_ids: Sequence[int], stop_terminated: bool = False
+    ) -> DetokenizerUpdate:
+        """Add sampled ids; return the text that can be streamed now.
+
+        `stop_terminated`: the last id is the EOS or stop token id that finished the
+        request. Its text is left out unless include_stop_str_in_output (vLLM's rule;
+        the id itself stays in the output's token ids)."""
         if self._finished:
             return _EMPTY
+        if stop_terminated and new_token_ids and not self._include_stop:
+            self._num_tokens += 1
+            new_token_ids = new_token_ids[:-1]
         window, skip = self._window, self._skip_ids
         self._num_tokens += len(new_token_ids)
         for token in new_token_ids:

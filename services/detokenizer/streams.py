@@ -107,7 +107,9 @@ class DetokenizerStreams:
         abort = None
         text = ""
         if stream.detokenizer is not None:
-            update = stream.detokenizer.update(delta.new_token_ids)
+            # The scheduler finishes with "stop" only on an EOS or stop token id.
+            stop_terminated = finish_reason == "stop"
+            update = stream.detokenizer.update(delta.new_token_ids, stop_terminated)
             text = update.delta
             if update.stop_reason is not None:
                 # The stop string wins over a length/EOS finish at the same token.
