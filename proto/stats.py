@@ -14,6 +14,24 @@ class PhaseTotals(msgspec.Struct, array_like=True, gc=False):
     bytes: float = 0.0  # estimated bytes moved to and from device memory
 
 
+class StepRecord(msgspec.Struct, array_like=True, gc=False):
+    """One engine step, for the web UI's timeline."""
+
+    prefill_tokens: int  # scheduled tokens at prompt positions
+    decode_tokens: int
+    seconds: float  # plan sent -> result back
+    preemptions: int = 0  # requests preempted since the step before
+
+
+class KVBlockMap(msgspec.Struct, array_like=True, gc=False):
+    """KV blocks by bucket of consecutive block ids, each bucket's share in percent
+    (free = 100 - used - cached). Large pools are sampled (services/scheduler/block_map.py)."""
+
+    num_blocks: int
+    used: list[int]  # referenced by a request
+    cached: list[int]  # free, but holding a reusable prefix (a cache hit revives it)
+
+
 class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     timestamp: float
     engine: str  # data-parallel rank / engine identity, the `engine` metric label
@@ -39,3 +57,7 @@ class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tr
     # Random id of the scheduler process: a new value means the scheduler restarted and
     # requests in flight before it are lost (frontends fail them).
     incarnation: str = ""
+    # The steps since the last stats message (the newest ones, at most 64) and the
+    # state of the KV blocks: the web UI's engine view.
+    recent_steps: list[StepRecord] = []
+    kv_block_map: KVBlockMap | None = None

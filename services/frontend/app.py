@@ -1,4 +1,5 @@
-"""The frontend's ASGI app (Starlette): OpenAI routes, health, metrics, version, OpenAPI.
+"""The frontend's ASGI app (Starlette): OpenAI routes, health, metrics, version, OpenAPI,
+and the web UI (web_ui.py).
 
     ─▶ HttpMetricsMiddleware (count + duration by route template and status)
        ─▶ router ─▶ _guarded: API key (all but /health, /metrics) ─▶ endpoint:
@@ -30,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import kvflow
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient
+from kvflow.services.frontend.engine_view import EngineView
 from kvflow.services.frontend.errors import APIError, error_response
 from kvflow.services.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from kvflow.services.frontend.openapi import openapi_document
@@ -39,10 +41,13 @@ from kvflow.services.frontend.serving_common import ServingContext, json_respons
 from kvflow.services.frontend.serving_completions import create_completion
 from kvflow.services.frontend.serving_tokenize import detokenize, list_models, tokenize
 from kvflow.services.frontend.sse import read_body
+from kvflow.services.frontend.web_ui import ASSETS, WebUI
 
 __all__ = ["FrontendConfig", "build_app"]
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key, as in vLLM
+# Reachable without the API key: /health and /metrics as in vLLM, and the web UI's page,
+# which asks for the key (its stats stream, /ui/stats, needs it).
+OPEN_PATHS = frozenset({"/health", "/metrics", *ASSETS})
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
@@ -58,7 +63,10 @@ def build_app(
         config.served_model_name, config.max_model_len, config.engine_label
     )
     engine_client.add_stats_listener(metrics.observe_scheduler_stats)
+    view = EngineView()
+    engine_client.add_stats_listener(view.observe)
     ctx = ServingContext(config, engine_client, tokenizer, metrics)
+    web_ui = WebUI(view)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -70,12 +78,13 @@ def build_app(
             await engine_client.close()
 
     app = Starlette(
-        routes=_routes(ctx),
+        routes=_routes(ctx, web_ui),
         middleware=[Middleware(HttpMetricsMiddleware, metrics=metrics)],
         exception_handlers={HTTPException: _http_exception},
         lifespan=lifespan,
     )
     app.state.serving = ctx
+    app.state.web_ui = web_ui  # main.py ends its stats streams at shutdown
     return app
 
 
@@ -119,7 +128,7 @@ class _Endpoints:
         return Response(self.openapi, media_type="application/json")
 
 
-def _routes(ctx: ServingContext) -> list[Route]:
+def _routes(ctx: ServingContext, web_ui: WebUI) -> list[Route]:
     e = _Endpoints(ctx)
     table: list[tuple[str, str, Endpoint]] = [
         ("POST", "/v1/completions", e.completions),
@@ -131,6 +140,8 @@ def _routes(ctx: ServingContext) -> list[Route]:
         ("GET", "/metrics", e.metrics),
         ("GET", "/version", e.version),
         ("GET", "/openapi.json", e.openapi_json),
+        ("GET", "/ui/stats", web_ui.stats),
+        *[("GET", path, web_ui.asset) for path in ASSETS],
     ]
     api_key = ctx.config.api_key
     return [

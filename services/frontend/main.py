@@ -61,6 +61,7 @@ def run_frontend(
         addresses, config.frontend_id, stats_timeout_s=config.stats_timeout_s, watchdog=watchdog
     )
     app = build_app(config, client, tokenizer)
+    web_ui = app.state.web_ui
     uv_config = uvicorn.Config(
         app,
         host=config.host,
@@ -70,7 +71,7 @@ def run_frontend(
         timeout_graceful_shutdown=int(config.shutdown_grace_s + _SHUTDOWN_MARGIN_S),
     )
     server = _Server(uv_config)
-    _run(serve(server, client, config.shutdown_grace_s, on_ready))
+    _run(serve(server, client, config.shutdown_grace_s, on_ready, on_exit=web_ui.close))
 
 
 def _run(main: Coroutine[Any, Any, None]) -> None:
@@ -87,12 +88,14 @@ async def serve(
     client: EngineClient,
     grace_s: float,
     on_ready: Callable[[], None] | None = None,
+    on_exit: Callable[[], None] | None = None,
 ) -> None:
     """Run `server` until it is told to exit; fail the streams still open `grace_s`
-    after that (steps 2-3 of the module docstring)."""
+    after that (steps 2-3 of the module docstring). `on_exit` is called as soon as
+    the server is told to exit (the web UI ends its never-ending stats streams)."""
     _install_signal_handlers(server)
     serving = asyncio.create_task(server.serve())
-    watcher = asyncio.create_task(_watch(server, client, grace_s, on_ready))
+    watcher = asyncio.create_task(_watch(server, client, grace_s, on_ready, on_exit))
     try:
         await serving
     finally:
@@ -106,6 +109,7 @@ async def _watch(
     client: EngineClient,
     grace_s: float,
     on_ready: Callable[[], None] | None,
+    on_exit: Callable[[], None] | None = None,
 ) -> None:
     while not server.started and not server.should_exit:
         await asyncio.sleep(_POLL_S)
@@ -114,6 +118,8 @@ async def _watch(
     while not server.should_exit:
         await asyncio.sleep(_POLL_S)
     logger.info("shutting down: %d request(s) in flight", client.num_in_flight)
+    if on_exit is not None:
+        on_exit()
     deadline = asyncio.get_running_loop().time() + grace_s
     while client.num_in_flight and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(_POLL_S)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,8 +36,9 @@ from kvflow.proto.engine import (
     EngineOutputs,
     TokenDelta,
 )
-from kvflow.proto.stats import SchedulerStats
+from kvflow.proto.stats import SchedulerStats, StepRecord
 from kvflow.proto.step import Shutdown, StepResult
+from kvflow.services.scheduler.block_map import block_map
 from kvflow.services.scheduler.engine_core import EngineCore, StepInFlight
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.step_trace import StepSample, StepTrace
@@ -46,6 +48,7 @@ logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.5  # also the frontends' heartbeat of this engine
 INTEGRITY_INTERVAL_S = 1.0
 _MAX_DRAIN = 4096  # messages handled between two steps at most
+_MAX_RECENT_STEPS = 64  # steps per stats message for the web UI's timeline (newest kept)
 
 
 class Sender(Protocol):
@@ -99,6 +102,8 @@ class SchedulerLoop:
         self._stalled = False  # the last plan was empty: wait for a message, do not spin
         self._next_stats = 0.0
         self._next_integrity = 0.0
+        self._recent_steps: deque[StepRecord] = deque(maxlen=_MAX_RECENT_STEPS)
+        self._preemptions_seen = 0
 
     # ---- the loop ----------------------------------------------------------------
 
@@ -208,6 +213,17 @@ class SchedulerLoop:
         """Roofline totals always; the trace only when it is on (KV usage after the
         step's update, before the next plan allocates)."""
         cost = self.instruments.roofline.record(step.batch, seconds)
+        preemptions = self.core.scheduler.num_preemptions
+        batch = step.batch
+        self._recent_steps.append(
+            StepRecord(
+                batch.num_prompt_tokens,
+                batch.num_decode_tokens,
+                seconds,
+                preemptions - self._preemptions_seen,
+            )
+        )
+        self._preemptions_seen = preemptions
         if self.instruments.trace is not None:
             scheduler = self.core.scheduler
             sample = StepSample(
@@ -268,4 +284,11 @@ class SchedulerLoop:
             peak_bandwidth=instruments.peak_bandwidth,
             startup_phases=instruments.startup_phases,
             incarnation=self.incarnation,
+            recent_steps=self._take_recent_steps(),
+            kv_block_map=block_map(self.core.scheduler.kv_cache.block_pool),
         )
+
+    def _take_recent_steps(self) -> list[StepRecord]:
+        steps = list(self._recent_steps)
+        self._recent_steps.clear()
+        return steps

@@ -677,6 +677,29 @@ def test_api_key(own: Callable[..., Harness]) -> None:
     assert good.completions.create(model=MODEL, prompt="x").choices[0].text
 
 
+def test_web_ui_page_is_open_and_its_stats_need_the_key(own: Callable[..., Harness]) -> None:
+    h = own(api_key="secret")
+    for path in ("/", "/ui"):
+        page = h.http.get(path)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert (
+            'src="/ui/app.js"' in page.text
+            and "default-src 'self'" in page.headers["content-security-policy"]
+        )
+    assert h.http.get("/ui/app.js").headers["content-type"].startswith("text/javascript")
+    assert h.http.get("/ui/app.css").headers["content-type"].startswith("text/css")
+    assert h.http.get("/ui/stats").status_code == 401
+    with h.http.stream("GET", "/ui/stats", headers={"Authorization": "Bearer secret"}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+    snapshot = json.loads(first[len("data: ") :])
+    (engine,) = snapshot["engines"]
+    assert (
+        engine["engine"] == "0" and engine["num_running"] == h.client.latest_stats["0"].num_running
+    )
+    assert engine["block_map"] is None or len(engine["block_map"]["used"]) >= 1
+
+
 # --- engine failures and disconnects -----------------------------------------------------
 
 

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs, TokenDelta
+from kvflow.proto.stats import KVBlockMap, PhaseTotals, SchedulerStats, StepRecord
 from kvflow.proto.step import (
     CachedRequestData,
     NewRequestData,
@@ -54,6 +55,17 @@ MESSAGES = [
     ),
     SchedulerHello("3f2a9c"),
     Shutdown(),
+    SchedulerStats(
+        timestamp=2.0,
+        engine="0",
+        num_running=1,
+        num_waiting=0,
+        kv_cache_usage=0.25,
+        step_tokens=[3, 1],
+        roofline={"decode": PhaseTotals(1, 0.01, 2e9, 3e8)},
+        recent_steps=[StepRecord(3, 0, 0.02), StepRecord(0, 1, 0.01, preemptions=1)],
+        kv_block_map=KVBlockMap(8, used=[100, 0], cached=[0, 25]),
+    ),
 ]
 
 
