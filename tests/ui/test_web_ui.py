@@ -74,12 +74,30 @@ def test_chat_streams_token_by_token(page: Any, screenshots: Path) -> None:
     page.screenshot(path=str(screenshots / "playground.png"), full_page=True)
 
 
+def _busy_engine(server: Server, count: int = 12) -> list[threading.Thread]:
+    """Requests running beside the page's, so that its stream is slow enough to stop
+    mid-way on any machine (alone, the tiny model writes 400 tokens in about a second)."""
+
+    def one() -> None:
+        body = {"model": "tiny", "prompt": "busy", "max_tokens": 400, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        httpx.post(server.base_url + "/v1/completions", json=body, headers=headers, timeout=300)
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 def test_stop_aborts_the_request_and_frees_its_blocks(page: Any, ui_server: Server) -> None:
     page.get_by_label("Max tokens").fill("400")
+    busy = _busy_engine(ui_server)
     answer = send(page, "Tell me everything.")
     wait_for(lambda: len(answer.locator(".choices").inner_text()) > 20, 60, 0.05)
     page.get_by_role("button", name="Stop").click()
     finished(answer, "stopped")
+    for thread in busy:
+        thread.join(timeout=300)
     stopped_at = answer.locator(".choices").inner_text()
     assert "stopped" in answer.locator(".meta").last.inner_text()
 
