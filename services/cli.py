@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from kvflow.services.bench import latency, serve, startup, throughput
+    from kvflow.services.bench import host_time, latency, serve, startup, throughput
 
     tp = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
     throughput.add_args(tp)
@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     latency.add_args(lat)
     add_engine_args(lat)
     lat.set_defaults(handler=latency.run)
+    host = bench_sub.add_parser("host-time", help="worker host time per decode step")
+    host_time.add_args(host)
+    add_engine_args(host)
+    host.set_defaults(handler=host_time.run)
     srv = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server")
     serve.add_args(srv)
     srv.set_defaults(handler=serve.run)
