@@ -76,17 +76,22 @@ def _served(server: Server, prompt: list[int], params: dict[str, Any]) -> list[s
     return [c["text"] for c in choices]
 
 
-def test_served_and_offline_give_the_same_outputs(async_server: Server, tiny_model_dir: Path):
-    with ThreadPoolExecutor(len(WORKLOAD)) as pool:
-        served = list(pool.map(lambda w: _served(async_server, *w), WORKLOAD))
-    llm = LLM(
-        str(tiny_model_dir),
+def offline_llm(model_dir: Path, async_scheduling: bool) -> LLM:
+    """The offline engine with the served engine's options (ENGINE)."""
+    return LLM(
+        str(model_dir),
         dtype="float32",
         num_blocks=24,
         block_size=4,
         max_num_batched_tokens=32,
-        async_scheduling=True,
+        async_scheduling=async_scheduling,
     )
+
+
+def test_served_and_offline_give_the_same_outputs(async_server: Server, tiny_model_dir: Path):
+    with ThreadPoolExecutor(len(WORKLOAD)) as pool:
+        served = list(pool.map(lambda w: _served(async_server, *w), WORKLOAD))
+    llm = offline_llm(tiny_model_dir, async_scheduling=True)
     outputs = llm.generate([p for p, _ in WORKLOAD], [SamplingParams(**p) for _, p in WORKLOAD])
     offline = [[o.text for o in output.outputs] for output in outputs]
     assert served == offline
@@ -110,14 +115,7 @@ def test_async_offline_equals_sync_offline(tiny_model_dir: Path) -> None:
     params = [SamplingParams(**p) for _, p in WORKLOAD]
     results = {}
     for flag in (False, True):
-        llm = LLM(
-            str(tiny_model_dir),
-            dtype="float32",
-            num_blocks=24,
-            block_size=4,
-            max_num_batched_tokens=32,
-            async_scheduling=flag,
-        )
+        llm = offline_llm(tiny_model_dir, async_scheduling=flag)
         outs = llm.generate(prompts, params)
         results[flag] = [
             [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in r.outputs] for r in outs
