@@ -27,7 +27,9 @@ class ModelConfig:
     model: str | None = _opt(
         None, "HF directory or .gguf file; empty = embedded SmolLM2-135M-Instruct"
     )
-    dtype: DType = _opt("auto", "weight/activation dtype; auto = bfloat16 on AMX/CUDA")
+    dtype: DType = _opt(
+        "auto", "weight/activation dtype; auto = bfloat16 on CUDA, on CPU the faster by measurement"
+    )
     max_model_len: int | None = _opt(None, "context length cap (default: model's own)")
     served_model_name: str | None = _opt(None, "name reported by /v1/models")
     seed: int = _opt(0, "seed of the global sampler generator")
@@ -170,20 +172,14 @@ def resolve_attention_backend(backend: str, device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """auto = bfloat16 where matmuls in bf16 are fast (CUDA, or CPUs with AMX/AVX512-BF16)."""
+    """auto = bfloat16 on CUDA; on CPU whichever dtype this machine's matmuls run faster
+    (kvflow/metrics/dtype_choice.py: measured once per CPU model, then cached)."""
     if dtype != "auto":
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"unsupported dtype {dtype!r}")
         return dtype
     if device == "cuda":
         return "bfloat16"
-    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+    from kvflow.metrics.dtype_choice import choose_cpu_dtype
 
-
-def cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return choose_cpu_dtype().dtype

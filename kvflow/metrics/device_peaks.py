@@ -15,16 +15,15 @@ A calibrated peak is what this machine reaches with torch, not the datasheet's f
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import platform
 import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from kvflow.cache_dir import cpu_model, default_cache_dir, read_json, write_json_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +117,7 @@ def _best_time(work: Callable[[], object], device: str) -> float:
 def cached_calibration(device: str, dtype: str, cache_file: Path) -> DevicePeaks:
     """`calibrate` once per (device model, threads, dtype); later from `cache_file`."""
     key = _calibration_key(device, dtype)
-    cached = _read_cache(cache_file)
+    cached = read_json(cache_file)
     if key in cached:
         entry = cached[key]
         return DevicePeaks(float(entry["flops"]), float(entry["bandwidth"]), "cached calibration")
@@ -166,9 +165,9 @@ def _calibrate_device(device: str, dtype: str) -> DevicePeaks:
 
 
 def _store_calibration(cache_file: Path, key: str, peaks: DevicePeaks) -> None:
-    cached = _read_cache(cache_file)
+    cached = read_json(cache_file)
     cached[key] = {k: v for k, v in asdict(peaks).items() if k != "source"}
-    _write_cache(cache_file, cached)
+    write_json_atomically(cache_file, cached)
     logger.info(
         "calibrated %s: %.1f GFLOP/s, %.1f GB/s", key, peaks.flops / 1e9, peaks.bandwidth / 1e9
     )
@@ -201,8 +200,6 @@ def resolve_peaks(
 
 
 def default_cache_file() -> Path:
-    from kvflow.cache_dir import default_cache_dir
-
     return default_cache_dir() / "device_peaks.json"
 
 
@@ -211,34 +208,4 @@ def _calibration_key(device: str, dtype: str) -> str:
 
     if device.startswith("cuda"):
         return f"{torch.cuda.get_device_name(device)}|{dtype}"
-    return f"{_cpu_model()}|{torch.get_num_threads()} threads|{dtype}"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _read_cache(path: Path) -> dict[str, dict[str, float]]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_cache(path: Path, data: dict[str, dict[str, float]]) -> None:
-    """Atomically (several processes may calibrate at once; the last rename wins)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}")
-        partial.write_text(json.dumps(data, indent=1, sort_keys=True))
-        partial.replace(path)
-    except OSError as exc:
-        logger.warning("could not cache the device peaks in %s: %s", path, exc)
+    return f"{cpu_model()}|{torch.get_num_threads()} threads|{dtype}"

@@ -14,6 +14,8 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.errors import ConfigError, PromptTooLongError
+from kvflow.metrics import dtype_choice
+from kvflow.metrics.dtype_choice import DTypeChoice, faster_dtype
 
 pytestmark = pytest.mark.slow  # each test loads an engine or two (1-4 s here)
 
@@ -21,25 +23,25 @@ BASE: dict[str, Any] = {"dtype": "float32", "device": "cpu"}
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def test_dtype_auto_resolves_by_cpu_and_generates(tiny_model_dir: Path) -> None:
-    # README: "bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32".
-    fast_bf16 = bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
-    expected = torch.bfloat16 if fast_bf16 else torch.float32
+@pytest.mark.parametrize("measured", ["float32", "bfloat16"])
+def test_dtype_auto_takes_the_measured_dtype_and_generates(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, measured: str
+) -> None:
+    # README: "on CPU the dtype whose matmuls this machine runs faster, measured once".
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    fp32, bf16 = (100.0, 500.0) if measured == "bfloat16" else (200.0, 150.0)
+    fake = DTypeChoice(faster_dtype(fp32, bf16), fp32, bf16, "measured")
+    monkeypatch.setattr(dtype_choice, "measure_cpu_dtype", lambda threads=None: fake)
     llm = LLM(str(tiny_model_dir), dtype="auto", device="cpu", num_blocks=32)
+    expected = getattr(torch, measured)
     engine = llm.engine
-    assert engine.config.model.dtype == str(expected).removeprefix("torch.")
+    assert engine.config.model.dtype == measured
     assert {p.dtype for p in engine.runner.model.parameters()} == {expected}
     assert engine.runner.kv_spec.dtype == expected
     # Which tokens depends on the dtype, so on the machine: only lengths are asserted.
     output = llm.generate(["The capital of France is"], GREEDY)[0].outputs[0]
     assert len(output.token_ids) == 4 and output.finish_reason == "length"
+    assert json.loads((tmp_path / "dtype_choice.json").read_text())  # the next start reads it
 
 
 def test_max_model_len_caps_the_context(tiny_model_dir: Path) -> None:
