@@ -110,6 +110,7 @@ class InputBatch:
 
     def add(self, new: NewRequestData) -> int:
         """Put a new (or resumed) request into the lowest free slot."""
+        assert new.req_id not in self.slot_of, f"{new.req_id} arrived twice"
         if not self._free_slots:
             raise RuntimeError(f"more than max_num_seqs={self.limits.max_num_seqs} requests")
         num_tokens = len(new.token_ids)

@@ -139,22 +139,28 @@ class SamplingState:
     # ---- per composition -------------------------------------------------------------
 
     def _compose(self, slots: np.ndarray) -> _Composition:
+        slot_list = slots.tolist()
+        penalties = self.penalties.params(slots)
+        metadata = self._gather(slots, slot_list, no_penalties=penalties is None)
+        min_tokens_rows = [(row, s) for row, s in enumerate(slot_list) if s in self.min_tokens]
+        penalty_slots = slots[np.flatnonzero(self.penalties.active[slots])]
+        return _Composition(metadata, penalties, penalty_slots, min_tokens_rows)
+
+    def _gather(
+        self, slots: np.ndarray, slot_list: list[int], no_penalties: bool
+    ) -> SamplingMetadata:
+        """The per-slot parameters of rows `slots`, and the row groups."""
         kinds = self.kind[slots]
         greedy, plain, truncated = (np.flatnonzero(kinds == k) for k in (GREEDY, PLAIN, TRUNCATED))
         random_rows = np.flatnonzero(kinds != GREEDY)
         width, has_top_p_only = truncation_width(
             self.top_k[slots[truncated]], self.vocab_size, self.device
         )
-        slot_list = slots.tolist()
-        seeded = {
-            int(row): gen
-            for row in random_rows
-            if (gen := self.generators[slot_list[row]]) is not None
-        }
+        gens = self.generators
+        seeded = {r: g for r in random_rows.tolist() if (g := gens[slot_list[r]]) is not None}
         values = self.values.index_select(1, self._tensor(slots))  # [3, R]
         num_logprobs = int(self.num_logprobs[slots].max(initial=-1))
-        penalties = self.penalties.params(slots)
-        metadata = SamplingMetadata(
+        return SamplingMetadata(
             temperature=values[0],
             top_k=self._tensor(self.top_k[slots]),
             top_p=values[1],
@@ -164,7 +170,7 @@ class SamplingState:
             truncated_rows=self._tensor(truncated),
             all_greedy=random_rows.size == 0,
             all_random=greedy.size == 0,
-            no_penalties=penalties is None,
+            no_penalties=no_penalties,
             no_top_k_top_p=truncated.size == 0,
             no_min_p=not bool((self.min_p[slots[random_rows]] > 0).any()),
             truncation_width=width,
@@ -174,12 +180,9 @@ class SamplingState:
             logit_bias=self._logit_bias(slot_list),
             banned=None,
             generators=seeded,
-            seeded_rows=self._tensor(np.fromiter(seeded, dtype=np.int64, count=len(seeded))),
+            seeded_rows=self._tensor(np.array(list(seeded), dtype=np.int64)),
             max_num_logprobs=None if num_logprobs < 0 else num_logprobs,
         )
-        min_tokens_rows = [(row, s) for row, s in enumerate(slot_list) if s in self.min_tokens]
-        penalty_slots = slots[np.flatnonzero(self.penalties.active[slots])]
-        return _Composition(metadata, penalties, penalty_slots, min_tokens_rows)
 
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device)
