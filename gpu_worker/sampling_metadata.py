@@ -16,7 +16,9 @@ Invariants:
 - `generators` holds only random rows (a greedy row never consumes its generator), in the
   same order as `seeded_rows`;
 - penalties, logit bias and min_tokens bans are None when no row uses them, so their
-  work is skipped entirely.
+  work is skipped entirely;
+- the sampler only reads these tensors: while the batch's composition stays the same,
+  the next step gets the very same parameter tensors again.
 """
 
 from __future__ import annotations
