@@ -18,6 +18,9 @@ from kvflow.errors import ConfigError
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+LoadBalance = Literal["prefix-aware", "least-load", "round-robin"]
+
+
 def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -79,6 +82,14 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = _opt(1, "tensor-parallel ranks")
     pipeline_parallel_size: int = _opt(1, "pipeline-parallel stages")
+    data_parallel_size: int = _opt(1, "engine cores (each with its own workers) behind the API")
+    load_balance: LoadBalance = _opt(
+        "prefix-aware", "how the frontend picks an engine when data_parallel_size > 1"
+    )
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
     @property
     def world_size(self) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvflow.config import EngineConfig
+from kvflow.errors import ConfigError
 from kvflow.engine import LLMEngine
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -28,6 +29,13 @@ class LLM:
         **engine_options: Any,
     ) -> None:
         config = EngineConfig.create(model=model, dtype=dtype, device=device, **engine_options)
+        if config.parallel.data_parallel_size != 1:
+            # One process, one engine core: D cores here would share the same CPU/GPU
+            # and give no throughput; data parallelism is `kvflow serve`'s.
+            raise ConfigError(
+                "LLM runs one engine core in process; for data parallelism use "
+                "`kvflow serve --data-parallel-size N`"
+            )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
