@@ -54,6 +54,10 @@ class ServeOptions:
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Run the stack until SIGINT/SIGTERM; 0 after a clean shutdown, 1 on a start error."""
+    if config.parallel.data_parallel_size > 1:
+        from kvflow.services.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(config, options)
     start = time.monotonic()
     stop = StopFlag().install()
     phases = _launcher_phases()

@@ -33,9 +33,11 @@ from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient
 from kvflow.services.frontend.engine_view import EngineView
 from kvflow.services.frontend.errors import APIError, error_response
+from kvflow.services.frontend.health import degraded_health
 from kvflow.services.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from kvflow.services.frontend.openapi import openapi_document
 from kvflow.services.frontend.responses import VersionResponse
+from kvflow.services.frontend.routing_metrics import RoutingMetrics
 from kvflow.services.frontend.serving_chat import create_chat_completion
 from kvflow.services.frontend.serving_common import ServingContext, json_response
 from kvflow.services.frontend.serving_completions import create_completion
@@ -63,6 +65,8 @@ def build_app(
         config.served_model_name, config.max_model_len, config.engine_label
     )
     engine_client.add_stats_listener(metrics.observe_scheduler_stats)
+    routing = RoutingMetrics(metrics.registry, config.served_model_name, len(engine_client.engines))
+    engine_client.add_route_listener(routing.observe)
     view = EngineView()
     engine_client.add_stats_listener(view.observe)
     ctx = ServingContext(config, engine_client, tokenizer, metrics)
@@ -114,6 +118,8 @@ class _Endpoints:
 
     async def health(self, request: Request) -> Response:
         problem = self.ctx.engine.health_problem()
+        if problem is None and self.ctx.engine.is_degraded:
+            return degraded_health(self.ctx.engine.engine_problems())
         if problem is None:
             return Response(status_code=HTTPStatus.OK)
         raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, problem, error_type="service_unavailable")

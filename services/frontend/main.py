@@ -18,7 +18,7 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from kvflow.proto.addresses import ServiceAddresses
 from kvflow.services.frontend.app import build_app
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient, Watchdog
+from kvflow.services.frontend.routing import RoutingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +45,29 @@ class _Server(uvicorn.Server):
 
 def run_frontend(
     config: FrontendConfig,
-    addresses: ServiceAddresses,
+    addresses: ServiceAddresses | Sequence[ServiceAddresses],
     model_dir: Path,
     watchdog: Watchdog | None = None,
     *,
     on_ready: Callable[[], None] | None = None,
     tokenizer: Any = None,
+    routing: RoutingConfig | None = None,
+    engine_watchdogs: Sequence[Watchdog] | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM; `on_ready` is called once the port accepts requests.
-    `tokenizer`: the model's, if the caller loaded it already (else loaded here)."""
+    `tokenizer`: the model's, if the caller loaded it already (else loaded here).
+    Several `addresses`: one engine core each (data parallelism), routed by `routing`."""
     if tokenizer is None:
         from kvflow.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
     client = EngineClient(
-        addresses, config.frontend_id, stats_timeout_s=config.stats_timeout_s, watchdog=watchdog
+        addresses,
+        config.frontend_id,
+        stats_timeout_s=config.stats_timeout_s,
+        watchdog=watchdog,
+        engine_watchdogs=engine_watchdogs,
+        routing=routing,
     )
     app = build_app(config, client, tokenizer)
     web_ui = app.state.web_ui

@@ -1018,6 +1018,7 @@ def test_a_restarted_scheduler_fails_the_requests_in_flight(tmp_path: Path) -> N
     client._handle(_stats("first"))
     in_flight: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()
     client._queues["req-1#0"] = in_flight
+    client._owners["req-1#0"] = 0
     client._handle(_stats("first"))  # the same scheduler: nothing happens
     assert in_flight.empty() and client.num_in_flight == 1
     client._handle(_stats("second"))
