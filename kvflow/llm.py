@@ -9,8 +9,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kvflow.config import EngineConfig
-from kvflow.errors import ConfigError
 from kvflow.engine import LLMEngine
+from kvflow.errors import ConfigError
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import Conversation, apply_chat_template

@@ -66,15 +66,15 @@ def test_prefix_aware_spreads_unrelated_prompts() -> None:
 def test_prefix_aware_falls_back_to_least_load_when_overloaded() -> None:
     router = _router("prefix-aware", engines=2, overload_threshold=8)
     prefix = _prompt(0, 256)
-    owner = router.route(prefix + [1]).engine
+    owner = router.route([*prefix, 1]).engine
     router.observe_load(owner, waiting=2, running=1)  # 9 > 0 + 8
     router.observe_load(1 - owner, waiting=0, running=0)
-    decision = router.route(prefix + [2])
+    decision = router.route([*prefix, 2])
     assert decision.engine == 1 - owner and decision.policy == "least-load"
     router.observe_load(owner, waiting=2, running=0)  # 8: within the margin
     router.observe_load(1 - owner, waiting=0, running=0)
     # The longest known prefix now lives on the other engine too (it took the last one).
-    assert router.route(prefix + [3]).prefix_hit
+    assert router.route([*prefix, 3]).prefix_hit
 
 
 def test_prefix_aware_uses_the_engines_hash_with_the_salt() -> None:
