@@ -48,7 +48,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvflow.errors import EngineDeadError
+from kvflow.errors import EngineDeadError, InvalidRequestError
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.engine import AbortRequests, AddRequest
 from kvflow.proto.frontend import EngineDead, FrontendOutputs, RequestOutputDelta
@@ -172,6 +172,21 @@ class EngineClient:
             return next(iter(problems.values()))
         return "; ".join(f"engine {label}: {problem}" for label, problem in problems.items())
 
+    def check_rank(self, rank: int | None) -> None:
+        """InvalidRequestError (400) for a rank this server lacks, EngineDeadError (503)
+        for one that is down; None asks for nothing."""
+        if rank is None:
+            return
+        if rank >= len(self.engines):
+            raise InvalidRequestError(
+                f"data_parallel_rank {rank} is out of range: "
+                f"this server runs {len(self.engines)} engine(s)",
+                param="data_parallel_rank",
+            )
+        problem = self.engine_problems()[str(rank)]
+        if problem is not None:
+            raise EngineDeadError(f"engine {rank} is not serving: {problem}")
+
     @property
     def is_healthy(self) -> bool:
         return self.health_problem() is None
@@ -205,6 +220,7 @@ class EngineClient:
         sending anything when no engine (or not the asked one) serves. Every sample
         goes to one engine: they share the prompt's KV blocks there."""
         assert "#" not in request_id, "'#' separates a request id from its sample index"
+        self.check_rank(data_parallel_rank)
         engine = self._route(prompt_token_ids, cache_salt, data_parallel_rank)
         child_ids = child_request_ids(request_id, params.n)
         queue: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()

@@ -64,6 +64,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     priority: Int32 = 0
     cache_salt: str | None = None
+    data_parallel_rank: Annotated[int, Meta(ge=0)] | None = None  # the engine to use
 
     @property
     def include_usage(self) -> bool:

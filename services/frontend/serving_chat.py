@@ -126,6 +126,7 @@ class _Chat(ServedRequest):
             [ctx.prepare_ids(token_ids, params, None)],
             priority=request.priority,
             cache_salt=request.cache_salt,
+            data_parallel_rank=request.data_parallel_rank,
             arrival_time=time.time(),
         )
         self.include_usage = request.include_usage
@@ -179,7 +180,7 @@ async def create_chat_completion(ctx: ServingContext, raw: Request, body: bytes)
     request = decode_request(body, ChatCompletionRequest)
     ctx.check_model(request.model)
     chat = _Chat(ctx, request)
-    ctx.check_engine()
+    ctx.check_engine(request.data_parallel_rank)
     if request.stream:
         return SSEResponse(chat.stream())
     return await until_disconnect(raw, chat.full())

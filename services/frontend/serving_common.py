@@ -66,10 +66,11 @@ class ServingContext:
                 f"{self.config.served_model_name!r}"
             )
 
-    def check_engine(self) -> None:
+    def check_engine(self, data_parallel_rank: int | None = None) -> None:
         problem = self.engine.health_problem()
         if problem is not None:
             raise EngineDeadError(problem)
+        self.engine.check_rank(data_parallel_rank)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -119,6 +120,7 @@ class ServingContext:
         priority: int,
         cache_salt: str | None,
         arrival_time: float,
+        data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
         """(choice index, delta) for every sample of every prompt, as they come.
 
@@ -127,7 +129,13 @@ class ServingContext:
         n = prompts[0].params.n
         streams = [
             self.engine.generate(
-                f"{request_id}-{i}", p.token_ids, p.params, priority, cache_salt, arrival_time
+                f"{request_id}-{i}",
+                p.token_ids,
+                p.params,
+                priority,
+                cache_salt,
+                arrival_time,
+                data_parallel_rank,
             )
             for i, p in enumerate(prompts)
         ]
@@ -229,6 +237,7 @@ class ServedRequest:
         priority: int,
         cache_salt: str | None,
         arrival_time: float,
+        data_parallel_rank: int | None = None,
     ) -> None:
         self.ctx = ctx
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -238,6 +247,7 @@ class ServedRequest:
         self.priority = priority
         self.cache_salt = cache_salt
         self.arrival_time = arrival_time
+        self.data_parallel_rank = data_parallel_rank
 
     def deltas(self) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
         return self.ctx.generate(
@@ -246,6 +256,7 @@ class ServedRequest:
             priority=self.priority,
             cache_salt=self.cache_salt,
             arrival_time=self.arrival_time,
+            data_parallel_rank=self.data_parallel_rank,
         )
 
     def usage(self, choices: Sequence[ChoiceCounts]) -> UsageInfo:

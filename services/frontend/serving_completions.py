@@ -154,6 +154,7 @@ class _Completion(ServedRequest):
             prompts,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            data_parallel_rank=request.data_parallel_rank,
             arrival_time=time.time(),
         )
         self.include_usage = request.include_usage
@@ -206,7 +207,7 @@ async def create_completion(ctx: ServingContext, raw: Request, body: bytes) -> R
     request = decode_request(body, CompletionRequest)
     ctx.check_model(request.model)
     completion = _Completion(ctx, request)
-    ctx.check_engine()
+    ctx.check_engine(request.data_parallel_rank)
     if request.stream:
         return SSEResponse(completion.stream())
     return await until_disconnect(raw, completion.full())

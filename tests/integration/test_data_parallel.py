@@ -188,3 +188,20 @@ def _wait_degraded(url: str) -> dict[str, Any]:
 def _healthy(url: str) -> bool:
     response = httpx.get(url + "/health", timeout=5.0)
     return response.status_code == 200 and not response.content
+
+
+def test_an_explicit_data_parallel_rank_wins(dp_server: Server) -> None:
+    url = dp_server.base_url
+    before = _by_engine(url, "kvflow:router_requests_total", policy="rank")
+    for rank in (1, 1, 0):
+        body = {"model": MODEL_NAME, "prompt": _prompt(7), "max_tokens": 2}
+        response = httpx.post(
+            url + "/v1/completions", json=body | {"data_parallel_rank": rank}, timeout=60
+        )
+        assert response.status_code == 200, response.text
+    after = _by_engine(url, "kvflow:router_requests_total", policy="rank")
+    assert after["1"] - before.get("1", 0.0) == 2 and after["0"] - before.get("0", 0.0) == 1
+    body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "data_parallel_rank": 2}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "data_parallel_rank"
