@@ -1,4 +1,5 @@
-"""`kvflow serve --data-parallel-size D`: D engine cores behind one frontend.
+"""`kvflow serve --data-parallel-size D`: D engine cores behind one frontend (or
+several: `--api-server-count`, services/api_servers.py).
 
     kvflow serve (this process)
       ├─ engine 0: worker rank 0..W-1, scheduler (engine "0"), detokenizer   ipc://<dir>/engine0/*
@@ -216,20 +217,27 @@ def _run_frontend(
     tokenizer: Any,
     start: float,
 ) -> None:
+    from kvflow.services.api_servers import start_api_servers, stop_api_servers
     from kvflow.services.frontend.main import run_frontend
     from kvflow.services.frontend.routing import RoutingConfig
 
     frontend = make_frontend_config(config, model_dir, options)
     routing = RoutingConfig(policy=config.parallel.load_balance, block_size=config.cache.block_size)
-    run_frontend(
-        frontend,
-        [group.addresses for group in groups],
-        model_dir,
-        on_ready=_ready_line(frontend, start),
-        tokenizer=tokenizer,
-        routing=routing,
-        engine_watchdogs=[functools.partial(_death, group) for group in groups],
-    )
+    addresses = [group.addresses for group in groups]
+    extra = start_api_servers(options.api_server_count - 1, frontend, addresses, model_dir, routing)
+    try:
+        run_frontend(
+            frontend,
+            addresses,
+            model_dir,
+            on_ready=_ready_line(frontend, start),
+            tokenizer=tokenizer,
+            routing=routing,
+            engine_watchdogs=[functools.partial(_death, group) for group in groups],
+            reuse_port=options.api_server_count > 1,
+        )
+    finally:
+        stop_api_servers(extra, options.shutdown_timeout_s)
     logger.info("frontend stopped")
 
 

@@ -50,11 +50,12 @@ class ServeOptions:
     startup_timeout_s: float = 600.0  # model loading included
     shutdown_timeout_s: float = 10.0  # per stage: Shutdown, then SIGTERM
     trace_file: str | None = None  # the scheduler's step trace (Chrome/Perfetto JSON)
+    api_server_count: int = 1  # HTTP frontend processes on the port (SO_REUSEPORT)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Run the stack until SIGINT/SIGTERM; 0 after a clean shutdown, 1 on a start error."""
-    if config.parallel.data_parallel_size > 1:
+    if config.parallel.data_parallel_size > 1 or options.api_server_count > 1:
         from kvflow.services.data_parallel import serve_data_parallel
 
         return serve_data_parallel(config, options)

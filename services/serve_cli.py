@@ -27,6 +27,12 @@ def add_serve_parsers(subparsers: Any) -> None:
     serve.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds for every role to start"
     )
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="HTTP frontend processes sharing the port (SO_REUSEPORT)",
+    )
     _add_trace_arg(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=_run_serve)
@@ -110,6 +116,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         startup_timeout_s=args.startup_timeout,
         trace_file=args.trace_file,
+        api_server_count=args.api_server_count,
     )
     return serve(_config(args), options)
 

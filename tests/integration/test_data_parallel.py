@@ -205,3 +205,35 @@ def test_an_explicit_data_parallel_rank_wins(dp_server: Server) -> None:
     response = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "data_parallel_rank"
+
+
+def test_two_api_servers_share_the_port(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from serve_harness import listening_addresses
+
+    server = start_server(
+        tiny_model_dir, tmp_path_factory.mktemp("api2"), "--api-server-count", "2"
+    )
+    try:
+        port = int(server.base_url.rsplit(":", 1)[1])
+        assert child_pid(server.pid, "kvflow-api1") is not None
+        assert listening_addresses(port) == {"127.0.0.1"}
+        # Every request on a fresh connection: the kernel spreads them over both.
+        for i in range(24):
+            body = {"model": MODEL_NAME, "prompt": _prompt(i), "max_tokens": 2}
+            response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+        # Each frontend counts what it routed; fresh connections reach both.
+        seen: set[float] = set()
+
+        def both_counted() -> bool:
+            routed = _by_engine(server.base_url, "kvflow:router_requests_total")
+            seen.add(routed["0"])
+            return len(seen) == 2
+
+        assert wait_for(both_counted, timeout_s=30.0, interval_s=0.0), seen
+        assert sum(seen) == 24, seen
+    finally:
+        code, survivors = stop_server(server)
+    assert survivors == [] and code == 0, server.log_tail()
