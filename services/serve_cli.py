@@ -54,6 +54,9 @@ def add_serve_parsers(subparsers: Any) -> None:
             parser.add_argument("--rank", type=int, default=0, help="this worker's rank")
         if role == "scheduler":
             _add_trace_arg(parser)
+            parser.add_argument(
+                "--engine-id", default="0", help="this engine's data-parallel rank (metric label)"
+            )
         add_engine_args(parser)
         parser.set_defaults(handler=handler)
 
@@ -131,6 +134,7 @@ def _run_scheduler(args: argparse.Namespace) -> int:
         _model_dir(config),
         SchedulerOptions(trace_file=args.trace_file),
         launcher_address=args.launcher_address,
+        engine_id=args.engine_id,
     )
 
 
@@ -158,11 +162,27 @@ def _run_detokenizer(args: argparse.Namespace) -> int:
 
 def _run_frontend(args: argparse.Namespace) -> int:
     from kvflow.services.frontend.main import run_frontend
+    from kvflow.services.frontend.routing import RoutingConfig
     from kvflow.services.launcher import ServeOptions, make_frontend_config
 
     config = _config(args)
     model_dir = _model_dir(config)
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key)
     frontend = make_frontend_config(config, model_dir, options)
-    run_frontend(frontend, resolve_addresses(args), model_dir)
+    if config.parallel.data_parallel_size == 1:
+        run_frontend(frontend, resolve_addresses(args), model_dir)
+        return 0
+    routing = RoutingConfig(policy=config.parallel.load_balance, block_size=config.cache.block_size)
+    run_frontend(frontend, _engine_addresses(args, config), model_dir, routing=routing)
     return 0
+
+
+def _engine_addresses(args: argparse.Namespace, config: EngineConfig) -> list[ServiceAddresses]:
+    """Engine 0's from flags or KVFLOW_ADDR_*, engine i's from KVFLOW_E<i>_ADDR_*."""
+    addresses = [resolve_addresses(args)]
+    for engine in range(1, config.parallel.data_parallel_size):
+        found = ServiceAddresses.from_env(f"KVFLOW_E{engine}_ADDR_")
+        if found is None:
+            raise SystemExit(f"kvflow: no addresses for engine {engine} (KVFLOW_E{engine}_ADDR_*)")
+        addresses.append(found)
+    return addresses
