@@ -237,3 +237,85 @@ def test_two_api_servers_share_the_port(
     finally:
         code, survivors = stop_server(server)
     assert survivors == [] and code == 0, server.log_tail()
+
+
+def test_standalone_roles_of_two_engines_behind_one_frontend(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """How compose's `dp` profile runs them: each engine's roles with their own addresses
+    (engine 1's scheduler says `--engine-id 1`), one frontend with KVFLOW_E1_ADDR_*."""
+    import subprocess
+
+    from serve_harness import ENGINE_ARGS, KVFLOW, free_port
+
+    common = ["--model", str(tiny_model_dir), "--served-model-name", MODEL_NAME, *ENGINE_ARGS]
+    e0, e1 = _tcp_env(), _tcp_env()
+    e1_for_frontend = {k.replace("KVFLOW_", "KVFLOW_E1_"): v for k, v in e1.items()}
+    port = free_port()
+    roles = [
+        (e0, ["worker"]),
+        (e0, ["scheduler"]),
+        (e0, ["detokenizer"]),
+        (e1, ["worker"]),
+        (e1, ["scheduler", "--engine-id", "1"]),
+        (e1, ["detokenizer"]),
+        ({**e0, **e1_for_frontend}, ["frontend", "--port", str(port), "--data-parallel-size", "2"]),
+    ]
+    processes = []
+    try:
+        for index, (env, args) in enumerate(roles):
+            with open(tmp_path / f"role{index}.log", "wb") as log:
+                processes.append(
+                    subprocess.Popen(
+                        [str(KVFLOW), args[0], *common, *args[1:]],
+                        env={**os.environ, **env},
+                        stdout=log,
+                        stderr=log,
+                    )
+                )
+        url = f"http://127.0.0.1:{port}"
+        assert wait_for(lambda: _healthy_quiet(url), timeout_s=240.0), _logs(tmp_path)
+        for rank in (0, 1, 1):
+            body = {"model": MODEL_NAME, "prompt": _prompt(3), "max_tokens": 3}
+            response = httpx.post(
+                url + "/v1/completions", json=body | {"data_parallel_rank": rank}, timeout=60
+            )
+            assert response.status_code == 200, response.text
+        routed = _by_engine(url, "kvflow:router_requests_total", policy="rank")
+        assert routed == {"0": 1.0, "1": 2.0}
+        assert wait_for(
+            lambda: set(_by_engine(url, "kvflow:num_requests_running")) == {"0", "1"}, 10.0
+        )
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _tcp_env() -> dict[str, str]:
+    from serve_harness import free_port
+
+    from kvflow.proto.addresses import ServiceAddresses
+
+    return {
+        f"KVFLOW_ADDR_{channel.upper()}": f"tcp://127.0.0.1:{free_port()}"
+        for channel in ServiceAddresses.channels()
+    }
+
+
+def _healthy_quiet(url: str) -> bool:
+    try:
+        return _healthy(url)
+    except httpx.HTTPError:
+        return False
+
+
+def _logs(tmp_path: Path) -> str:
+    return "\n".join(
+        f"--- {p.stem}\n" + p.read_text(errors="replace")[-2000:]
+        for p in sorted(tmp_path.glob("*.log"))
+    )
