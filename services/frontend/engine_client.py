@@ -50,6 +50,7 @@ from kvflow.proto.frontend import EngineDead, FrontendInput, FrontendOutputs, Re
 from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.stats import SchedulerStats
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
+from kvflow.services.frontend.request_deadline import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ def sample_index(child_id: str) -> int:
 
 def error_delta(child_id: str, reason: str) -> RequestOutputDelta:
     return RequestOutputDelta(child_id, "", [], finish_reason="error", error=reason)
+
+
+# Put into a request's queue when its deadline passes (compared by identity).
+_DEADLINE_PASSED = error_delta("", "deadline")
 
 
 class EngineClient:
@@ -203,11 +208,13 @@ class EngineClient:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        deadline: Deadline | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as they come (`delta.req_id` names the child; see
         `sample_index`). Ends when every sample finished; an engine failure arrives as a
         delta with finish_reason "error" and `error` set. Raises EngineDeadError before
-        sending anything when the engine is already known to be down."""
+        sending anything when the engine is already known to be down, and
+        RequestTimeoutError when `deadline` passes (the unfinished samples are aborted)."""
         assert "#" not in request_id, "'#' separates a request id from its sample index"
         problem = self.health_problem()
         if problem is not None:
@@ -218,6 +225,10 @@ class EngineClient:
         arrival = time.time() if arrival_time is None else arrival_time
         for child_id in child_ids:
             self._queues[child_id] = queue
+        timer = None
+        if deadline is not None:  # one timer, not a timeout per delta
+            loop = asyncio.get_running_loop()
+            timer = loop.call_at(deadline.at, queue.put_nowait, _DEADLINE_PASSED)
         try:
             for index, child_id in enumerate(child_ids):
                 self._send_add(
@@ -225,10 +236,15 @@ class EngineClient:
                 )
             while unfinished:
                 delta = await queue.get()
+                if delta is _DEADLINE_PASSED:
+                    assert deadline is not None
+                    raise deadline.error()
                 if delta.finish_reason is not None:
                     unfinished.discard(delta.req_id)
                 yield delta
         finally:
+            if timer is not None:
+                timer.cancel()
             for child_id in child_ids:
                 self._queues.pop(child_id, None)
             if unfinished:
