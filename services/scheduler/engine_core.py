@@ -163,13 +163,12 @@ class EngineCore:
             result = _only_live(result, step.live)
         deltas = self.scheduler.update_from_output(step.plan, result, now=now)
         self.counters.on_step(step.plan, deltas)
-        deltas += self.expire_waiting(now)
         for delta in deltas:
             if delta.finish_reason is None:
                 delta.frontend_id = self.owners.get(delta.req_id, "")
             else:
                 delta.frontend_id = self.owners.pop(delta.req_id, "")
-        return step, deltas
+        return step, deltas + self.expire_waiting(now)
 
     def expire_waiting(self, now: float) -> list[TokenDelta]:
         """Fail the requests that waited longer than max_queue_delay for their first
