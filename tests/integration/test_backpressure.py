@@ -46,6 +46,8 @@ def limited(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         str(MAX_WAITING),
         "--max-queue-delay",
         str(QUEUE_DELAY_S),
+        "--num-threads",
+        "1",  # see test_api_robustness.py: far faster on 2 shared cores
     )
     yield server
     code, survivors = stop_server(server)
