@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from abc import ABC, abstractmethod
 from asyncio import wait_for
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
@@ -243,7 +244,7 @@ class ChoiceCounts:
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 
 
-class ServedRequest:
+class ServedRequest(ABC):
     """What a validated completions or chat request has: its id, prompts, the merged
     engine stream of its choices, and usage (each prompt counts once, however large n;
     cached tokens are each prompt's sample 0's).
@@ -283,11 +284,13 @@ class ServedRequest:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return SSEResponse(self.stream())
 
+    @abstractmethod
     async def full(self) -> Response:
-        raise NotImplementedError
+        """The whole response, once every choice finished."""
 
+    @abstractmethod
     def stream(self) -> AsyncGenerator[bytes, None]:
-        raise NotImplementedError
+        """The SSE events of the response."""
 
     async def _open(self) -> bool:
         """Send the request to the engine and wait for its first delta."""

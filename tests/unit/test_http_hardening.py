@@ -277,3 +277,22 @@ def test_a_stream_starts_once_the_first_delta_is_there(h: Harness) -> None:
         events = sse_events(response.iter_lines())
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
+
+
+def test_timeout_header_bounds_the_wait_for_a_streams_first_chunk(
+    own: Callable[..., Harness],
+) -> None:
+    h = own()
+    h.fake.silent = True
+    request = {"prompt": "x", "stream": True}
+    r = h.post("/v1/completions", request, headers={"X-Stainless-Read-Timeout": "0.3"})
+    assert assert_error(r, 408, "timeout")["code"] == "timeout"
+    h.fake.wait_for(lambda: h.fake.added[-1].req_id in h.fake.aborted)
+    assert h.client.num_in_flight == 0 and _rejected(h)["timeout"] == 1
+    # Once a stream has started, the read timeout no longer applies (chunks keep coming).
+    h.fake.silent = False
+    headers = {"X-Stainless-Read-Timeout": "0.3"}
+    with h.http.stream("POST", "/v1/completions", json=request, headers=headers) as response:
+        assert response.status_code == 200
+        events = sse_events(response.iter_lines())
+    assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
