@@ -36,6 +36,12 @@ class LLM:
                 "LLM runs one engine core in process; for data parallelism use "
                 "`kvflow serve --data-parallel-size N`"
             )
+        if config.scheduler.sheds_load:
+            # generate() hands the engine every prompt at once, and wants every answer.
+            raise ConfigError(
+                "max_waiting_requests and max_queue_delay shed a server's load; LLM.generate "
+                "runs every prompt it is given (set them on `kvflow serve`)"
+            )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,13 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on")
-    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' (visible in ps: prefer "
+        "--api-key-file or KVFLOW_API_KEY)",
+    )
+    group.add_argument("--api-key-file", default=None, help="read the API key from this file")
 
 
 def _add_address_args(parser: argparse.ArgumentParser) -> None:
@@ -110,13 +117,31 @@ def _model_dir(config: EngineConfig) -> Path:
     return resolve_model_dir(config.model.model)
 
 
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else KVFLOW_API_KEY; None = open."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise SystemExit("kvflow: give --api-key or --api-key-file, not both")
+    key = args.api_key
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as exc:
+            raise SystemExit(f"kvflow: cannot read --api-key-file: {exc}") from None
+        key = lines[0] if lines else ""
+    if key is None:
+        key = os.environ.get("KVFLOW_API_KEY")
+    if key is not None and not key.strip():
+        raise SystemExit("kvflow: the API key is empty")
+    return key.strip() if key is not None else None
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from kvflow.services.launcher import ServeOptions, serve
 
     options = ServeOptions(
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=resolve_api_key(args),
         startup_timeout_s=args.startup_timeout,
         trace_file=args.trace_file,
         api_server_count=args.api_server_count,
@@ -167,7 +192,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
 
     config = _config(args)
     model_dir = _model_dir(config)
-    options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key)
+    options = ServeOptions(host=args.host, port=args.port, api_key=resolve_api_key(args))
     frontend = make_frontend_config(config, model_dir, options)
     if config.parallel.data_parallel_size == 1:
         run_frontend(frontend, resolve_addresses(args), model_dir)

@@ -56,6 +56,7 @@ from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.stats import SchedulerStats
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
 from kvflow.services.frontend.engine_link import EngineLink
+from kvflow.services.frontend.request_deadline import Deadline
 from kvflow.services.frontend.routing import Decision, NoEngineError, Router, RoutingConfig
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,10 @@ def sample_index(child_id: str) -> int:
 
 def error_delta(child_id: str, reason: str) -> RequestOutputDelta:
     return RequestOutputDelta(child_id, "", [], finish_reason="error", error=reason)
+
+
+# Put into a request's queue when its deadline passes (compared by identity).
+_DEADLINE_PASSED = error_delta("", "deadline")
 
 
 class EngineClient:
@@ -213,12 +218,14 @@ class EngineClient:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         data_parallel_rank: int | None = None,
+        deadline: Deadline | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as they come (`delta.req_id` names the child; see
         `sample_index`). Ends when every sample finished; an engine failure arrives as a
         delta with finish_reason "error" and `error` set. Raises EngineDeadError before
-        sending anything when no engine (or not the asked one) serves. Every sample
-        goes to one engine: they share the prompt's KV blocks there."""
+        sending anything when no engine (or not the asked one) serves, and
+        RequestTimeoutError when `deadline` passes (the unfinished samples are aborted).
+        Every sample goes to one engine: they share the prompt's KV blocks there."""
         assert "#" not in request_id, "'#' separates a request id from its sample index"
         self.check_rank(data_parallel_rank)
         engine = self._route(prompt_token_ids, cache_salt, data_parallel_rank)
@@ -229,6 +236,10 @@ class EngineClient:
         for child_id in child_ids:
             self._queues[child_id] = queue
             self._owners[child_id] = engine
+        timer = None
+        if deadline is not None:  # one timer, not a timeout per delta
+            loop = asyncio.get_running_loop()
+            timer = loop.call_at(deadline.at, queue.put_nowait, _DEADLINE_PASSED)
         try:
             for index, child_id in enumerate(child_ids):
                 request = AddRequest(
@@ -243,10 +254,15 @@ class EngineClient:
                 self.engines[engine].input.send(request)
             while unfinished:
                 delta = await queue.get()
+                if delta is _DEADLINE_PASSED:
+                    assert deadline is not None
+                    raise deadline.error()
                 if delta.finish_reason is not None:
                     unfinished.discard(delta.req_id)
                 yield delta
         finally:
+            if timer is not None:
+                timer.cancel()
             for child_id in child_ids:
                 self._queues.pop(child_id, None)
             if unfinished:
