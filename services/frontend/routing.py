@@ -100,6 +100,8 @@ class Router:
             decision = Decision(rank, "rank")
         elif not candidates:
             raise NoEngineError("no engine is serving")
+        elif self.num_engines == 1:  # nothing to choose: no hashing on the default path
+            decision = Decision(0, self.config.policy)
         elif self.config.policy == "round-robin":
             decision = Decision(self._round_robin(candidates), "round-robin")
         elif self.config.policy == "least-load":

@@ -123,3 +123,9 @@ def test_explicit_rank_wins_and_a_dead_rank_is_refused() -> None:
     router.set_available(0, False)
     with pytest.raises(NoEngineError, match="no engine"):
         router.route(prompt)
+
+
+def test_one_engine_needs_no_prefix_map() -> None:
+    router = _router("prefix-aware", engines=1)
+    assert router.route(_prompt(0, 64)).engine == 0
+    assert not router._prefixes
