@@ -63,6 +63,9 @@ class SchedulerConfig:
     async_scheduling: bool = _opt(
         False, "plan the next step while the worker runs the current one (2 steps in flight)"
     )
+    grammar_compile_timeout: float = _opt(
+        30.0, "seconds a guided request's grammar may take to compile before it fails"
+    )
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -73,6 +76,8 @@ class SchedulerConfig:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0")
+        if self.grammar_compile_timeout <= 0:
+            raise ConfigError("grammar_compile_timeout must be > 0")
 
 
 @dataclass(frozen=True)
