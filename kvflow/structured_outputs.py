@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 # Where JSON may put blanks: xgrammar writes this class wherever any_whitespace allows.
 _JSON_BLANKS = "[ \\n\\r\\t]*"
+# Blanks JSON may put in one place (xgrammar's max_whitespace_cnt). Unbounded, a small
+# model at temperature 1 was seen to fill max_tokens with newlines between two keys.
+MAX_JSON_BLANKS = 4
 _RULE_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::=", re.MULTILINE)
 _WS_PREFIX = "kvflow_ws_"
 
@@ -93,7 +96,10 @@ def _json_grammar(schema: str, params: StructuredOutputsParams) -> xgrammar.Gram
 
     if params.whitespace_pattern is None:
         return xgrammar.Grammar.from_json_schema(
-            schema, any_whitespace=not params.disable_any_whitespace, strict_mode=True
+            schema,
+            any_whitespace=not params.disable_any_whitespace,
+            max_whitespace_cnt=MAX_JSON_BLANKS,
+            strict_mode=True,
         )
     # A custom blank pattern: the schema's EBNF with every blank slot replaced by a rule
     # built from the pattern (its rules renamed so they cannot clash with the schema's).

@@ -74,9 +74,14 @@ class ServingContext:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, conversation: Conversation, add_generation_prompt: bool) -> list[int]:
+    def render_chat(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         try:
-            return apply_chat_template(self.tokenizer, conversation, add_generation_prompt)
+            return apply_chat_template(self.tokenizer, conversation, add_generation_prompt, tools)
         except jinja2.TemplateError as exc:
             # Templates reject conversations with raise_exception (e.g. roles out of order).
             raise InvalidRequestError(f"chat template: {exc}", param="messages") from None

@@ -33,6 +33,7 @@ from typing import Any
 from kvflow.errors import InvalidRequestError
 from kvflow.metrics.roofline import StepBatch
 from kvflow.proto.engine import AddRequest, TokenDelta
+from kvflow.proto.stats import GrammarStats
 from kvflow.proto.step import StepPlan, StepResult
 from kvflow.services.scheduler.admission import EngineLimits, admit
 from kvflow.services.scheduler.grammar_compiler import GrammarCompiler
@@ -154,6 +155,19 @@ class EngineCore:
             frontend_id = self.owners.pop(req_id, "")
             deltas.append(self._final_delta(request, "error", frontend_id, error))
         return deltas
+
+    def grammar_stats(self) -> GrammarStats | None:
+        """Compile counts for the stats message (the compile times are taken)."""
+        if self.grammars is None or not self.grammars.stats.requests_by_kind:
+            return None
+        stats = self.grammars.stats
+        return GrammarStats(
+            compile_seconds=stats.take_compile_seconds(),
+            cache_hits=stats.cache_hits,
+            cache_misses=stats.cache_misses,
+            compile_timeouts=stats.timeouts,
+            requests_by_kind=dict(stats.requests_by_kind),
+        )
 
     def _grammar_error(self, pending: PendingGrammar, now: float) -> str | None:
         if pending.future.done():

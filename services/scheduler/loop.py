@@ -298,6 +298,7 @@ class SchedulerLoop:
             incarnation=self.incarnation,
             recent_steps=self._take_recent_steps(),
             kv_block_map=block_map(self.core.scheduler.kv_cache.block_pool),
+            grammar=self.core.grammar_stats(),
         )
 
     def _take_recent_steps(self) -> list[StepRecord]:

@@ -1,0 +1,249 @@
+"""Structured outputs and tool calling through a real `kvflow serve`, with the `openai`
+client: the embedded SmolLM2 (a real chat model) at temperature 1.0, so the grammar,
+not luck, is what makes every output valid."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from serve_harness import MODEL_NAME, Server, start_server, stop_server
+
+from kvflow.gpu_worker.model_files import resolve_model_dir
+
+openai = pytest.importorskip("openai")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in UTC?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(Path(resolve_model_dir(None)), tmp_path_factory.mktemp("serve"))
+    yield srv
+    code, survivors = stop_server(srv)
+    assert survivors == [] and code == 0, srv.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> Any:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+
+
+def chat(client: Any, **kwargs: Any) -> Any:
+    kwargs.setdefault("messages", [{"role": "user", "content": "Describe a person."}])
+    kwargs.setdefault("max_tokens", 120)
+    return client.chat.completions.create(model=MODEL_NAME, temperature=1.0, **kwargs)
+
+
+def test_json_schema_outputs_parse_and_validate(client: Any) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    response = chat(client, response_format=fmt, n=4, seed=7)
+    for choice in response.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_json_object_and_legacy_guided_json_on_completions(client: Any) -> None:
+    response = chat(client, response_format={"type": "json_object"}, max_tokens=200)
+    if response.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(response.choices[0].message.content), dict)
+    completion = client.completions.create(
+        model=MODEL_NAME,
+        prompt="A person as JSON:",
+        max_tokens=120,
+        temperature=1.0,
+        extra_body={"guided_json": PERSON, "guided_whitespace_pattern": r"[ ]?"},
+    )
+    text = completion.choices[0].text
+    jsonschema.validate(json.loads(text), PERSON)
+    assert "\n" not in text  # the whitespace pattern allows single spaces only
+
+
+def test_regex_choice_and_gbnf(client: Any) -> None:
+    regex = r"[A-Z][a-z]{2,6} [0-9]{2}"
+    out = chat(client, extra_body={"structured_outputs": {"regex": regex}})
+    assert re.fullmatch(regex, out.choices[0].message.content)
+    colors = ["red", "green", "light blue"]
+    out = chat(client, n=3, extra_body={"guided_choice": colors})
+    assert all(c.message.content in colors for c in out.choices)
+    gbnf = '# sums\nroot ::= num (" + " num){1,3}\nnum ::= [1-9][0-9]{0,2}\n'
+    out = client.completions.create(
+        model=MODEL_NAME, prompt="1 + 2 =", max_tokens=40, temperature=1.0,
+        extra_body={"structured_outputs": {"grammar": gbnf}},
+    )  # fmt: skip
+    assert re.fullmatch(r"[1-9][0-9]{0,2}( \+ [1-9][0-9]{0,2}){1,3}", out.choices[0].text)
+
+
+BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+UNKNOWN_TOOL = {"type": "function", "function": {"name": "nope"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": BAD_SCHEMA}, "response_format"),
+        ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
+        ({"guided_grammar": "root ::= ("}, "guided_grammar"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"tools": [WEATHER], "tool_choice": UNKNOWN_TOOL}, "tool_choice"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ],
+)
+def test_bad_constraints_are_400_naming_the_field(
+    server: Server, body: dict[str, Any], param: str
+) -> None:
+    body = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 4, **body}
+    response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tool_choice_required_gives_valid_calls(client: Any, parallel: bool) -> None:
+    for seed in range(3):
+        response = chat(
+            client, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+            parallel_tool_calls=parallel, seed=seed, max_tokens=160,
+        )  # fmt: skip
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        calls = choice.message.tool_calls
+        assert calls and (parallel or len(calls) == 1)
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_named_tool_choice_streams_deltas_that_reassemble(client: Any) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = chat(client, messages=ASK, tools=[WEATHER, TIME], tool_choice=named, stream=True)
+    ids, names, arguments, finish = set(), set(), "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                assert call.index == 0
+                ids |= {call.id} - {None}
+                names |= {call.function.name} - {None}
+                arguments += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert len(ids) == 1 and names == {"get_weather"} and finish == "stop"
+    jsonschema.validate(json.loads(arguments), SCHEMAS["get_weather"])
+
+
+def test_required_tool_calls_stream_whole(client: Any) -> None:
+    stream = chat(client, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                  stream=True, max_tokens=160, seed=3)  # fmt: skip
+    calls: dict[int, dict[str, str]] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+    assert calls
+    for entry in calls.values():
+        jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
+
+
+def test_tool_choice_auto_and_none_answer_in_openai_shape(client: Any) -> None:
+    response = chat(client, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=60)
+    message = response.choices[0].message
+    for call in message.tool_calls or []:  # the model decides; any call it makes parses
+        assert call.function.name == "get_weather"
+        json.loads(call.function.arguments)
+    assert message.tool_calls or message.content is not None
+    response = chat(client, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8)
+    assert not response.choices[0].message.tool_calls
+
+
+def test_a_slow_compile_does_not_stall_other_requests(server: Server, client: Any) -> None:
+    """While a large schema compiles, a plain stream keeps getting tokens."""
+    big = {
+        "type": "object",
+        "properties": {
+            f"f{i}": {"anyOf": [{"type": "string", "pattern": "[a-z]{1,8}"},
+                                {"type": "integer", "minimum": i},
+                                {"type": "array", "items": {"type": "number"}, "maxItems": 4}]}
+            for i in range(150)
+        },
+    }  # fmt: skip
+    arrivals: list[float] = []
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=60, temperature=0.0,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    next(iter(stream))  # the plain request is decoding
+    guided: dict[str, float] = {}
+
+    def send_guided() -> None:
+        start = time.monotonic()
+        chat(client, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "big", "schema": big}})  # fmt: skip
+        guided["took"] = time.monotonic() - start
+        guided["done"] = time.monotonic()
+
+    thread = threading.Thread(target=send_guided)
+    thread.start()
+    start = time.monotonic()
+    for _ in stream:
+        arrivals.append(time.monotonic() - start)
+    thread.join()
+    compile_s = _metric(server, "kvflow:grammar_compile_seconds_sum")
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert compile_s > 0.3, compile_s  # the schema really took a while to compile
+    assert max(gaps) < compile_s, (max(gaps), compile_s)  # no gap as long as the compile
+
+
+def _metric(server: Server, name: str) -> float:
+    for line in httpx.get(server.base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
