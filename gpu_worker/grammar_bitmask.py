@@ -59,8 +59,11 @@ def apply_bitmask_cpu(
     except ImportError:
         apply_bitmask_ref(logits, bitmask, rows, vocab)
         return
+    # xgrammar's `indices` pick the same row of logits and bitmask: spread the rows out.
+    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+    full[rows] = bitmask
     xgrammar.apply_token_bitmask_inplace(
-        logits, bitmask, vocab_size=vocab, indices=rows, backend="cpu"
+        logits, full, vocab_size=vocab, indices=rows, backend="cpu"
     )
 
 
