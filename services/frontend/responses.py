@@ -116,7 +116,8 @@ class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCallOut] = msgspec.field(default_factory=list)
+    # Absent unless the choice called tools (UNSET fields are not encoded).
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -122,7 +123,7 @@ class _Choice(ChoiceCounts):
             message=ChatMessageOut(
                 role=_ASSISTANT,
                 content=content if content or not extracted.calls else None,
-                tool_calls=extracted.calls,
+                tool_calls=extracted.calls or msgspec.UNSET,
             ),
             logprobs=ChatLogprobs(content=self.logprobs) if self.want_logprobs else None,
             finish_reason=self._finish_reason(len(extracted.calls)),

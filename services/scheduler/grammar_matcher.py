@@ -31,9 +31,6 @@ if TYPE_CHECKING:
 
     from kvflow.services.scheduler.request import Request
 
-# Tokens a matcher can undo (speculative decoding's longest draft, with room to spare).
-MAX_ROLLBACK_TOKENS = 16
-
 
 class RequestGrammar:
     """The compiled grammar of one request and the matcher over its output tokens."""
@@ -42,7 +39,7 @@ class RequestGrammar:
         import xgrammar as xgr
 
         self.compiled = compiled
-        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        self.matcher = xgr.GrammarMatcher(compiled)  # xgrammar >= 0.2 can always roll back
         self.num_accepted = 0
 
     def accept(self, token_id: int) -> bool:
@@ -53,8 +50,8 @@ class RequestGrammar:
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens (at most MAX_ROLLBACK_TOKENS)."""
-        assert 0 <= num_tokens <= min(self.num_accepted, MAX_ROLLBACK_TOKENS), num_tokens
+        """Undo the last `num_tokens` accepted tokens."""
+        assert 0 <= num_tokens <= self.num_accepted, num_tokens
         self.matcher.rollback(num_tokens)
         self.num_accepted -= num_tokens
 
