@@ -46,6 +46,7 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     first_token_time: float = 0.0
     frontend_id: str = ""
     error: str | None = None
+    error_param: str | None = None  # set when the request itself was at fault (a 400)
 
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -145,6 +145,8 @@ class ServingContext:
                     trackers[choice].observe(delta, time.time())
                     if delta.finish_reason == "error":
                         failed = True
+                        if delta.error_param is not None:  # e.g. a grammar compile timeout
+                            raise InvalidRequestError(delta.error or "", param=delta.error_param)
                         raise RequestFailedError(delta.error or "the engine failed the request")
                     yield choice, delta
         finally:

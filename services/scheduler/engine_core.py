@@ -153,7 +153,9 @@ class EngineCore:
                 self.scheduler.add_request(request)
                 continue
             frontend_id = self.owners.pop(req_id, "")
-            deltas.append(self._final_delta(request, "error", frontend_id, error))
+            delta = self._final_delta(request, "error", frontend_id, error)
+            delta.error_param = "structured_outputs"  # the request's grammar: a 400
+            deltas.append(delta)
         return deltas
 
     def grammar_stats(self) -> GrammarStats | None:
