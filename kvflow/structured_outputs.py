@@ -58,6 +58,40 @@ def grammar_key(params: StructuredOutputsParams) -> str:
     return f"{params.kind}\x00{blanks}\x00{text}"
 
 
+# JSON Schema keywords xgrammar parses but does not enforce (measured: an instance that
+# breaks them is accepted). A schema using one is refused, so that every output we
+# return validates. `oneOf` is accepted and compiled as `anyOf`: its alternatives are
+# not checked for being exclusive.
+_UNENFORCED = frozenset({"not", "if", "then", "else", "dependentRequired", "dependentSchemas"})
+# Where a schema holds sub-schemas: one, a list of them, or a map of name -> schema.
+_ONE = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedProperties")
+_MANY = ("prefixItems", "anyOf", "oneOf", "allOf")
+_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def unsupported_json_features(schema: Any, path: str = "$") -> list[str]:
+    """Where `schema` uses a keyword xgrammar would silently ignore (empty: none)."""
+    if not isinstance(schema, dict):
+        return []
+    found = [f"{path}.{key}" for key in sorted(_UNENFORCED & schema.keys())]
+    if schema.get("uniqueItems") is True:
+        found.append(f"{path}.uniqueItems")
+    if len(schema.get("allOf") or []) > 1:
+        found.append(f"{path}.allOf (more than one schema)")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        found.append(f"{path}.$ref (not local: {ref})")
+    for key in _ONE:
+        found += unsupported_json_features(schema.get(key), f"{path}.{key}")
+    for key in _MANY:
+        for index, sub in enumerate(schema.get(key) or []):
+            found += unsupported_json_features(sub, f"{path}.{key}[{index}]")
+    for key in _MAPS:
+        for name, sub in (schema.get(key) or {}).items():
+            found += unsupported_json_features(sub, f"{path}.{key}.{name}")
+    return found
+
+
 def build_grammar(params: StructuredOutputsParams) -> xgrammar.Grammar:
     """The grammar; raises InvalidSamplingParams naming the field when it does not parse."""
     import xgrammar as xgr
@@ -93,6 +127,10 @@ def check_grammar(params: StructuredOutputsParams, field: str | None = None) -> 
 
 def _json_grammar(schema: str, params: StructuredOutputsParams) -> xgrammar.Grammar:
     import xgrammar
+
+    unsupported = unsupported_json_features(json.loads(schema))
+    if unsupported:
+        raise ValueError(f"unsupported JSON Schema features: {', '.join(unsupported)}")
 
     if params.whitespace_pattern is None:
         return xgrammar.Grammar.from_json_schema(
