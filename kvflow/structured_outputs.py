@@ -61,8 +61,10 @@ def grammar_key(params: StructuredOutputsParams) -> str:
 # JSON Schema keywords xgrammar parses but does not enforce (measured: an instance that
 # breaks them is accepted). A schema using one is refused, so that every output we
 # return validates. `oneOf` is accepted and compiled as `anyOf`: its alternatives are
-# not checked for being exclusive.
+# not checked for being exclusive. `format` is enforced as the value's shape (a date
+# "2023-02-30" passes): JSON Schema makes format an annotation unless asked otherwise.
 _UNENFORCED = frozenset({"not", "if", "then", "else", "dependentRequired", "dependentSchemas"})
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 # Where a schema holds sub-schemas: one, a list of them, or a map of name -> schema.
 _ONE = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedProperties")
 _MANY = ("prefixItems", "anyOf", "oneOf", "allOf")
@@ -76,6 +78,8 @@ def unsupported_json_features(schema: Any, path: str = "$") -> list[str]:
     found = [f"{path}.{key}" for key in sorted(_UNENFORCED & schema.keys())]
     if schema.get("uniqueItems") is True:
         found.append(f"{path}.uniqueItems")
+    if "multipleOf" in schema and _BOUNDS & schema.keys():  # the bound wins, measured
+        found.append(f"{path}.multipleOf (with a minimum or maximum)")
     if len(schema.get("allOf") or []) > 1:
         found.append(f"{path}.allOf (more than one schema)")
     ref = schema.get("$ref")

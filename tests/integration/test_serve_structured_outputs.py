@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -247,3 +248,91 @@ def _metric(server: Server, name: str) -> float:
         if line.startswith(name):
             return float(line.split()[-1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+CORPUS = json.loads((Path(__file__).parents[1] / "data" / "json_schema_corpus.json").read_text())
+
+
+def _guided_json(client: Any, schema: dict[str, Any], seed: int) -> Any:
+    fmt = {"type": "json_schema", "json_schema": {"name": "corpus", "schema": schema}}
+    messages = [{"role": "user", "content": "Reply with a JSON value."}]
+    return chat(client, messages=messages, response_format=fmt, seed=seed, max_tokens=300)
+
+
+def test_schema_corpus_outputs_validate_or_are_refused(client: Any) -> None:
+    """Every corpus schema at temperature 1.0: a finished output validates, or the schema
+    uses a feature declared unsupported and the answer is a 400. A schema may allow
+    unbounded output (a number's digits, a free string), so an output may also be cut
+    by max_tokens: that must say "length", be a prefix the schema's grammar allows (the
+    constraint held up to the cut) and stay a minority."""
+    prefix_ok = _grammar_prefix_checker()
+
+    def one(index: int) -> str:
+        entry = CORPUS[index]
+        try:
+            response = _guided_json(client, entry["schema"], seed=index)
+        except openai.BadRequestError as exc:
+            ok = entry["expect"] == "unsupported" and "unsupported" in str(exc)
+            return "refused" if ok else f"{entry['name']}: unexpected 400: {exc}"
+        if entry["expect"] == "unsupported":
+            return f"{entry['name']}: accepted a schema declared unsupported"
+        choice = response.choices[0]
+        if choice.finish_reason == "length":
+            ok = prefix_ok(entry["schema"], choice.message.content)
+            return "length" if ok else f"{entry['name']}: cut output leaves the grammar"
+        try:
+            jsonschema.validate(json.loads(choice.message.content), entry["schema"])
+        except (ValueError, jsonschema.ValidationError) as exc:
+            return f"{entry['name']} ({choice.finish_reason}): {choice.message.content!r}: {exc}"
+        return "valid"
+
+    with ThreadPoolExecutor(16) as pool:
+        outcomes = list(pool.map(one, range(len(CORPUS))))
+    failures = [o for o in outcomes if o not in ("valid", "refused", "length")]
+    assert len(CORPUS) >= 200 and failures == [], "\n".join(failures)
+    assert outcomes.count("refused") == sum(e["expect"] == "unsupported" for e in CORPUS)
+    assert outcomes.count("length") <= len(CORPUS) // 4, outcomes.count("length")
+
+
+def _grammar_prefix_checker() -> Any:
+    """(schema, text) -> whether text is a prefix of some output the schema's grammar
+    allows (built as the server builds it)."""
+    import xgrammar as xgr
+
+    from kvflow.sampling_params import StructuredOutputsParams
+    from kvflow.structured_outputs import build_grammar
+    from kvflow.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(resolve_model_dir(None)))
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+
+    def check(schema: dict[str, Any], text: str) -> bool:
+        grammar = build_grammar(StructuredOutputsParams(json=schema))
+        matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
+        return bool(matcher.accept_string(text)) and not matcher.is_terminated()
+
+    return check
+
+
+def test_mixed_batch_guided_valid_and_plain_unchanged(client: Any) -> None:
+    """8 schemas x 3 guided requests beside 8 plain greedy ones: every guided output
+    validates, and each plain output equals the same request run alone."""
+    schemas = [entry["schema"] for entry in CORPUS[:8]]
+    prompts = [f"Write one sentence about the number {i}." for i in range(8)]
+
+    def plain(prompt: str) -> str:
+        out = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0.0
+        )
+        return str(out.choices[0].text)
+
+    alone = [plain(p) for p in prompts]
+    with ThreadPoolExecutor(32) as pool:
+        guided = [pool.submit(_guided_json, client, schemas[i % 8], i) for i in range(24)]
+        together = list(pool.map(plain, prompts))
+        outputs = [(i % 8, f.result().choices[0]) for i, f in enumerate(guided)]
+    assert together == alone
+    for index, choice in outputs:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), schemas[index])
