@@ -306,11 +306,13 @@ def _grammar_prefix_checker() -> Any:
     tokenizer = load_tokenizer(Path(resolve_model_dir(None)))
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
     compiler = xgr.GrammarCompiler(info, max_threads=1)
+    lock = threading.Lock()  # called from the test's request threads
 
     def check(schema: dict[str, Any], text: str) -> bool:
         grammar = build_grammar(StructuredOutputsParams(json=schema))
-        matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
-        return bool(matcher.accept_string(text)) and not matcher.is_terminated()
+        with lock:
+            matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
+            return bool(matcher.accept_string(text)) and not matcher.is_terminated()
 
     return check
 
