@@ -70,7 +70,8 @@ class GrammarCompiler:
 
     def submit(self, params: StructuredOutputsParams) -> Future[xgrammar.CompiledGrammar]:
         """A future of the compiled grammar: already done on a cache hit; shared with a
-        compile of the same grammar already under way. Called from the loop only."""
+        compile of the same grammar already under way (also a hit: misses count the
+        compiles). Called from the loop only."""
         kind = params.kind
         self.stats.requests_by_kind[kind] = self.stats.requests_by_kind.get(kind, 0) + 1
         key = grammar_key(params)
@@ -81,11 +82,13 @@ class GrammarCompiler:
             done: Future[xgrammar.CompiledGrammar] = Future()
             done.set_result(cached)
             return done
-        self.stats.cache_misses += 1
         future = self._inflight.get(key)
-        if future is None:
-            future = self._pool.submit(self._compile, params)
-            self._inflight[key] = future
+        if future is not None:  # the same grammar is compiling: share it (no compile)
+            self.stats.cache_hits += 1
+            return future
+        self.stats.cache_misses += 1
+        future = self._pool.submit(self._compile, params)
+        self._inflight[key] = future
         return future
 
     def collect(self) -> None:

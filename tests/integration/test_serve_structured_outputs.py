@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from serve_harness import MODEL_NAME, Server, start_server, stop_server
+from serve_harness import MODEL_NAME, Server, start_server, stop_server, wait_for
 
 from kvflow.gpu_worker.model_files import resolve_model_dir
 
@@ -125,6 +125,23 @@ def test_regex_choice_and_gbnf(client: Any) -> None:
 
 BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
 UNKNOWN_TOOL = {"type": "function", "function": {"name": "nope"}}
+
+
+def test_grammar_metrics_count_compiles_and_hits(server: Server, client: Any) -> None:
+    before = _metric(server, "kvflow:grammar_cache_hits_total", default=0.0)
+    regex = r"metrics-[0-9]{2}"
+    for _ in range(2):
+        out = chat(client, extra_body={"guided_regex": regex}, max_tokens=8)
+        assert re.fullmatch(regex, out.choices[0].message.content)
+    assert wait_for(
+        lambda: _metric(server, "kvflow:grammar_cache_hits_total", default=0.0) >= before + 1,
+        timeout_s=5.0,
+    )
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    (line,) = [x for x in text.splitlines() if x.startswith("kvflow:guided_requests_total{")
+               and 'kind="regex"' in x]  # fmt: skip
+    assert float(line.split()[-1]) >= 2
+    assert _metric(server, "kvflow:grammar_cache_misses_total", default=0.0) >= 1
 
 
 @pytest.mark.parametrize(
@@ -243,11 +260,14 @@ def test_a_slow_compile_does_not_stall_other_requests(server: Server, client: An
     assert max(gaps) < compile_s, (max(gaps), compile_s)  # no gap as long as the compile
 
 
-def _metric(server: Server, name: str) -> float:
+def _metric(server: Server, name: str, default: float | None = None) -> float:
+    """The first sample whose line starts with `name` (labels may follow)."""
     for line in httpx.get(server.base_url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name):
             return float(line.split()[-1])
-    raise AssertionError(f"{name} not in /metrics")
+    if default is None:
+        raise AssertionError(f"{name} not in /metrics")
+    return default
 
 
 CORPUS = json.loads((Path(__file__).parents[1] / "data" / "json_schema_corpus.json").read_text())
