@@ -61,26 +61,47 @@ build_kvflow_wheel() {
     rm -rf "$src"
 }
 
-# The Requires-Dist lines of kvflow's wheel ($1) for the CPU image: no extras, no triton
-# (it only drives the GPU kernels and would add 1 GB). Markers stay for pip to evaluate.
+# The Requires-Dist lines of a wheel ($1) for the CPU image: no extras, no triton (it
+# only drives GPU kernels and would add 1 GB), and none matching $2 (a regex of project
+# names). Markers stay for pip to evaluate.
 cpu_requirements() {
-    "$PYTHON" - "$1" <<'EOF'
-import sys, zipfile
+    "$PYTHON" - "$1" "${2:-^$}" <<'EOF'
+import re, sys, zipfile
 from email.parser import Parser
 with zipfile.ZipFile(sys.argv[1]) as zf:
     name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
     meta = Parser().parsestr(zf.read(name).decode())
 for req in meta.get_all("Requires-Dist") or []:
-    if "extra ==" not in req and not req.split(";")[0].strip().startswith("triton"):
+    project = re.split(r"[ ;<>=!~\[]", req.strip(), maxsplit=1)[0]
+    if "extra ==" not in req and project != "triton" and not re.match(sys.argv[2], project):
         print(req)
 EOF
+}
+
+# Dependencies whose own requirements name triton on Linux without condition (xgrammar
+# uses it only for a GPU kernel; on CPU its native kernel runs): installed --no-deps,
+# their other requirements added to the resolved set.
+NO_DEPS="^xgrammar$"
+
+add_no_deps_wheels() {
+    # $1 = kvflow wheel, $2 = deps folder: downloads those wheels, names them in
+    # requirements-nodeps.txt there, and prints their other requirements.
+    local spec wheel
+    : >"$2/requirements-nodeps.txt"
+    for spec in $(cpu_requirements "$1" | grep -E "${NO_DEPS%\$}" | cut -d';' -f1 | tr -d ' '); do
+        pip_ download --no-deps -d "$2" "$spec" >&2
+        echo "$spec" >>"$2/requirements-nodeps.txt"
+        wheel=$(compgen -G "$2/${spec%%[=<>]*}-*.whl" | head -1)
+        cpu_requirements "$wheel" "^(torch|transformers)$"
+    done
 }
 
 build_wheelhouse() {
     # $1 = kvflow wheel; prints the cached wheelhouse folder (wheels + requirements.txt).
     local kvflow_wheel=$1 reqs key dir
-    reqs=$(cpu_requirements "$kvflow_wheel")
-    key=$(printf '%s\n%s\n%s\n%s\n' "$reqs" "$TORCH_SPEC" "$MODEL_SPEC" \
+    reqs=$(cpu_requirements "$kvflow_wheel" "$NO_DEPS")
+    # The key names every requirement, those installed --no-deps included.
+    key=$(printf '%s\n%s\n%s\n%s\n' "$(cpu_requirements "$kvflow_wheel")" "$TORCH_SPEC" "$MODEL_SPEC" \
         "$("$PYTHON" -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-16)
     dir="$CACHE/wheelhouse/$key"
     if [[ -f "$dir/.complete" ]]; then
@@ -90,6 +111,7 @@ build_wheelhouse() {
     fi
     log "resolving the wheelhouse into $dir"
     rm -rf "$dir" && mkdir -p "$dir/deps" "$dir/model"
+    reqs=$(printf '%s\n' "$reqs" "$(add_no_deps_wheels "$kvflow_wheel" "$dir/deps")")
     printf '%s\n' "$reqs" "$TORCH_SPEC" >"$dir/deps/requirements.txt"
     # torch first, alone: the CPU build on this machine's disk, never a CUDA build.
     pip_ download --no-deps -d "$dir/deps" "$TORCH_SPEC"

@@ -16,6 +16,7 @@ import torch
 
 from kvflow.config import CacheConfig, DeviceConfig, ModelConfig
 from kvflow.gpu_worker.attn_metadata import forward_context
+from kvflow.gpu_worker.grammar_bitmask import apply_grammar_bitmask
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
@@ -140,6 +141,7 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
             logits = self.model.compute_logits(hidden[inputs.metadata.logits_indices])
         num_sampled = len(inputs.sample_req_ids)
+        apply_grammar_bitmask(logits[:num_sampled], inputs.sample_req_ids, plan.grammar_bitmask)
         result = self._sample(inputs, logits[:num_sampled])
         self._add_prompt_logprobs(inputs, logits[num_sampled:], result)
         result.step_id = plan.step_id

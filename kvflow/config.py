@@ -76,6 +76,9 @@ class SchedulerConfig:
         "seconds a request may wait for its first step, else it fails "
         "(HTTP 503); default: no limit",
     )
+    grammar_compile_timeout: float = _opt(
+        30.0, "seconds a guided request's grammar may take to compile before it fails"
+    )
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -90,6 +93,8 @@ class SchedulerConfig:
             raise ConfigError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.max_queue_delay is not None and not self.max_queue_delay > 0:
             raise ConfigError(f"max_queue_delay must be > 0 seconds, got {self.max_queue_delay}")
+        if self.grammar_compile_timeout <= 0:
+            raise ConfigError("grammar_compile_timeout must be > 0")
 
     @property
     def sheds_load(self) -> bool:

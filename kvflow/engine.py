@@ -32,8 +32,10 @@ from kvflow.sampling_params import SamplingParams, child_request_ids, child_samp
 from kvflow.services.detokenizer.streams import DetokenizerStreams
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
+from kvflow.services.scheduler.grammar_compiler import grammar_compiler
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.scheduler import Scheduler
+from kvflow.structured_outputs import check_grammar
 from kvflow.tokenizer import load_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,9 +67,11 @@ class LLMEngine:
             self.eos_token_ids,
         )
         self.core = EngineCore(
-            Scheduler(config.scheduler, kv_cache, self.max_model_len),
+            Scheduler(config.scheduler, kv_cache, self.max_model_len, self.vocab_size),
             limits,
             config.scheduler.max_steps_in_flight,
+            grammar_compiler(limits, lambda: self.tokenizer),
+            config.scheduler.grammar_compile_timeout,
         )
         self.streams = DetokenizerStreams(self.tokenizer)
         self.outputs = RequestOutputs()
@@ -120,6 +124,8 @@ class LLMEngine:
         InvalidRequestError with the engine's reason when it cannot run."""
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        if params.structured_outputs is not None:  # a bad grammar fails here, not later
+            check_grammar(params.structured_outputs)
         now = time.time()
         child_ids = child_request_ids(request_id, params.n)
         self.outputs.add(request_id, prompt_text, prompt_ids, child_ids)
@@ -154,18 +160,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Plan while the core has room, then apply the oldest result; returns the
         requests that changed (finished ones last)."""
+        failed = self.core.poll_grammars(now=time.time())  # guided requests compiled, or not
         while self.core.can_schedule():
             plan = self.core.schedule(now=time.time())
             if plan is None:
                 break
             self._results.append(self.runner.execute(plan))
         if not self._results:
-            return []
+            if self.core.waiting_for_grammar and not failed:
+                time.sleep(0.001)  # only compiles under way: do not spin on the GIL
+            return self.outputs.apply(self._detokenize(failed))
         result = self._results.popleft()
         step, deltas = self.core.update(result, now=time.time())
         if step.batch.num_tokens:
             self.roofline.record(step.batch, result.execute_time_s)
-        return self.outputs.apply(self._detokenize(deltas))
+        return self.outputs.apply(self._detokenize(failed + deltas))
 
     def _detokenize(self, deltas: list[TokenDelta]) -> list[RequestOutputDelta]:
         if not deltas:

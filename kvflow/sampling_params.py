@@ -7,6 +7,8 @@ unchanged; `validate()` is the one place its values are checked and raises
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from kvflow.errors import InvalidRequestError
@@ -18,6 +20,45 @@ _GREEDY_EPS = 1e-5
 
 class InvalidSamplingParams(InvalidRequestError):
     """A sampling field is out of range or inconsistent."""
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Guided decoding: exactly one constraint; the output can only be text it allows.
+
+    json: a JSON schema (text or a dict); regex: a regular expression; choice: one of
+    these strings exactly; grammar: EBNF (llama.cpp's GBNF is accepted as is); json_object:
+    any JSON object. `disable_any_whitespace` makes JSON compact (no optional blanks);
+    `whitespace_pattern` is a regex for the blanks JSON may use instead.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json | regex | choice | grammar | json_object."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def validate(self) -> None:
+        """Exactly one constraint. Whether it parses is checked where requests enter
+        (`kvflow.structured_outputs.check_grammar`), not on the engine's loop."""
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        _check(
+            len(given) == 1,
+            "structured_outputs",
+            f"exactly one of json, regex, choice, grammar, json_object must be set, got {given}",
+        )
+        if self.choice is not None:
+            _check(bool(self.choice), "structured_outputs.choice", "must not be empty")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -40,6 +81,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None  # top-N logprobs per output token (+ the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +128,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 f"must be in [0, {MAX_LOGPROBS}], got {value}",
             )
         self._validate_token_ids(vocab_size)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if self.stop is not None:
             _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
 

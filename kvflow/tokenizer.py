@@ -76,7 +76,10 @@ def read_eos_token_ids(model_dir: Path) -> frozenset[int]:
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: Conversation, add_generation_prompt: bool = True
+    tokenizer: Any,
+    messages: Conversation,
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,  # for templates that render tools
 ) -> list[int]:
     """Render a conversation with the model's template and tokenize it."""
     if not tokenizer.chat_template:
@@ -85,7 +88,7 @@ def apply_chat_template(
         if not isinstance(message, dict) or "role" not in message:
             raise InvalidRequestError("each message needs a 'role' and 'content'", param="messages")
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
     )
     # The template already wrote BOS etc.; adding special tokens again would double them.
     return list(tokenizer.encode(text, add_special_tokens=False))

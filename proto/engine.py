@@ -49,6 +49,7 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # Why a request failed, when the frontend answers it with its own status:
     # kvflow.errors.REJECTIONS' codes ("queue_full" -> 429, "queue_timeout" -> 503).
     error_code: str | None = None
+    error_param: str | None = None  # set when the request itself was at fault (a 400)
 
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

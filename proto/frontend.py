@@ -26,6 +26,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc
     first_token_time: float = 0.0
     error: str | None = None
     error_code: str | None = None  # TokenDelta.error_code, passed on
+    error_param: str | None = None  # the request field at fault: a 400, not a 500
 
 
 class FrontendOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -32,6 +32,17 @@ class KVBlockMap(msgspec.Struct, array_like=True, gc=False):
     cached: list[int]  # free, but holding a reusable prefix (a cache hit revives it)
 
 
+class GrammarStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Guided decoding: cumulative counts, plus the compiles finished since the last
+    stats message (seconds each)."""
+
+    compile_seconds: list[float] = []
+    cache_hits: int = 0
+    cache_misses: int = 0
+    compile_timeouts: int = 0
+    requests_by_kind: dict[str, int] = {}  # json | regex | choice | grammar | json_object
+
+
 class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     timestamp: float
     engine: str  # data-parallel rank / engine identity, the `engine` metric label
@@ -61,3 +72,4 @@ class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tr
     # state of the KV blocks: the web UI's engine view.
     recent_steps: list[StepRecord] = []
     kv_block_map: KVBlockMap | None = None
+    grammar: GrammarStats | None = None  # None until a guided request arrives

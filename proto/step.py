@@ -28,6 +28,19 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     num_computed_tokens: int  # before this step
 
 
+class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
+    """Guided decoding: which tokens each listed request may sample this step.
+
+    `data` is int32 (little-endian) [len(req_ids), words_per_row], xgrammar's packed
+    layout: token 32w + j is bit j of word w, 1 = allowed. Only requests that sample this
+    step and whose grammar restricts the next token have a row.
+    """
+
+    req_ids: list[str]
+    words_per_row: int
+    data: bytes
+
+
 class StepPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     step_id: int
     new_requests: list[NewRequestData]
@@ -38,6 +51,7 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc
     num_scheduled_tokens: list[int]
     # Requests the worker must forget before this step (finished, aborted, preempted).
     finished_req_ids: list[str] = []
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from kvflow.services.bench import host_time, latency, serve, startup, throughput
+    from kvflow.services.bench import guided, host_time, latency, serve, startup, throughput
 
     tp = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
     throughput.add_args(tp)
@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     host_time.add_args(host)
     add_engine_args(host)
     host.set_defaults(handler=host_time.run)
+    gd = bench_sub.add_parser("guided", help="per-step cost of guided decoding (JSON schema)")
+    guided.add_args(gd)
+    add_engine_args(gd)
+    gd.set_defaults(handler=guided.run)
     srv = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server")
     serve.add_args(srv)
     srv.set_defaults(handler=serve.run)

@@ -132,6 +132,7 @@ class DetokenizerStreams:
             first_token_time=delta.first_token_time,
             error=delta.error,
             error_code=delta.error_code,
+            error_param=delta.error_param,
         )
         if delta.logprobs:
             out.logprobs = delta.logprobs

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvflow.proto.frontend import RequestOutputDelta
-from kvflow.proto.stats import SchedulerStats
+from kvflow.proto.stats import GrammarStats, SchedulerStats
 from kvflow.services.frontend.perf_metrics import PerfMetrics
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5]
@@ -33,6 +33,7 @@ TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5
 TOKEN_LATENCY_BUCKETS += [1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0]
 REQUEST_LATENCY_BUCKETS += [40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+GRAMMAR_COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISHED_REASONS = ("stop", "length", "abort")
 # kvflow:requests_rejected reasons: the codes of QueueFullError, QueueTimeoutError and
@@ -71,6 +72,7 @@ class FrontendMetrics:
         self._last_cumulative: dict[tuple[str, str], float] = {}
         labels = ["model_name", "engine"]
         self._define_engine_metrics(labels)
+        self._define_grammar_metrics(labels)
         self.perf = PerfMetrics(self.registry, model_name)  # roofline, peaks, start-up
         self._define_request_metrics(labels, max_model_len)
         self._series = RequestSeries(self, default_engine)
@@ -131,6 +133,34 @@ class FrontendMetrics:
             "Histogram of number of tokens per engine_step.",
             labels,
             buckets=ITERATION_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+
+    def _define_grammar_metrics(self, labels: list[str]) -> None:
+        self.grammar_compile = Histogram(
+            "kvflow:grammar_compile_seconds",
+            "Histogram of guided-decoding grammar compile time in seconds (cache misses).",
+            labels,
+            buckets=GRAMMAR_COMPILE_BUCKETS,
+            registry=self.registry,
+        )
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"kvflow:{name}", doc, labels, registry=self.registry)
+
+        self.grammar_cache_hits = counter(
+            "grammar_cache_hits", "Guided requests whose grammar was already compiled."
+        )
+        self.grammar_cache_misses = counter(
+            "grammar_cache_misses", "Guided requests whose grammar had to be compiled."
+        )
+        self.grammar_compile_timeouts = counter(
+            "grammar_compile_timeouts", "Guided requests failed: their grammar compiled too long."
+        )
+        self.guided_requests = Counter(
+            "kvflow:guided_requests",
+            "Guided requests by kind (json, json_object, regex, choice, grammar).",
+            [*labels, "kind"],
             registry=self.registry,
         )
 
@@ -206,6 +236,23 @@ class FrontendMetrics:
         for num_tokens in stats.step_tokens:
             iteration.observe(num_tokens)
         self.perf.observe(stats, self._increment)
+        if stats.grammar is not None:
+            self._observe_grammar(labels, stats.engine, stats.grammar)
+
+    def _observe_grammar(self, labels: tuple[str, str], engine: str, stats: GrammarStats) -> None:
+        for seconds in stats.compile_seconds:
+            self.grammar_compile.labels(*labels).observe(seconds)
+        for field, counter in (
+            ("cache_hits", self.grammar_cache_hits),
+            ("cache_misses", self.grammar_cache_misses),
+            ("compile_timeouts", self.grammar_compile_timeouts),
+        ):
+            counter.labels(*labels).inc(
+                self._increment(engine, f"grammar_{field}", getattr(stats, field))
+            )
+        for kind, count in stats.requests_by_kind.items():
+            increment = self._increment(engine, f"guided_{kind}", count)
+            self.guided_requests.labels(*labels, kind).inc(increment)
 
     def _increment(self, engine: str, field: str, value: float) -> float:
         last = self._last_cumulative.get((engine, field), 0)

@@ -19,8 +19,10 @@ import msgspec
 from msgspec import Meta
 
 from kvflow.errors import InvalidRequestError
-from kvflow.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvflow.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from kvflow.services.frontend.json_limits import check_json_limits
+from kvflow.services.frontend.structured_fields import GuidedFields, resolve_structured_outputs
+from kvflow.services.frontend.tool_calling import ToolChoice, ToolSpec, tool_guide
 
 MAX_N = 128  # OpenAI's own cap on `n`; also bounds the fan-out one request can cause
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
@@ -76,6 +78,16 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     data_parallel_rank: Annotated[int, Meta(ge=0)] | None = None  # the engine to use
     timeout: Timeout | None = None  # kvflow's extra: abort after this many seconds
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the
+    # guided_* fields vLLM removed (clients still send them). At most one of the three.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: xgrammar decides
 
     @property
     def include_usage(self) -> bool:
@@ -105,7 +117,18 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self._structured_outputs(),
         )
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        legacy = GuidedFields(
+            self.guided_json,
+            self.guided_regex,
+            self.guided_choice,
+            self.guided_grammar,
+            self.guided_whitespace_pattern,
+        )
+        return resolve_structured_outputs(self.response_format, self.structured_outputs, legacy)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -156,12 +179,18 @@ class ChatMessage(msgspec.Struct):
     role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def to_dict(self) -> dict[str, Any]:
         """The message as the chat template expects it (text parts joined)."""
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
     def text(self) -> str:
@@ -186,19 +215,27 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = True
 
     def conversation(self) -> list[dict[str, Any]]:
         return [message.to_dict() for message in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise InvalidRequestError("tool calling is not supported", param="tools")
-        if self.response_format is not None and self.response_format.get("type") != "text":
+        params = self._chat_sampling_params()
+        guide = tool_guide(self.tools, self.tool_choice, _or(self.parallel_tool_calls, True))
+        if guide is None:
+            return params
+        if params.structured_outputs is not None:
             raise InvalidRequestError(
-                "response_format other than text is not supported", param="response_format"
+                "tool_choice 'required' or a named function cannot be combined with "
+                "response_format or structured_outputs",
+                param="tool_choice",
             )
+        return msgspec.structs.replace(params, structured_outputs=guide)
+
+    def _chat_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError(
                 "top_logprobs needs logprobs set to true", param="top_logprobs"

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -39,6 +40,12 @@ from kvflow.services.frontend.serving_common import (
     json_response,
 )
 from kvflow.services.frontend.sse import sse_event
+from kvflow.services.frontend.tool_calling import ToolUse, tool_use, with_tools
+from kvflow.services.frontend.tool_parser import (
+    ToolCallStream,
+    extract_tool_calls,
+    finish_reason_of,
+)
 
 _ASSISTANT = "assistant"
 
@@ -59,7 +66,7 @@ def token_bytes(token: str) -> list[int]:
 
 
 class _Choice(ChoiceCounts):
-    def __init__(self, index: int, logprobs: bool) -> None:
+    def __init__(self, index: int, logprobs: bool, tools: ToolUse) -> None:
         super().__init__()
         self.index = index
         self.want_logprobs = logprobs
@@ -67,6 +74,9 @@ class _Choice(ChoiceCounts):
         self.logprobs: list[ChatTokenLogprob] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.tools = tools
+        self.tool_stream = ToolCallStream(tools) if tools.mode != "none" else None
+        self.num_streamed_calls = 0
 
     def apply(self, ctx: ServingContext, delta: RequestOutputDelta) -> ChatChunkChoice:
         """Fold in one delta; returns this delta's part of the choice (a stream chunk)."""
@@ -80,20 +90,44 @@ class _Choice(ChoiceCounts):
         self.count(delta)
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        message = self._delta_message(delta)
         return ChatChunkChoice(
             index=self.index,
-            delta=DeltaMessage(content=delta.text or None),
+            delta=message,
             logprobs=ChatLogprobs(content=part) if part else None,
-            finish_reason=delta.finish_reason,
+            finish_reason=self._finish_reason(self.num_streamed_calls),
             stop_reason=delta.stop_reason,
         )
 
+    def _delta_message(self, delta: RequestOutputDelta) -> DeltaMessage:
+        """Text as content, or (tool calling) content and tool_calls pieces."""
+        if self.tool_stream is None:
+            return DeltaMessage(content=delta.text or None)
+        content, calls = self.tool_stream.feed(delta.text)
+        if delta.finish_reason is not None:
+            rest, more = self.tool_stream.finish(delta.finish_reason)
+            content, calls = content + rest, calls + more
+        self.num_streamed_calls = max(self.num_streamed_calls, len({c.index for c in calls}))
+        return DeltaMessage(content=content or None, tool_calls=calls or None)
+
+    def _finish_reason(self, num_calls: int) -> str | None:
+        if self.finish_reason is None:
+            return None
+        return finish_reason_of(self.tools, num_calls, self.finish_reason)
+
     def final(self, echo: str) -> ChatChoice:
+        text = "".join(self.text)
+        extracted = extract_tool_calls(self.tools, text, self.finish_reason)
+        content = echo + (extracted.content or "")
         return ChatChoice(
             index=self.index,
-            message=ChatMessageOut(role=_ASSISTANT, content=echo + "".join(self.text)),
+            message=ChatMessageOut(
+                role=_ASSISTANT,
+                content=content if content or not extracted.calls else None,
+                tool_calls=extracted.calls or msgspec.UNSET,
+            ),
             logprobs=ChatLogprobs(content=self.logprobs) if self.want_logprobs else None,
-            finish_reason=self.finish_reason,
+            finish_reason=self._finish_reason(len(extracted.calls)),
             stop_reason=self.stop_reason,
         )
 
@@ -124,8 +158,11 @@ class _Chat(ServedRequest):
         deadlines: RequestDeadlines,
     ) -> None:
         params = request.to_sampling_params()  # validated in ctx.prepare, once per prompt
+        parallel = request.parallel_tool_calls is not False
+        tools = tool_use(request.tools, request.tool_choice, parallel)
         conversation = request.conversation()
-        token_ids = ctx.render_chat(conversation, request.add_generation_prompt)
+        shown, template_tools = with_tools(conversation, tools, ctx.tokenizer.chat_template)
+        token_ids = ctx.render_chat(shown, request.add_generation_prompt, template_tools)
         super().__init__(
             ctx,
             "chatcmpl",
@@ -138,7 +175,7 @@ class _Chat(ServedRequest):
         )
         self.include_usage = request.include_usage
         self.echo = _echo_text(request, conversation)
-        self.choices = [_Choice(i, bool(request.logprobs)) for i in range(params.n)]
+        self.choices = [_Choice(i, bool(request.logprobs), tools) for i in range(params.n)]
 
     async def full(self) -> Response:
         async with aclosing(self.deltas()) as deltas:
@@ -160,7 +197,13 @@ class _Chat(ServedRequest):
         async with aclosing(self.deltas()) as deltas:
             async for index, delta in deltas:
                 part = self.choices[index].apply(self.ctx, delta)
-                if part.delta.content or part.logprobs or part.finish_reason is not None:
+                delta_message = part.delta
+                if (
+                    delta_message.content
+                    or delta_message.tool_calls
+                    or part.logprobs
+                    or part.finish_reason is not None
+                ):
                     yield sse_event(self._chunk([part]))
         if self.include_usage:
             yield sse_event(self._chunk([], usage=True))

@@ -55,9 +55,12 @@ class RequestFailedError(KvflowError):
 
 
 def engine_error(delta: RequestOutputDelta) -> KvflowError:
-    """The exception an engine "error" delta stands for: a load refusal by its code
-    (429/503), else a failure (500)."""
+    """The exception an engine "error" delta stands for: the request's own fault (400,
+    e.g. a grammar compile timeout), a load refusal by its code (429/503), else a
+    failure (500)."""
     message = delta.error or "the engine failed the request"
+    if delta.error_param is not None:
+        return InvalidRequestError(message, param=delta.error_param)
     rejection = REJECTIONS.get(delta.error_code or "")
     return rejection(message) if rejection is not None else RequestFailedError(message)
 
@@ -92,9 +95,14 @@ class ServingContext:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, conversation: Conversation, add_generation_prompt: bool) -> list[int]:
+    def render_chat(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         try:
-            return apply_chat_template(self.tokenizer, conversation, add_generation_prompt)
+            return apply_chat_template(self.tokenizer, conversation, add_generation_prompt, tools)
         except jinja2.TemplateError as exc:
             # Templates reject conversations with raise_exception (e.g. roles out of order).
             raise InvalidRequestError(f"chat template: {exc}", param="messages") from None

@@ -20,21 +20,31 @@ one step late: the token its next, already planned, step samples is never emitte
 
 Load limits live here, on the one waiting queue every frontend feeds, so they are exact
 however many frontends there are (queue_limits.py).
+
+Guided requests (structured outputs) wait in `waiting_for_grammar` while their grammar
+compiles in the pool (grammar_compiler.py); `poll_grammars`, which the transports call
+before planning, hands the compiled ones to the scheduler and fails the ones whose
+compile failed or ran past the timeout. Nothing here ever waits on a compile.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvflow.errors import InvalidRequestError, RequestRejectedError
 from kvflow.metrics.roofline import StepBatch
 from kvflow.proto.engine import AddRequest, TokenDelta
+from kvflow.proto.stats import GrammarStats
 from kvflow.proto.step import StepPlan, StepResult
 from kvflow.services.scheduler.admission import EngineLimits, admit
+from kvflow.services.scheduler.grammar_compiler import GrammarCompiler
+from kvflow.services.scheduler.grammar_matcher import RequestGrammar
 from kvflow.services.scheduler.queue_limits import QueueLimits
-from kvflow.services.scheduler.request import RequestStatus
+from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -77,9 +87,23 @@ class TokenCounters:
         return step_tokens
 
 
+@dataclass
+class PendingGrammar:
+    """A guided request whose grammar is compiling (status WAITING_FOR_GRAMMAR)."""
+
+    request: Request
+    future: Future[Any]  # -> xgrammar.CompiledGrammar
+    deadline: float  # wall clock; past it the request fails
+
+
 class EngineCore:
     def __init__(
-        self, scheduler: Scheduler, limits: EngineLimits, max_steps_in_flight: int = 1
+        self,
+        scheduler: Scheduler,
+        limits: EngineLimits,
+        max_steps_in_flight: int = 1,
+        grammars: GrammarCompiler | None = None,
+        grammar_timeout_s: float = 30.0,
     ) -> None:
         if max_steps_in_flight < 1:
             raise ValueError(f"max_steps_in_flight must be >= 1, got {max_steps_in_flight}")
@@ -93,6 +117,9 @@ class EngineCore:
         self.queue_limits = QueueLimits(config.max_waiting_requests, config.max_queue_delay)
         # The code of the last refusal, for error_delta (the loop passes it the text only).
         self._refused: tuple[str, str] | None = None  # (req_id, error code)
+        self.grammars = grammars
+        self.grammar_timeout_s = grammar_timeout_s
+        self.waiting_for_grammar: dict[str, PendingGrammar] = {}
 
     # ---- requests ----------------------------------------------------------------
 
@@ -102,38 +129,108 @@ class EngineCore:
         if message.req_id in self.owners:
             raise InvalidRequestError(f"duplicate request id {message.req_id!r}")
         try:
-            self.queue_limits.check_room(len(self.scheduler.waiting))
+            self.queue_limits.check_room(
+                len(self.scheduler.waiting) + len(self.waiting_for_grammar)
+            )
         except RequestRejectedError as exc:
             self._refused = (message.req_id, exc.code)
             raise
         request = admit(message, self.limits, queued_time=now)
+        guided = request.sampling_params.structured_outputs
+        if guided is not None and self.grammars is None:
+            raise InvalidRequestError(
+                "this engine has no grammar compiler", param="structured_outputs"
+            )
         self.owners[message.req_id] = message.frontend_id
-        self.scheduler.add_request(request)
         self.queue_limits.on_added(now)
+        if guided is None:
+            self.scheduler.add_request(request)
+            return
+        assert self.grammars is not None
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        future = self.grammars.submit(guided)
+        pending = PendingGrammar(request, future, now + self.grammar_timeout_s)
+        self.waiting_for_grammar[message.req_id] = pending
+
+    def poll_grammars(self, now: float) -> list[TokenDelta]:
+        """Hand requests whose grammar compiled to the scheduler; returns the final
+        deltas of those whose compile failed or timed out."""
+        if self.grammars is None or not self.waiting_for_grammar:
+            return []
+        self.grammars.collect()
+        deltas = []
+        for req_id, pending in list(self.waiting_for_grammar.items()):
+            error = self._grammar_error(pending, now)
+            if error is None and not pending.future.done():
+                continue
+            del self.waiting_for_grammar[req_id]
+            request = pending.request
+            if error is None:
+                request.grammar = RequestGrammar(pending.future.result())
+                request.status = RequestStatus.WAITING
+                self.scheduler.add_request(request)
+                continue
+            frontend_id = self.owners.pop(req_id, "")
+            delta = self._final_delta(request, "error", frontend_id, error)
+            delta.error_param = "structured_outputs"  # the request's grammar: a 400
+            deltas.append(delta)
+        return deltas
+
+    def grammar_stats(self) -> GrammarStats | None:
+        """Compile counts for the stats message (the compile times are taken)."""
+        if self.grammars is None or not self.grammars.stats.requests_by_kind:
+            return None
+        stats = self.grammars.stats
+        return GrammarStats(
+            compile_seconds=stats.take_compile_seconds(),
+            cache_hits=stats.cache_hits,
+            cache_misses=stats.cache_misses,
+            compile_timeouts=stats.timeouts,
+            requests_by_kind=dict(stats.requests_by_kind),
+        )
+
+    def _grammar_error(self, pending: PendingGrammar, now: float) -> str | None:
+        if pending.future.done():
+            exc = pending.future.exception()
+            return None if exc is None else f"structured_outputs: {exc}"
+        if now < pending.deadline:
+            return None
+        assert self.grammars is not None
+        self.grammars.stats.timeouts += 1
+        return (
+            "structured_outputs: the grammar did not compile within "
+            f"{self.grammar_timeout_s:g} s (grammar_compile_timeout)"
+        )
 
     def abort_requests(self, req_ids: list[str], finish_reason: str = "abort") -> list[TokenDelta]:
         """Finish requests from outside the step loop: a client that left ("abort") or a
         stop string the detokenizer matched ("stop", already final there, so no delta)."""
         stopped = finish_reason == "stop"
         status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
+        finished = [p.request for r in req_ids if (p := self.waiting_for_grammar.pop(r, None))]
+        finished += self.scheduler.finish_requests(req_ids, status)
         deltas = []
-        for request in self.scheduler.finish_requests(req_ids, status):
+        for request in finished:
             self._forget(request.request_id)
             frontend_id = self.owners.pop(request.request_id, "")
             if not stopped:
-                deltas.append(
-                    TokenDelta(
-                        request.request_id,
-                        [],
-                        finish_reason="abort",
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        frontend_id=frontend_id,
-                    )
-                )
+                deltas.append(self._final_delta(request, "abort", frontend_id))
         return deltas
 
+    def _final_delta(
+        self, request: Request, reason: str, frontend_id: str, error: str | None = None
+    ) -> TokenDelta:
+        return TokenDelta(
+            request.request_id,
+            [],
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            frontend_id=frontend_id,
+            error=error,
+        )
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.waiting_for_grammar)
 
     # ---- steps -------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ from kvflow.services.scheduler.step_trace import StepSample, StepTrace
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5  # also the frontends' heartbeat of this engine
+GRAMMAR_POLL_S = 0.002  # how often an idle loop looks for finished grammar compiles
 INTEGRITY_INTERVAL_S = 1.0
 _MAX_DRAIN = 4096  # messages handled between two steps at most
 _MAX_RECENT_STEPS = 64  # steps per stats message for the web UI's timeline (newest kept)
@@ -110,6 +111,7 @@ class SchedulerLoop:
     def run_once(self) -> None:
         """Take what arrived (blocking only when nothing can be planned), then step."""
         self._drain(self._wait_timeout(time.monotonic()))
+        self._poll_grammars()
         while self._can_plan() and not self._stalled and not self.finished:
             self._start_step()
         self._housekeeping(time.monotonic())
@@ -124,7 +126,17 @@ class SchedulerLoop:
     def _wait_timeout(self, now: float) -> float:
         if self._can_plan() and not self._stalled:
             return 0.0
+        if self.core.waiting_for_grammar:  # compiles finish off the inbox: look again soon
+            return GRAMMAR_POLL_S
         return min(max(self._next_stats - now, 0.0), STATS_INTERVAL_S)
+
+    def _poll_grammars(self) -> None:
+        if not self.core.waiting_for_grammar:
+            return
+        waiting = len(self.core.waiting_for_grammar)
+        self._send_deltas(self.core.poll_grammars(time.time()))
+        if len(self.core.waiting_for_grammar) < waiting:
+            self._stalled = False  # a compiled request may be planned now
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -286,6 +298,7 @@ class SchedulerLoop:
             incarnation=self.incarnation,
             recent_steps=self._take_recent_steps(),
             kv_block_map=block_map(self.core.scheduler.kv_cache.block_pool),
+            grammar=self.core.grammar_stats(),
         )
 
     def _take_recent_steps(self) -> list[StepRecord]:

@@ -46,12 +46,13 @@ from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.step import SchedulerHello, Shutdown
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
+from kvflow.services.scheduler.grammar_compiler import grammar_compiler
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.loop import Instruments, Outputs, SchedulerLoop
 from kvflow.services.scheduler.scheduler import Scheduler
 from kvflow.services.scheduler.step_trace import StepTrace
-from kvflow.tokenizer import read_eos_token_ids
+from kvflow.tokenizer import load_tokenizer, read_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ def run_scheduler(
         try:
             return _serve(
                 config,
+                model_dir,
                 sockets,
                 link,
                 stop,
@@ -108,6 +110,7 @@ def run_scheduler(
 
 def _serve(
     config: EngineConfig,
+    model_dir: Path,  # the tokenizer's: grammars compile against it
     sockets: _SchedulerSockets,
     link: LauncherLink,
     stop: StopFlag,
@@ -133,8 +136,14 @@ def _serve(
     kv_cache = KVCacheManager(
         info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
     )
-    scheduler = Scheduler(config.scheduler, kv_cache, info.max_model_len)
-    core = EngineCore(scheduler, limits, config.scheduler.max_steps_in_flight)
+    scheduler = Scheduler(config.scheduler, kv_cache, info.max_model_len, info.vocab_size)
+    core = EngineCore(
+        scheduler,
+        limits,
+        config.scheduler.max_steps_in_flight,
+        grammar_compiler(limits, lambda: load_tokenizer(model_dir)),
+        config.scheduler.grammar_compile_timeout,
+    )
     ranks = range(config.parallel.world_size)
     liveness = Liveness(heartbeat_timeout_s, dict.fromkeys(ranks, time.monotonic()))
     loop = SchedulerLoop(

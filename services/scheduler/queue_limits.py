@@ -36,8 +36,8 @@ class QueueLimits:
             )
 
     def on_added(self, queued_time: float) -> None:
-        if self.max_delay_s is not None and math.isinf(self._next_expiry):
-            self._next_expiry = queued_time + self.max_delay_s
+        if self.max_delay_s is not None:  # guided requests join after their compile
+            self._next_expiry = min(self._next_expiry, queued_time + self.max_delay_s)
 
     def expired(self, waiting: Iterable[Request], now: float) -> list[str]:
         """Ids of the requests that waited for their first step longer than allowed."""

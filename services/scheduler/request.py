@@ -23,18 +23,23 @@ preempted request drops its KV (`num_computed_tokens = 0`) and later recomputes 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from kvflow.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from kvflow.services.scheduler.grammar_matcher import RequestGrammar
+
 
 class RequestStatus(enum.IntEnum):
-    WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
-    FINISHED_LENGTH = 4  # max_tokens or the model's context length
-    FINISHED_ABORTED = 5  # client went away or asked to cancel
-    FINISHED_ERROR = 6
+    WAITING_FOR_GRAMMAR = 0  # guided: its grammar compiles in the pool (engine_core.py)
+    WAITING = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4  # EOS, a stop token id, a stop string or a completed grammar
+    FINISHED_LENGTH = 5  # max_tokens or the model's context length
+    FINISHED_ABORTED = 6  # client went away or asked to cancel
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -82,6 +87,7 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.grammar: RequestGrammar | None = None  # guided decoding: set once compiled
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +124,9 @@ class Request:
         """After appending a token: set a finished status if a stop condition holds."""
         params = self.sampling_params
         last = self.all_token_ids[-1]
+        if self.grammar is not None and self.grammar.is_terminated:
+            self.status = RequestStatus.FINISHED_STOPPED  # the grammar took its stop token
+            return True
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED

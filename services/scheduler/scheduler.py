@@ -23,6 +23,7 @@ from kvflow.proto.step import (
     StepResult,
     TokenLogprobs,
 )
+from kvflow.services.scheduler.grammar_matcher import build_bitmask
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
@@ -60,11 +61,16 @@ class _StepBuilder:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        vocab_size: int = 0,  # the logits' width: guided decoding's bitmask rows
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -113,11 +119,13 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:  # admitting new work while preempting would thrash
             self._schedule_waiting(step, now)
+        sampling = []
         for req_id, num_tokens in step.scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens == request.num_planned_tokens:
                 request.num_output_placeholders += 1  # this step samples for it
+                sampling.append(request)
         self._step_id += 1
         plan = StepPlan(
             step_id=self._step_id,
@@ -126,6 +134,7 @@ class Scheduler:
             scheduled_req_ids=list(step.scheduled),
             num_scheduled_tokens=list(step.scheduled.values()),
             finished_req_ids=self._worker_forget,
+            grammar_bitmask=build_bitmask(sampling, self.vocab_size),
         )
         self._worker_forget = []
         return plan
@@ -136,6 +145,8 @@ class Scheduler:
         placeholder = num_new == 1 and request.num_output_placeholders > 0
         if placeholder and not request.may_sample_more(self.max_model_len):
             return 0
+        if placeholder and request.grammar is not None:
+            return 0  # its mask needs the grammar state after the token in flight
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
@@ -250,6 +261,8 @@ class Scheduler:
             for token_id in result.sampled_token_ids[index]:
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
+                if not _grammar_accepts(request, token_id):
+                    break
                 if request.check_stop(self.max_model_len):
                     break
             logprobs = result.logprobs[index][: len(new_token_ids)] if result.logprobs else []
@@ -308,3 +321,13 @@ class Scheduler:
             prefix_cache_hits=self.kv_cache.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
         )
+
+
+def _grammar_accepts(request: Request, token_id: int) -> bool:
+    """Advance a guided request's matcher; a token outside its grammar (the mask makes
+    that impossible unless something else forced every token out) fails the request."""
+    if request.grammar is None or request.grammar.accept(token_id):
+        return True
+    logger.error("request %s sampled token %d outside its grammar", request.request_id, token_id)
+    request.status = RequestStatus.FINISHED_ERROR
+    return False

@@ -229,8 +229,12 @@ def test_chat_max_tokens_and_logprobs() -> None:
     ("body", "param"),
     [
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "sometimes", "tools": [{"function": {"name": "f"}}]}, "tool_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"),
     ],
 )
 def test_chat_conversion_errors(body: dict[str, Any], param: str) -> None:

@@ -1,0 +1,122 @@
+"""`kvflow bench guided`: what guided decoding costs per step, offline.
+
+The same prompts decode with and without a JSON schema, at each batch size, the two
+runs interleaved (plain, guided, plain, guided, ...) so that drift of a shared machine
+hits both alike; the best of the repeats counts. The schema (at least 200 small records)
+lets the output run to `--output-len`, so both runs decode the same
+number of steps and the ratio is the per-step overhead: bitmask filling, matcher
+advances, the mask on the wire and its application before sampling. The first and a
+cached compile of the schema are reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+# Records of a string and an integer; 200 of them are more than any run's max_tokens,
+# so the output never completes early and every step is guided.
+SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 16}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+    },
+    "minItems": 200,
+}
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvflow.llm import LLM
+    from kvflow.services.bench.throughput import random_token_prompts
+    from kvflow.services.cli_args import engine_options
+
+    llm = LLM(**engine_options(args))
+    special = list(llm.tokenizer.all_special_ids)
+    report: dict[str, Any] = {"compile": _compile_times(llm), "batches": []}
+    for batch in args.batch_sizes:
+        prompts = random_token_prompts(batch, args.input_len, llm.engine.vocab_size, special, 0)
+        plain, guided = _best_of(llm, prompts, args.output_len, args.repeats)
+        report["batches"].append(
+            {
+                "batch": batch,
+                "plain_tok_s": round(plain, 1),
+                "guided_tok_s": round(guided, 1),
+                "guided_over_plain": round(guided / plain, 3),
+            }
+        )
+    _print(report, args.json)
+    return 0
+
+
+def _params(output_len: int, guided: bool) -> Any:
+    from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
+
+    constraint = StructuredOutputsParams(json=SCHEMA) if guided else None
+    return SamplingParams(
+        max_tokens=output_len, temperature=0.0, ignore_eos=True, structured_outputs=constraint
+    )
+
+
+def _tok_s(llm: Any, prompts: list[list[int]], output_len: int, guided: bool) -> float:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, _params(output_len, guided))
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    if guided and tokens != output_len * len(prompts):
+        raise RuntimeError(f"guided run stopped early ({tokens} tokens): not comparable")
+    return float(tokens / elapsed)
+
+
+def _best_of(
+    llm: Any, prompts: list[list[int]], output_len: int, repeats: int
+) -> tuple[float, float]:
+    _tok_s(llm, prompts[:1], 4, guided=True)  # warm-up, schema compiled
+    plain, guided = 0.0, 0.0
+    for _ in range(repeats):
+        plain = max(plain, _tok_s(llm, prompts, output_len, guided=False))
+        guided = max(guided, _tok_s(llm, prompts, output_len, guided=True))
+    return plain, guided
+
+
+def _compile_times(llm: Any) -> dict[str, float]:
+    """Seconds from submit to compiled: first (cache miss, tokenizer table included on a
+    fresh engine) and again (cache hit)."""
+    from kvflow.sampling_params import StructuredOutputsParams
+
+    compiler = llm.engine.core.grammars
+    times = {}
+    for name in ("first_s", "cached_s"):
+        start = time.perf_counter()
+        compiler.submit(StructuredOutputsParams(json=SCHEMA)).result()
+        times[name] = round(time.perf_counter() - start, 4)
+        compiler.collect()
+    return times
+
+
+def _print(report: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report))
+        return
+    compile_times = report["compile"]
+    print(
+        f"schema compile: first {compile_times['first_s'] * 1000:.1f} ms, "
+        f"cached {compile_times['cached_s'] * 1000:.2f} ms"
+    )
+    print(f"{'batch':>5} {'plain tok/s':>12} {'guided tok/s':>13} {'guided/plain':>13}")
+    for row in report["batches"]:
+        print(
+            f"{row['batch']:>5} {row['plain_tok_s']:>12.1f} {row['guided_tok_s']:>13.1f} "
+            f"{row['guided_over_plain']:>13.3f}"
+        )

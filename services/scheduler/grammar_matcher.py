@@ -1,0 +1,90 @@
+"""Per-request grammar state and the step's packed token bitmask.
+
+A request's matcher has accepted exactly its known output tokens, never a placeholder
+(a token a step in flight will sample): the scheduler does not plan a guided request's
+next sample until its last one is back (scheduler.py), so the mask a plan carries is
+the grammar's state after every token the request has. That keeps three cases exact
+without any replay:
+- steps in flight (async scheduling): a guided request is in at most one of them;
+- preemption by recompute: the request keeps its output tokens, the matcher keeps the
+  same tokens; the dropped in-flight sample was never accepted;
+- a result dropped because the request left: nothing was accepted.
+`replay` rebuilds a matcher from the tokens (a request resumed without its matcher),
+and `rollback` undoes accepted tokens, which speculative decoding needs for rejected
+drafts.
+
+Bitmask layout (xgrammar's): row r packs token 32w + j of request r in bit j of int32
+word w; 1 = allowed. Rows travel in `StepPlan.grammar_bitmask` for the requests that
+sample in that step and whose grammar restricts the next token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvflow.proto.step import GrammarBitmask
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from kvflow.services.scheduler.request import Request
+
+
+class RequestGrammar:
+    """The compiled grammar of one request and the matcher over its output tokens."""
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
+        import xgrammar as xgr
+
+        self.compiled = compiled
+        self.matcher = xgr.GrammarMatcher(compiled)  # xgrammar >= 0.2 can always roll back
+        self.num_accepted = 0
+
+    def accept(self, token_id: int) -> bool:
+        """Advance on a sampled token; False if the grammar does not allow it."""
+        if not self.matcher.accept_token(token_id):
+            return False
+        self.num_accepted += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        assert 0 <= num_tokens <= self.num_accepted, num_tokens
+        self.matcher.rollback(num_tokens)
+        self.num_accepted -= num_tokens
+
+    def replay(self, token_ids: list[int]) -> bool:
+        """Start over and accept `token_ids`; False if they do not fit the grammar."""
+        self.matcher.reset()
+        self.num_accepted = 0
+        return all(self.accept(t) for t in token_ids)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and accepted a stop token: nothing more may follow."""
+        return bool(self.matcher.is_terminated())
+
+    def fill(self, bitmask: np.ndarray, row: int) -> bool:
+        """Write the next token's mask into bitmask[row]; False when every token is
+        allowed (the row need not be applied)."""
+        return bool(self.matcher.fill_next_token_bitmask(bitmask, row))
+
+
+def build_bitmask(requests: list[Request], vocab_size: int) -> GrammarBitmask | None:
+    """The packed bitmask of the guided requests among `requests` (those sampling this
+    step); None when no row restricts anything."""
+    guided = [r for r in requests if r.grammar is not None]
+    if not guided:
+        return None
+    words = (vocab_size + 31) // 32
+    bitmask = np.full((len(guided), words), -1, dtype=np.int32)  # [rows, words]
+    req_ids: list[str] = []
+    for request in guided:
+        assert request.grammar is not None
+        if request.grammar.fill(bitmask, len(req_ids)):
+            req_ids.append(request.request_id)
+    if not req_ids:
+        return None
+    return GrammarBitmask(req_ids, words, bitmask[: len(req_ids)].tobytes())

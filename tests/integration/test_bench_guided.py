@@ -1,0 +1,24 @@
+"""`kvflow bench guided`: plain vs JSON-schema decoding on the same prompts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from serve_harness import KVFLOW
+
+
+def test_guided_bench_reports_both_rates(tiny_model_dir: Path) -> None:
+    command = [str(KVFLOW), "bench", "guided", "--model", str(tiny_model_dir)]
+    command += ["--dtype", "float32", "--device", "cpu", "--num-blocks", "64"]
+    command += ["--batch-sizes", "1", "3", "--output-len", "12", "--repeats", "1", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["compile"]["first_s"] > report["compile"]["cached_s"] >= 0
+    assert [row["batch"] for row in report["batches"]] == [1, 3]
+    for row in report["batches"]:
+        assert row["plain_tok_s"] > 0 and row["guided_tok_s"] > 0
+        ratio = row["guided_tok_s"] / row["plain_tok_s"]  # the rates are rounded to 0.1
+        assert abs(row["guided_over_plain"] - ratio) < 0.01 + 0.1 / row["plain_tok_s"]
