@@ -17,7 +17,9 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.proto.addresses import ServiceAddresses
+from kvflow.services.children import RestartPolicy
 from kvflow.services.cli_args import add_engine_args, engine_options
+from kvflow.services.scheduler.recovery import WORKER_RECOVERY_TIMEOUT_S
 
 
 def add_serve_parsers(subparsers: Any) -> None:
@@ -27,6 +29,7 @@ def add_serve_parsers(subparsers: Any) -> None:
     serve.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds for every role to start"
     )
+    _add_restart_args(serve)
     _add_trace_arg(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=_run_serve)
@@ -48,8 +51,31 @@ def add_serve_parsers(subparsers: Any) -> None:
             parser.add_argument("--rank", type=int, default=0, help="this worker's rank")
         if role == "scheduler":
             _add_trace_arg(parser)
+            parser.add_argument(
+                "--worker-recovery-timeout",
+                type=float,
+                default=WORKER_RECOVERY_TIMEOUT_S,
+                help="seconds a lost worker may take to come back before the scheduler exits 1",
+            )
         add_engine_args(parser)
         parser.set_defaults(handler=handler)
+
+
+def _add_restart_args(parser: argparse.ArgumentParser) -> None:
+    defaults = RestartPolicy()
+    group = parser.add_argument_group("supervision")
+    group.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        default=defaults.max_worker_restarts,
+        help="restarts of a dead worker (its requests resume) before the server exits 1",
+    )
+    group.add_argument(
+        "--worker-restart-backoff",
+        type=float,
+        default=defaults.backoff_s,
+        help="seconds before the first worker restart, doubled for each further one",
+    )
 
 
 def _add_trace_arg(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +136,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         startup_timeout_s=args.startup_timeout,
         trace_file=args.trace_file,
+        restart=RestartPolicy(args.max_worker_restarts, args.worker_restart_backoff),
     )
     return serve(_config(args), options)
 
@@ -122,7 +149,9 @@ def _run_scheduler(args: argparse.Namespace) -> int:
         config,
         resolve_addresses(args),
         _model_dir(config),
-        SchedulerOptions(trace_file=args.trace_file),
+        SchedulerOptions(
+            trace_file=args.trace_file, worker_recovery_timeout_s=args.worker_recovery_timeout
+        ),
         launcher_address=args.launcher_address,
     )
 

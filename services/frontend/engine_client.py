@@ -20,6 +20,10 @@ Invariants:
   that moment are failed (and aborted) anyway, so no caller waits on an engine that may
   never answer. Until the first stats arrive the engine counts as not ready (503), not
   as dead;
+- a lost worker is the scheduler's to recover: its stats say `recovering` (with the
+  reason) until a worker is back, and the requests in flight wait and then go on
+  where they stopped; meanwhile the engine is not healthy (503 "recovering: ...") and
+  new requests are refused;
 - a restarted scheduler (compose restarts a failed container) shows a new
   `incarnation` in its stats: the requests in flight are failed, since the old process
   took them with it, and an `EngineDead` the old one sent is forgotten;
@@ -174,6 +178,9 @@ class EngineClient:
             # Not connected yet (or the scheduler never came up): refuse rather than
             # queue requests nobody may ever run.
             return "waiting for the engine: no scheduler stats received yet"
+        recovering = [s.recovering for s in self.latest_stats.values() if s.recovering]
+        if recovering:  # requests would wait for the worker: refuse them, say why
+            return f"recovering: {recovering[0]}"
         if self._detokenizer_linked is False:
             return "waiting for the engine: not connected to the detokenizer"
         return self._stale_reason(time.monotonic())

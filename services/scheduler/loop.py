@@ -102,6 +102,8 @@ class SchedulerLoop:
         self.incarnation = incarnation
         self.instruments = instruments or Instruments()
         self.recovery = recovery or WorkerRecovery(incarnation)
+        # rank -> random id of the worker process that answered the latest hello
+        self.worker_incarnations: dict[int, str] = {}
         # perf_counter() when the worker could start the oldest step in flight: when it
         # was sent, or when the step before it came back, whichever was later.
         self._step_started = 0.0
@@ -161,8 +163,9 @@ class SchedulerLoop:
             case StepResult():
                 self.liveness.beat(0, now)
                 self._finish_step(message)
-            case WorkerHeartbeat(rank=rank):
+            case WorkerHeartbeat(rank=rank, incarnation=worker):
                 self.liveness.beat(rank, now)
+                self._check_incarnation(rank, worker, now)
             case ProcessFailed(rank=rank, error=error):
                 self._worker_lost(f"worker rank {rank} failed: {error}", now)
             case WorkerInfo(rank=0) if self.recovery.answers(message.incarnation):
@@ -269,6 +272,13 @@ class SchedulerLoop:
         )
         self._next_stats = now  # frontends learn it now (/health: recovering)
 
+    def _check_incarnation(self, rank: int, worker: str, now: float) -> None:
+        """A heartbeat from another process than the one that answered the hello: the
+        worker was restarted (perhaps before its silence was noticed)."""
+        known = self.worker_incarnations.get(rank)
+        if known and worker and worker != known and not self.recovery.recovering:
+            self._worker_lost(f"worker rank {rank} was restarted (a new process)", now)
+
     def _worker_back(self, info: WorkerInfo, now: float) -> None:
         kv_cache = self.core.scheduler.kv_cache
         if info.num_blocks < kv_cache.num_blocks:  # the pool is sized once, at start-up
@@ -278,6 +288,7 @@ class SchedulerLoop:
             )
             return
         took = self.recovery.back(now)
+        self.worker_incarnations[info.rank] = info.worker_incarnation
         self.liveness.last_seen = dict.fromkeys(self.liveness.last_seen, now)
         self.liveness.suspect_since = None
         self._stalled = False

@@ -158,6 +158,7 @@ def _serve(
         incarnation=incarnation,
         recovery=WorkerRecovery(incarnation, recovery_timeout_s),
     )
+    loop.worker_incarnations[0] = info.worker_incarnation
     for message in early:  # requests that raced the workers' start-up, in order
         loop.handle(message)
     link.ready(num_blocks=info.num_blocks, max_model_len=info.max_model_len)

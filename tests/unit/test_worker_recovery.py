@@ -9,7 +9,7 @@ from typing import Any
 
 from test_scheduler_loop import add, deltas, make_loop, sent
 
-from kvflow.proto.control import ProcessFailed, WorkerInfo
+from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
 from kvflow.proto.stats import SchedulerStats
 from kvflow.proto.step import SchedulerHello, StepPlan, StepResult
 from kvflow.sampling_params import SamplingParams
@@ -120,3 +120,19 @@ def test_stats_say_recovering_at_once() -> None:
     lose_worker(loop)
     stats = [m for m in sent(outputs, "stats") if isinstance(m, SchedulerStats)]
     assert len(stats) == 2 and stats[-1].recovering == "worker rank 0 failed: killed"
+
+
+def test_a_heartbeat_from_a_new_worker_process_starts_a_recovery() -> None:
+    loop, inbox, outputs = make_loop()
+    loop.worker_incarnations[0] = "w1"
+    inbox.put(WorkerHeartbeat(0, 0.0, "w1"))
+    loop.run_once()
+    assert not loop.recovery.recovering
+    inbox.put(WorkerHeartbeat(0, 0.0, "w2"))  # restarted before its silence was noticed
+    loop.run_once()
+    assert loop.recovery.reason == "worker rank 0 was restarted (a new process)"
+    loop.inbox.put(
+        WorkerInfo(0, 16, 100, 32, incarnation=hellos(outputs)[-1], worker_incarnation="w2")
+    )
+    loop.run_once()
+    assert not loop.recovery.recovering and loop.worker_incarnations == {0: "w2"}
