@@ -171,7 +171,7 @@ class SchedulerLoop:
             case WorkerInfo(rank=0) if self.recovery.answers(message.incarnation):
                 self._worker_back(message, now)
             case WorkerInfo(rank=rank):
-                logger.info("WorkerInfo from worker rank %d for another hello: ignored", rank)
+                logger.debug("WorkerInfo from worker rank %d for another hello: ignored", rank)
             case WorkerDisconnected():
                 self.liveness.suspect(now)
             case Shutdown():

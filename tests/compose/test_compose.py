@@ -356,3 +356,56 @@ def test_every_grafana_panel_query_returns_data(stack: Stack, completion: Any) -
             time.sleep(1.0)
     assert not failures, "\n".join(failures)
     print(f"\n[compose] {len(queries)} Grafana panel queries returned data", flush=True)
+
+
+def kill_container_process(stack: Stack, service: str) -> None:
+    """SIGKILL a service's main process from the host: a crash, which Docker's restart
+    policy answers (`docker kill` would count as a manual stop and suppress it)."""
+    env = dict(os.environ)
+    container = run([*stack.compose, "ps", "-q", service], env, timeout=60).stdout.strip()
+    pid = run(["docker", "inspect", "-f", "{{.State.Pid}}", container], env, timeout=60)
+    os.kill(int(pid.stdout.strip()), 9)
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+@live
+def test_worker_sigkill_mid_stream_resumes_the_stream(stack: Stack, completion: Any) -> None:
+    """The worker container crashes mid-stream: Docker restarts it, the scheduler resumes
+    the request, and the stream ends with the tokens of an uncrashed run."""
+    import openai
+
+    client = openai.OpenAI(base_url=stack.api, api_key="unused", timeout=REQUEST_TIMEOUT_S)
+    request = {
+        "model": completion.model,
+        "prompt": "Here is a long story about a dragon and a knight:",
+        "max_tokens": 40,
+        "temperature": 0.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    reference = client.completions.create(**request).choices[0].text
+    pieces: list[str] = []
+    start = time.monotonic()
+    for chunk in client.completions.create(**request, stream=True):
+        pieces.extend(choice.text for choice in chunk.choices)
+        if len(pieces) == 4:
+            kill_container_process(stack, "worker")
+            start = time.monotonic()
+    timed("stream finished after the worker's SIGKILL", start)
+    assert "".join(pieces) == reference
+    health = f"http://127.0.0.1:{stack.http_port}/health"
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while http_status(health) != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert http_status(health) == 200
+    with urllib.request.urlopen(health.replace("/health", "/metrics"), timeout=10) as response:
+        metrics = response.read().decode()
+    assert re.search(r"^kvflow:worker_restarts_total\{[^}]*\} 1\.0$", metrics, re.M), metrics
