@@ -160,7 +160,17 @@ def _resolve_model(config: EngineConfig) -> Path:
 
     if config.parallel.world_size != 1:
         raise KvflowError("tensor/pipeline parallelism is not supported yet (world size 1)")
-    return resolve_model_dir(config.model.model)
+    try:
+        return resolve_model_dir(config.model.model)
+    except KvflowError:
+        raise
+    except Exception as exc:  # e.g. the disk filled up while a GGUF was converted
+        # The conversion writes into a temporary directory and renames it only when
+        # complete: nothing half-written is left in the cache to be loaded next time.
+        raise KvflowError(
+            f"could not prepare the model (a GGUF is converted into $KVFLOW_CACHE_DIR, "
+            f"by default ~/.cache/kvflow): {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 class Supervisor:

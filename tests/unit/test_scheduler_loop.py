@@ -7,7 +7,6 @@ import queue
 from typing import Any
 
 import msgspec
-import pytest
 
 from kvflow.config import SchedulerConfig
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat
