@@ -380,7 +380,13 @@ def http_status(url: str) -> int:
 @live
 def test_worker_sigkill_mid_stream_resumes_the_stream(stack: Stack, completion: Any) -> None:
     """The worker container crashes mid-stream: Docker restarts it, the scheduler resumes
-    the request, and the stream ends with the tokens of an uncrashed run."""
+    the request, and the stream runs to its full length without an error.
+
+    Token equality with an uncrashed run is checked under `kvflow serve` in float32
+    (tests/integration/test_serve_failures.py); this stack runs bfloat16, where the
+    recomputing prefill may round differently from the decode steps it replaces and
+    flip a near-tie, as after any preemption. So here: the text streamed before the
+    kill is the reference's, and the stream ends by length with every token."""
     import openai
 
     client = openai.OpenAI(base_url=stack.api, api_key="unused", timeout=REQUEST_TIMEOUT_S)
@@ -393,14 +399,22 @@ def test_worker_sigkill_mid_stream_resumes_the_stream(stack: Stack, completion: 
     }
     reference = client.completions.create(**request).choices[0].text
     pieces: list[str] = []
+    before_kill, finishes, usage = "", [], None
     start = time.monotonic()
-    for chunk in client.completions.create(**request, stream=True):
+    stream = client.completions.create(
+        **request, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in stream:
         pieces.extend(choice.text for choice in chunk.choices)
+        finishes.extend(c.finish_reason for c in chunk.choices if c.finish_reason)
+        usage = chunk.usage or usage
         if len(pieces) == 4:
+            before_kill = "".join(pieces)
             kill_container_process(stack, "worker")
             start = time.monotonic()
     timed("stream finished after the worker's SIGKILL", start)
-    assert "".join(pieces) == reference
+    assert before_kill and reference.startswith(before_kill)
+    assert finishes == ["length"] and usage is not None and usage.completion_tokens == 40
     health = f"http://127.0.0.1:{stack.http_port}/health"
     deadline = time.monotonic() + REQUEST_TIMEOUT_S
     while http_status(health) != 200 and time.monotonic() < deadline:
@@ -409,3 +423,4 @@ def test_worker_sigkill_mid_stream_resumes_the_stream(stack: Stack, completion: 
     with urllib.request.urlopen(health.replace("/health", "/metrics"), timeout=10) as response:
         metrics = response.read().decode()
     assert re.search(r"^kvflow:worker_restarts_total\{[^}]*\} 1\.0$", metrics, re.M), metrics
+    assert re.search(r"^kvflow:requests_resumed_total\{[^}]*\} 1\.0$", metrics, re.M), metrics
