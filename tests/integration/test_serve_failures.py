@@ -2,7 +2,7 @@
 
 Within the restart budget nothing is lost: the launcher restarts the worker, the
 scheduler resumes every stream by recomputation, and each stream ends with exactly the
-tokens of a run without the kill; meanwhile /health says 503 "recovering", and the
+tokens of a run without the kill (greedy, and seeded sampling); meanwhile /health says 503 "recovering", and the
 metrics count the restart and the resumed requests. With the budget spent, the streams
 fail with an in-band error naming the cause, and `kvflow serve` exits 1 with no process
 left behind (so that Docker's or systemd's restart policy takes over).
@@ -37,18 +37,22 @@ pytestmark = pytest.mark.slow
 # a broken server never finishes, and the client's read timeout then fails the test.
 STREAM_DEADLINE_S = 120.0
 PROMPTS = ["A very long story:", "Once upon a time", "The list of primes:", "Dear diary,"]
+# Greedy, except the last stream: seeded sampling, whose generator must replay too.
+SAMPLING = [{"temperature": 0.0}] * 3 + [{"temperature": 1.0, "seed": 1234}]
 MAX_TOKENS = 300
 
 
-def _stream(base_url: str, prompt: str, started: threading.Event | None) -> dict[str, Any]:
-    """One greedy completion stream: its text, finish reasons and errors."""
+def _stream(
+    base_url: str, prompt: str, sampling: dict[str, Any], started: threading.Event | None
+) -> dict[str, Any]:
+    """One completion stream: its text, finish reasons and errors."""
     body = {
         "model": MODEL_NAME,
         "prompt": prompt,
         "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
+        **sampling,
     }
     text, finishes, errors = [], [], []
     with (
@@ -74,8 +78,8 @@ def _run_streams(base_url: str, on_started: Any = None) -> list[dict[str, Any]]:
     events = [threading.Event() for _ in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [
-            pool.submit(_stream, base_url, prompt, event if on_started else None)
-            for prompt, event in zip(PROMPTS, events, strict=True)
+            pool.submit(_stream, base_url, prompt, sampling, event if on_started else None)
+            for prompt, sampling, event in zip(PROMPTS, SAMPLING, events, strict=True)
         ]
         if on_started is not None:
             for event in events:
