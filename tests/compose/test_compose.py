@@ -424,3 +424,20 @@ def test_worker_sigkill_mid_stream_resumes_the_stream(stack: Stack, completion: 
         metrics = response.read().decode()
     assert re.search(r"^kvflow:worker_restarts_total\{[^}]*\} 1\.0$", metrics, re.M), metrics
     assert re.search(r"^kvflow:requests_resumed_total\{[^}]*\} 1\.0$", metrics, re.M), metrics
+
+
+@live
+def test_frontend_sigkill_is_restarted_by_docker(stack: Stack, completion: Any) -> None:
+    """The frontend container crashes: the client's connection drops, Docker restarts
+    it, and it serves again (the engine behind it never stopped)."""
+    health = f"http://127.0.0.1:{stack.http_port}/health"
+    assert http_status(health) == 200
+    kill_container_process(stack, "frontend")
+    start = time.monotonic()
+    deadline = start + REQUEST_TIMEOUT_S
+    while http_status(health) == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)  # until the killed process stops answering
+    while http_status(health) != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    timed("frontend back (health 200) after its SIGKILL", start)
+    assert http_status(health) == 200
