@@ -18,6 +18,9 @@ from kvflow.errors import ConfigError
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+LoadBalance = Literal["prefix-aware", "least-load", "round-robin"]
+
+
 def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -63,6 +66,16 @@ class SchedulerConfig:
     async_scheduling: bool = _opt(
         False, "plan the next step while the worker runs the current one (2 steps in flight)"
     )
+    max_waiting_requests: int | None = _opt(
+        None,
+        "most requests (samples) waiting for their first step; more are refused "
+        "(HTTP 429 with Retry-After); default: no limit",
+    )
+    max_queue_delay: float | None = _opt(
+        None,
+        "seconds a request may wait for its first step, else it fails "
+        "(HTTP 503); default: no limit",
+    )
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -73,12 +86,29 @@ class SchedulerConfig:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ConfigError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.max_queue_delay is not None and not self.max_queue_delay > 0:
+            raise ConfigError(f"max_queue_delay must be > 0 seconds, got {self.max_queue_delay}")
+
+    @property
+    def sheds_load(self) -> bool:
+        """Whether a limit may refuse or fail requests for load (a server's concern)."""
+        return self.max_waiting_requests is not None or self.max_queue_delay is not None
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = _opt(1, "tensor-parallel ranks")
     pipeline_parallel_size: int = _opt(1, "pipeline-parallel stages")
+    data_parallel_size: int = _opt(1, "engine cores (each with its own workers) behind the API")
+    load_balance: LoadBalance = _opt(
+        "prefix-aware", "how the frontend picks an engine when data_parallel_size > 1"
+    )
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
     @property
     def world_size(self) -> int:

@@ -40,3 +40,42 @@ class UnsupportedModelError(KvflowError):
 
 class EngineDeadError(KvflowError):
     """The scheduler or a worker died; in-flight requests fail (HTTP 500/503)."""
+
+
+class RequestRejectedError(InvalidRequestError):
+    """The engine turned away, or gave up on, a valid request because it is overloaded,
+    not because of what it asks: HTTP `status_code` with Retry-After instead of a 400.
+    An InvalidRequestError all the same for the engine: a per-request refusal that goes
+    back as an error delta (its `code` on the wire), never a crash or a traceback."""
+
+    code = "rejected"
+    status_code = 503
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+class QueueFullError(RequestRejectedError):
+    """`max_waiting_requests` requests already wait for their first step (HTTP 429)."""
+
+    code = "queue_full"
+    status_code = 429
+
+
+class QueueTimeoutError(RequestRejectedError):
+    """The request waited longer than `max_queue_delay` for its first step (HTTP 503)."""
+
+    code = "queue_timeout"
+    status_code = 503
+
+
+REJECTIONS: dict[str, type[RequestRejectedError]] = {
+    cls.code: cls for cls in (QueueFullError, QueueTimeoutError)
+}
+
+
+class RequestTimeoutError(KvflowError):
+    """The request's own `timeout` passed before it finished; it was aborted (HTTP 408)."""
+
+    code = "timeout"
+    status_code = 408

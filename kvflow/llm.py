@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from kvflow.config import EngineConfig
 from kvflow.engine import LLMEngine
+from kvflow.errors import ConfigError
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import Conversation, apply_chat_template
@@ -28,6 +29,19 @@ class LLM:
         **engine_options: Any,
     ) -> None:
         config = EngineConfig.create(model=model, dtype=dtype, device=device, **engine_options)
+        if config.parallel.data_parallel_size != 1:
+            # One process, one engine core: D cores here would share the same CPU/GPU
+            # and give no throughput; data parallelism is `kvflow serve`'s.
+            raise ConfigError(
+                "LLM runs one engine core in process; for data parallelism use "
+                "`kvflow serve --data-parallel-size N`"
+            )
+        if config.scheduler.sheds_load:
+            # generate() hands the engine every prompt at once, and wants every answer.
+            raise ConfigError(
+                "max_waiting_requests and max_queue_delay shed a server's load; LLM.generate "
+                "runs every prompt it is given (set them on `kvflow serve`)"
+            )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -48,9 +48,10 @@ class ServiceAddresses:
         )
 
     @classmethod
-    def from_env(cls) -> ServiceAddresses | None:
-        """`KVFLOW_ADDR_<CHANNEL>` for every channel, or None if unset."""
-        values = {name: os.environ.get(f"KVFLOW_ADDR_{name.upper()}") for name in _CHANNELS}
+    def from_env(cls, prefix: str = "KVFLOW_ADDR_") -> ServiceAddresses | None:
+        """`<prefix><CHANNEL>` for every channel (`KVFLOW_ADDR_STATS`, ...), or None if
+        unset. Data-parallel engine i > 0 uses the prefix `KVFLOW_E<i>_ADDR_`."""
+        values = {name: os.environ.get(f"{prefix}{name.upper()}") for name in _CHANNELS}
         if not all(values.values()):
             return None
         return cls(**values)  # type: ignore[arg-type]

@@ -46,6 +46,9 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     first_token_time: float = 0.0
     frontend_id: str = ""
     error: str | None = None
+    # Why a request failed, when the frontend answers it with its own status:
+    # kvflow.errors.REJECTIONS' codes ("queue_full" -> 429, "queue_timeout" -> 503).
+    error_code: str | None = None
 
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

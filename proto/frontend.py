@@ -25,6 +25,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc
     scheduled_time: float = 0.0
     first_token_time: float = 0.0
     error: str | None = None
+    error_code: str | None = None  # TokenDelta.error_code, passed on
 
 
 class FrontendOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -59,11 +59,16 @@ class ServeOptions:
     shutdown_timeout_s: float = 10.0  # per stage: Shutdown, then SIGTERM
     trace_file: str | None = None  # the scheduler's step trace (Chrome/Perfetto JSON)
     restart: RestartPolicy = RestartPolicy()  # of a dead worker
+    api_server_count: int = 1  # HTTP frontend processes on the port (SO_REUSEPORT)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Run the stack until SIGINT/SIGTERM; 0 after a clean shutdown, 1 on a start error
     or when the engine died for good (see the module docstring)."""
+    if config.parallel.data_parallel_size > 1 or options.api_server_count > 1:
+        from kvflow.services.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(config, options)
     start = time.monotonic()
     stop = StopFlag().install()
     phases = _launcher_phases()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,12 @@ def add_serve_parsers(subparsers: Any) -> None:
         "--startup-timeout", type=float, default=600.0, help="seconds for every role to start"
     )
     _add_restart_args(serve)
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="HTTP frontend processes sharing the port (SO_REUSEPORT)",
+    )
     _add_trace_arg(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=_run_serve)
@@ -56,6 +63,9 @@ def add_serve_parsers(subparsers: Any) -> None:
                 type=float,
                 default=WORKER_RECOVERY_TIMEOUT_S,
                 help="seconds a lost worker may take to come back before the scheduler exits 1",
+            )
+            parser.add_argument(
+                "--engine-id", default="0", help="this engine's data-parallel rank (metric label)"
             )
         add_engine_args(parser)
         parser.set_defaults(handler=handler)
@@ -90,7 +100,13 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on")
-    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' (visible in ps: prefer "
+        "--api-key-file or KVFLOW_API_KEY)",
+    )
+    group.add_argument("--api-key-file", default=None, help="read the API key from this file")
 
 
 def _add_address_args(parser: argparse.ArgumentParser) -> None:
@@ -127,16 +143,35 @@ def _model_dir(config: EngineConfig) -> Path:
     return resolve_model_dir(config.model.model)
 
 
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else KVFLOW_API_KEY; None = open."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise SystemExit("kvflow: give --api-key or --api-key-file, not both")
+    key = args.api_key
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as exc:
+            raise SystemExit(f"kvflow: cannot read --api-key-file: {exc}") from None
+        key = lines[0] if lines else ""
+    if key is None:
+        key = os.environ.get("KVFLOW_API_KEY")
+    if key is not None and not key.strip():
+        raise SystemExit("kvflow: the API key is empty")
+    return key.strip() if key is not None else None
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from kvflow.services.launcher import ServeOptions, serve
 
     options = ServeOptions(
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=resolve_api_key(args),
         startup_timeout_s=args.startup_timeout,
         trace_file=args.trace_file,
         restart=RestartPolicy(args.max_worker_restarts, args.worker_restart_backoff),
+        api_server_count=args.api_server_count,
     )
     return serve(_config(args), options)
 
@@ -153,6 +188,7 @@ def _run_scheduler(args: argparse.Namespace) -> int:
             trace_file=args.trace_file, worker_recovery_timeout_s=args.worker_recovery_timeout
         ),
         launcher_address=args.launcher_address,
+        engine_id=args.engine_id,
     )
 
 
@@ -180,11 +216,27 @@ def _run_detokenizer(args: argparse.Namespace) -> int:
 
 def _run_frontend(args: argparse.Namespace) -> int:
     from kvflow.services.frontend.main import run_frontend
+    from kvflow.services.frontend.routing import RoutingConfig
     from kvflow.services.launcher import ServeOptions, make_frontend_config
 
     config = _config(args)
     model_dir = _model_dir(config)
-    options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key)
+    options = ServeOptions(host=args.host, port=args.port, api_key=resolve_api_key(args))
     frontend = make_frontend_config(config, model_dir, options)
-    run_frontend(frontend, resolve_addresses(args), model_dir)
+    if config.parallel.data_parallel_size == 1:
+        run_frontend(frontend, resolve_addresses(args), model_dir)
+        return 0
+    routing = RoutingConfig(policy=config.parallel.load_balance, block_size=config.cache.block_size)
+    run_frontend(frontend, _engine_addresses(args, config), model_dir, routing=routing)
     return 0
+
+
+def _engine_addresses(args: argparse.Namespace, config: EngineConfig) -> list[ServiceAddresses]:
+    """Engine 0's from flags or KVFLOW_ADDR_*, engine i's from KVFLOW_E<i>_ADDR_*."""
+    addresses = [resolve_addresses(args)]
+    for engine in range(1, config.parallel.data_parallel_size):
+        found = ServiceAddresses.from_env(f"KVFLOW_E{engine}_ADDR_")
+        if found is None:
+            raise SystemExit(f"kvflow: no addresses for engine {engine} (KVFLOW_E{engine}_ADDR_*)")
+        addresses.append(found)
+    return addresses

@@ -131,6 +131,7 @@ class DetokenizerStreams:
             scheduled_time=delta.scheduled_time,
             first_token_time=delta.first_token_time,
             error=delta.error,
+            error_code=delta.error_code,
         )
         if delta.logprobs:
             out.logprobs = delta.logprobs

@@ -33,9 +33,11 @@ from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient
 from kvflow.services.frontend.engine_view import EngineView
 from kvflow.services.frontend.errors import APIError, error_response
+from kvflow.services.frontend.health import degraded_health
 from kvflow.services.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from kvflow.services.frontend.openapi import openapi_document
 from kvflow.services.frontend.responses import VersionResponse
+from kvflow.services.frontend.routing_metrics import RoutingMetrics
 from kvflow.services.frontend.serving_chat import create_chat_completion
 from kvflow.services.frontend.serving_common import ServingContext, json_response
 from kvflow.services.frontend.serving_completions import create_completion
@@ -63,6 +65,8 @@ def build_app(
         config.served_model_name, config.max_model_len, config.engine_label
     )
     engine_client.add_stats_listener(metrics.observe_scheduler_stats)
+    routing = RoutingMetrics(metrics.registry, config.served_model_name, len(engine_client.engines))
+    engine_client.add_route_listener(routing.observe)
     view = EngineView()
     engine_client.add_stats_listener(view.observe)
     ctx = ServingContext(config, engine_client, tokenizer, metrics)
@@ -114,6 +118,8 @@ class _Endpoints:
 
     async def health(self, request: Request) -> Response:
         problem = self.ctx.engine.health_problem()
+        if problem is None and self.ctx.engine.is_degraded:
+            return degraded_health(self.ctx.engine.engine_problems())
         if problem is None:
             return Response(status_code=HTTPStatus.OK)
         raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, problem, error_type="service_unavailable")
@@ -153,19 +159,12 @@ def _routes(ctx: ServingContext, web_ui: WebUI) -> list[Route]:
 def _guarded(endpoint: Endpoint, api_key: str | None) -> Endpoint:
     """Checks the API key, and turns every failure of the handler into an OpenAI error
     reply (never a dropped connection); error_info logs unexpected ones."""
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    expected = api_key.encode() if api_key else None
 
     async def guarded(request: Request) -> Response:
         try:
             if expected is not None:
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
-                    raise APIError(
-                        HTTPStatus.UNAUTHORIZED,
-                        "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                        error_type="authentication_error",
-                        code="invalid_api_key",
-                    )
+                check_api_key(request.headers.get("authorization", ""), expected)
             return await endpoint(request)
         except Exception as exc:
             return error_response(exc)
@@ -174,11 +173,27 @@ def _guarded(endpoint: Endpoint, api_key: str | None) -> Endpoint:
     return guarded
 
 
+def check_api_key(authorization: str, expected: bytes) -> None:
+    """Raise 401 unless the header is `Bearer <key>`; the scheme is case-insensitive
+    (RFC 9110 11.1), the key is compared in constant time."""
+    scheme, _, given = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        raise APIError(
+            HTTPStatus.UNAUTHORIZED,
+            "missing or invalid API key (send 'Authorization: Bearer <key>')",
+            error_type="authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": 'Bearer realm="kvflow"'},
+        )
+
+
 async def _http_exception(request: Request, exc: Exception) -> Response:
-    """Starlette's own 404 (no such route) and 405 (wrong method), in OpenAI's shape."""
+    """Starlette's own 404 (no such route) and 405 (wrong method, with its `Allow`
+    header), in OpenAI's shape."""
     assert isinstance(exc, HTTPException)
     error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(APIError(exc.status_code, exc.detail, error_type=error_type))
+    error = APIError(exc.status_code, exc.detail, error_type=error_type, headers=exc.headers)
+    return error_response(error)
 
 
 class HttpMetricsMiddleware:

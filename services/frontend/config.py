@@ -10,7 +10,7 @@ from kvflow.errors import ConfigError
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
-def _new_frontend_id() -> str:
+def new_frontend_id() -> str:
     return f"frontend-{uuid.uuid4().hex[:12]}"
 
 
@@ -30,7 +30,7 @@ class FrontendConfig:
     port: int = 8000
     api_key: str | None = None  # Bearer token; None = open
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    frontend_id: str = field(default_factory=_new_frontend_id)  # the detokenizer routes by it
+    frontend_id: str = field(default_factory=new_frontend_id)  # the detokenizer routes by it
     model_root: str = ""  # shown as `root` in /v1/models (the model's path)
     stats_timeout_s: float = 10.0  # no SchedulerStats for this long: unhealthy
     shutdown_grace_s: float = 5.0  # after SIGTERM, streams may run this long, then error

@@ -1,10 +1,13 @@
-"""The frontend's asyncio client of the engine, over ZeroMQ.
+"""The frontend's asyncio client of the engine cores, over ZeroMQ.
 
     frontend ──PUSH: AddRequest / AbortRequests──▶ scheduler_input   (scheduler binds)
     frontend ◀──DEALER (identity = frontend id)─── frontend_output   (detokenizer ROUTER)
     frontend ◀──SUB: SchedulerStats / EngineDead── stats             (scheduler PUB)
 
-Background tasks read the two inbound sockets and route each `RequestOutputDelta` to
+One such set of sockets per engine core (`EngineLink`; data parallelism runs several,
+each with its own detokenizer). `Router` picks the engine of each new request among the
+serving ones; every sample, abort and failure of a request stays with that engine.
+Background tasks read the inbound sockets and route each `RequestOutputDelta` to
 the queue of the request that owns it. A request with n > 1 samples is sent as n child
 requests `<id>#<i>` that share one queue, so `generate()` yields their deltas merged.
 
@@ -13,10 +16,12 @@ Invariants:
   engine, by an error delta this client makes up when the engine is found dead, or by
   the consumer leaving, in which case AbortRequests for its unfinished children is sent
   (try/finally, so task cancellation after a client disconnect frees its KV blocks too);
-- death is noticed three ways: an `EngineDead` message, a `watchdog` callable naming a
-  dead child process, or no `SchedulerStats` for `stats_timeout_s` (the scheduler
-  publishes about every 0.5 s, idle or not). A watchdog death is final (`kvflow serve`
-  stops then); stale stats recover when stats come back, but the requests in flight at
+- death is noticed per engine, three ways: an `EngineDead` message, a watchdog callable
+  naming a dead child process, or no `SchedulerStats` for `stats_timeout_s` (the
+  scheduler publishes about every 0.5 s, idle or not). Only that engine's requests fail;
+  the others keep serving (`/health` says degraded). The stack's `watchdog` verdict is
+  final for every engine (`kvflow serve` stops then); an `engine_watchdogs` verdict
+  lasts until the engine's restart shows a new incarnation; stale stats recover when stats come back, but the requests in flight at
   that moment are failed (and aborted) anyway, so no caller waits on an engine that may
   never answer. Until the first stats arrive the engine counts as not ready (503), not
   as dead;
@@ -40,20 +45,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvflow.errors import EngineDeadError
+from kvflow.errors import EngineDeadError, InvalidRequestError
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.engine import AbortRequests, AddRequest
-from kvflow.proto.frontend import EngineDead, FrontendInput, FrontendOutputs, RequestOutputDelta
+from kvflow.proto.frontend import EngineDead, FrontendOutputs, RequestOutputDelta
 from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.stats import SchedulerStats
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
+from kvflow.services.frontend.engine_link import EngineLink
+from kvflow.services.frontend.request_deadline import Deadline
+from kvflow.services.frontend.routing import Decision, NoEngineError, Router, RoutingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,7 @@ _FLUSH_ON_CLOSE_MS = 500
 # Returns None while every engine process is alive, else what died ("worker 0 exited").
 Watchdog = Callable[[], str | None]
 StatsListener = Callable[[SchedulerStats], None]
+RouteListener = Callable[[str, Decision], None]  # (engine label, decision)
 
 
 def sample_index(child_id: str) -> int:
@@ -73,71 +82,59 @@ def error_delta(child_id: str, reason: str) -> RequestOutputDelta:
     return RequestOutputDelta(child_id, "", [], finish_reason="error", error=reason)
 
 
+# Put into a request's queue when its deadline passes (compared by identity).
+_DEADLINE_PASSED = error_delta("", "deadline")
+
+
 class EngineClient:
     def __init__(
         self,
-        addresses: ServiceAddresses,
+        addresses: ServiceAddresses | Sequence[ServiceAddresses],
         frontend_id: str,
         *,
         stats_timeout_s: float = 10.0,
         watchdog: Watchdog | None = None,
+        engine_watchdogs: Sequence[Watchdog] | None = None,
         check_interval_s: float = 0.25,
+        routing: RoutingConfig | None = None,
     ) -> None:
-        self.addresses = addresses
+        if isinstance(addresses, ServiceAddresses):
+            addresses = [addresses]
+        self.engines = [EngineLink(i, a) for i, a in enumerate(addresses)]
         self.frontend_id = frontend_id
         self.stats_timeout_s = stats_timeout_s
-        self.watchdog = watchdog
+        self.watchdog = watchdog  # the whole stack's: a death it names is final
+        self.engine_watchdogs = list(engine_watchdogs or [])  # one per engine: restartable
         self.check_interval_s = check_interval_s
+        self.router = Router(routing or RoutingConfig(), len(self.engines))
         self.latest_stats: dict[str, SchedulerStats] = {}  # engine label -> newest stats
-        self._stats_seen: dict[str, float] = {}  # engine label -> monotonic receive time
         self._listeners: list[StatsListener] = []
+        self._route_listeners: list[RouteListener] = []
         self._queues: dict[str, asyncio.Queue[RequestOutputDelta]] = {}  # child id -> queue
-        self._dead_reason: str | None = None
-        self._dead_final = False  # a watchdog verdict: no restart will clear it
-        self._incarnations: dict[str, str] = {}  # engine label -> its scheduler's id
-        self._stale = False
-        # The DEALER's link to the detokenizer: None until start() (tests drive a
-        # client without sockets), then False until the handshake is done.
-        self._detokenizer_linked: bool | None = None
+        self._owners: dict[str, int] = {}  # child id -> the engine that holds it
         self._context: zmq.asyncio.Context | None = None
-        self._sockets: list[TypedSocket[object]] = []
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def addresses(self) -> ServiceAddresses:
+        return self.engines[0].addresses
 
     # ---- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the sockets and start the reader and liveness tasks (in the running loop)."""
+        """Open every engine's sockets and start the reader and liveness tasks."""
         self._context = zmq.asyncio.Context()
-        self._input = TypedSocket.open(
-            self._context, zmq.PUSH, self.addresses.scheduler_input, bind=False
-        )
-        self._output = TypedSocket.open(
-            self._context,
-            zmq.DEALER,
-            self.addresses.frontend_output,
-            bind=False,
-            recv_type=FrontendInput,
-            identity=self.frontend_id.encode(),
-            monitor_events=zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
-        )
-        self._stats = TypedSocket.open(
-            self._context,
-            zmq.SUB,
-            self.addresses.stats,
-            bind=False,
-            recv_type=SchedulerStats | EngineDead,
-            subscribe=b"",
-        )
-        self._detokenizer_linked = False
-        monitor = self._output.monitor
-        assert isinstance(monitor, zmq.asyncio.Socket)
-        self._sockets = [self._input, self._output, self._stats]
-        self._tasks = [
-            asyncio.create_task(self._read_loop(self._output), name="kvflow-engine-outputs"),
-            asyncio.create_task(self._read_loop(self._stats), name="kvflow-engine-stats"),
-            asyncio.create_task(self._liveness_loop(), name="kvflow-engine-liveness"),
-            asyncio.create_task(self._link_loop(monitor), name="kvflow-detokenizer-link"),
-        ]
+        for engine in self.engines:
+            engine.open(self._context, self.frontend_id)
+            monitor = engine.output.monitor
+            assert isinstance(monitor, zmq.asyncio.Socket)
+            i = engine.index
+            self._tasks += [
+                asyncio.create_task(self._read_loop(engine.output, i), name=f"kvflow-outputs{i}"),
+                asyncio.create_task(self._read_loop(engine.stats, i), name=f"kvflow-stats{i}"),
+                asyncio.create_task(self._link_loop(monitor, i), name=f"kvflow-detok-link{i}"),
+            ]
+        self._tasks.append(asyncio.create_task(self._liveness_loop(), name="kvflow-liveness"))
 
     async def close(self) -> None:
         """Abort and fail whatever is still in flight, then close the sockets."""
@@ -150,55 +147,69 @@ class EngineClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
-        # The aborts just sent must still reach the scheduler (their KV blocks are
-        # freed there): give the input socket a moment to flush instead of linger=0.
-        self._input.socket.close(linger=_FLUSH_ON_CLOSE_MS)
-        for sock in self._sockets[1:]:
-            sock.close()
-        self._sockets = []
+        for engine in self.engines:
+            engine.close(_FLUSH_ON_CLOSE_MS)
         if self._context is not None:
             self._context.term()
             self._context = None
 
     @property
     def started(self) -> bool:
-        return bool(self._sockets)
+        return any(engine.sockets for engine in self.engines)
 
     def add_stats_listener(self, listener: StatsListener) -> None:
         """`listener` sees every SchedulerStats message once, in arrival order."""
         self._listeners.append(listener)
 
+    def add_route_listener(self, listener: RouteListener) -> None:
+        """`listener` sees every routing decision (engine label, decision)."""
+        self._route_listeners.append(listener)
+
     # ---- health -----------------------------------------------------------------------
 
+    def engine_problems(self) -> dict[str, str | None]:
+        """Engine label -> None while it serves, else why not."""
+        now = time.monotonic()
+        return {str(e.index): e.problem(now, self.stats_timeout_s) for e in self.engines}
+
     def health_problem(self) -> str | None:
-        """None if the engine looks alive, else why not."""
-        if self._dead_reason is not None:
-            return self._dead_reason
-        if not self._stats_seen:
-            # Not connected yet (or the scheduler never came up): refuse rather than
-            # queue requests nobody may ever run.
-            return "waiting for the engine: no scheduler stats received yet"
-        recovering = [s.recovering for s in self.latest_stats.values() if s.recovering]
-        if recovering:  # requests would wait for the worker: refuse them, say why
-            return f"recovering: {recovering[0]}"
-        if self._detokenizer_linked is False:
-            return "waiting for the engine: not connected to the detokenizer"
-        return self._stale_reason(time.monotonic())
+        """None while at least one engine serves, else why none does."""
+        problems = self.engine_problems()
+        if any(problem is None for problem in problems.values()):
+            return None
+        if len(problems) == 1:
+            return next(iter(problems.values()))
+        return "; ".join(f"engine {label}: {problem}" for label, problem in problems.items())
+
+    def check_rank(self, rank: int | None) -> None:
+        """InvalidRequestError (400) for a rank this server lacks, EngineDeadError (503)
+        for one that is down; None asks for nothing."""
+        if rank is None:
+            return
+        if rank >= len(self.engines):
+            raise InvalidRequestError(
+                f"data_parallel_rank {rank} is out of range: "
+                f"this server runs {len(self.engines)} engine(s)",
+                param="data_parallel_rank",
+            )
+        problem = self.engine_problems()[str(rank)]
+        if problem is not None:
+            raise EngineDeadError(f"engine {rank} is not serving: {problem}")
 
     @property
     def is_healthy(self) -> bool:
         return self.health_problem() is None
 
     @property
+    def is_degraded(self) -> bool:
+        """Serving, but not with every engine."""
+        problems = self.engine_problems().values()
+        return any(p is None for p in problems) and any(p is not None for p in problems)
+
+    @property
     def num_in_flight(self) -> int:
         """Engine requests (samples) this frontend waits on."""
         return len(self._queues)
-
-    def _stale_reason(self, now: float) -> str | None:
-        for engine, seen in self._stats_seen.items():
-            if now - seen > self.stats_timeout_s:
-                return f"engine {engine} sent no stats for {now - seen:.1f} s"
-        return None
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -210,66 +221,93 @@ class EngineClient:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        data_parallel_rank: int | None = None,
+        deadline: Deadline | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as they come (`delta.req_id` names the child; see
         `sample_index`). Ends when every sample finished; an engine failure arrives as a
         delta with finish_reason "error" and `error` set. Raises EngineDeadError before
-        sending anything when the engine is already known to be down."""
+        sending anything when no engine (or not the asked one) serves, and
+        RequestTimeoutError when `deadline` passes (the unfinished samples are aborted).
+        Every sample goes to one engine: they share the prompt's KV blocks there."""
         assert "#" not in request_id, "'#' separates a request id from its sample index"
-        problem = self.health_problem()
-        if problem is not None:
-            raise EngineDeadError(problem)
+        self.check_rank(data_parallel_rank)
+        engine = self._route(prompt_token_ids, cache_salt, data_parallel_rank)
         child_ids = child_request_ids(request_id, params.n)
         queue: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()
         unfinished = set(child_ids)
         arrival = time.time() if arrival_time is None else arrival_time
         for child_id in child_ids:
             self._queues[child_id] = queue
+            self._owners[child_id] = engine
+        timer = None
+        if deadline is not None:  # one timer, not a timeout per delta
+            loop = asyncio.get_running_loop()
+            timer = loop.call_at(deadline.at, queue.put_nowait, _DEADLINE_PASSED)
         try:
             for index, child_id in enumerate(child_ids):
-                self._send_add(
-                    child_id, prompt_token_ids, params, index, arrival, priority, cache_salt
+                request = AddRequest(
+                    req_id=child_id,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=child_sampling_params(params, index),
+                    arrival_time=arrival,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    frontend_id=self.frontend_id,
                 )
+                self.engines[engine].input.send(request)
             while unfinished:
                 delta = await queue.get()
+                if delta is _DEADLINE_PASSED:
+                    assert deadline is not None
+                    raise deadline.error()
                 if delta.finish_reason is not None:
                     unfinished.discard(delta.req_id)
                 yield delta
         finally:
+            if timer is not None:
+                timer.cancel()
             for child_id in child_ids:
                 self._queues.pop(child_id, None)
             if unfinished:
                 self.abort(sorted(unfinished))
+            for child_id in child_ids:
+                self._owners.pop(child_id, None)
 
-    def _send_add(
-        self,
-        child_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        index: int,
-        arrival: float,
-        priority: int,
-        cache_salt: str | None,
-    ) -> None:
-        request = AddRequest(
-            req_id=child_id,
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=child_sampling_params(params, index),
-            arrival_time=arrival,
-            priority=priority,
-            cache_salt=cache_salt,
-            frontend_id=self.frontend_id,
-        )
-        self._input.send(request)
+    def _route(self, token_ids: list[int], cache_salt: str | None, rank: int | None) -> int:
+        problems = self.engine_problems()
+        for engine in self.engines:
+            self.router.set_available(engine.index, problems[str(engine.index)] is None)
+        try:
+            decision = self.router.route(token_ids, cache_salt, rank)
+        except NoEngineError as exc:
+            raise EngineDeadError(self.health_problem() or str(exc)) from exc
+        for listener in self._route_listeners:
+            listener(str(decision.engine), decision)
+        return decision.engine
 
     def abort(self, child_ids: list[str]) -> None:
-        """Tell the scheduler to drop these child requests and free their KV blocks."""
-        if child_ids and self._sockets:
-            self._input.send(AbortRequests(req_ids=child_ids, finish_reason="abort"))
+        """Tell the engines holding these child requests to drop them (frees KV blocks)."""
+        by_engine: dict[int, list[str]] = {}
+        for child_id in child_ids:
+            engine = self._owners.get(child_id)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(child_id)
+        for engine, ids in by_engine.items():
+            link = self.engines[engine]
+            if link.sockets:
+                link.input.send(AbortRequests(req_ids=ids, finish_reason="abort"))
 
     def fail_all(self, reason: str, *, abort: bool = False) -> None:
         """End every request in flight with an error delta (optionally aborting it)."""
-        child_ids = list(self._queues)
+        for engine in self.engines:
+            self.fail_engine(engine.index, reason, abort=abort)
+
+    def fail_engine(self, engine: int, reason: str, *, abort: bool = False) -> None:
+        """End the requests in flight on one engine with an error delta."""
+        child_ids = [c for c in self._queues if self._owners.get(c) == engine]
+        if len(self.engines) > 1:
+            reason = f"{reason} (engine {engine})"
         for child_id in child_ids:
             self._queues.pop(child_id).put_nowait(error_delta(child_id, reason))
         if abort:
@@ -279,16 +317,16 @@ class EngineClient:
 
     # ---- background tasks -------------------------------------------------------------
 
-    async def _read_loop(self, sock: TypedSocket[object]) -> None:
+    async def _read_loop(self, sock: TypedSocket[object], engine: int) -> None:
         while True:
             try:
                 message = await sock.arecv()
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 logger.error("dropped a malformed engine message: %s", exc)
                 continue
-            self._handle(message)
+            self._handle(message, engine)
 
-    def _handle(self, message: object) -> None:
+    def _handle(self, message: object, engine: int = 0) -> None:
         match message:
             case FrontendOutputs(deltas=deltas):
                 for delta in deltas:
@@ -296,45 +334,50 @@ class EngineClient:
                     if queue is not None:  # else: aborted or failed already
                         queue.put_nowait(delta)
             case SchedulerStats():
-                self._on_stats(message)
+                self._on_stats(message, engine)
             case EngineDead(reason=reason):
-                self._mark_dead(reason)
+                self._mark_dead(engine, reason)
 
-    def _on_stats(self, stats: SchedulerStats) -> None:
-        known = self._incarnations.get(stats.engine)
-        self._incarnations[stats.engine] = stats.incarnation
-        if known is not None and known != stats.incarnation:
-            self._on_restart(stats.engine)
+    def _on_stats(self, stats: SchedulerStats, engine: int) -> None:
+        link = self.engines[engine]
+        if link.observe_incarnation(stats.incarnation):
+            self._on_restart(engine)
+        self.router.observe_load(engine, stats.num_waiting, stats.num_running)
         self.latest_stats[stats.engine] = stats
-        self._stats_seen[stats.engine] = time.monotonic()
+        link.stats_seen = time.monotonic()
+        link.recovering = stats.recovering
         for listener in self._listeners:
             try:
                 listener(stats)
             except Exception:
                 logger.exception("a stats listener failed")
 
-    def _on_restart(self, engine: str) -> None:
+    def _on_restart(self, engine: int) -> None:
         # Aborted too: requests queued for the dead scheduler reach the new one.
-        self.fail_all(f"the engine restarted (scheduler of engine {engine})", abort=True)
-        if self._dead_reason is not None and not self._dead_final:
-            logger.warning("engine %s is back after: %s", engine, self._dead_reason)
-            self._dead_reason = None
+        self.fail_engine(engine, f"the engine restarted (scheduler of engine {engine})", abort=True)
+        self.router.forget(engine)  # its prefix cache died with it
+        link = self.engines[engine]
+        if link.dead_reason is not None and not link.dead_final:
+            logger.warning("engine %d is back after: %s", engine, link.dead_reason)
+            link.dead_reason = None
 
-    def _mark_dead(self, reason: str, *, final: bool = False) -> None:
-        if self._dead_reason is None:
-            logger.error("engine is dead: %s", reason)
-            self._dead_reason = reason
-        self._dead_final = self._dead_final or final
-        self.fail_all(f"the engine died: {reason}")
+    def _mark_dead(self, engine: int, reason: str, *, final: bool = False) -> None:
+        link = self.engines[engine]
+        if link.dead_reason is None:
+            logger.error("engine %d is dead: %s", engine, reason)
+            link.dead_reason = reason
+        link.dead_final = link.dead_final or final
+        self.fail_engine(engine, f"the engine died: {reason}")
 
-    async def _link_loop(self, monitor: zmq.asyncio.Socket) -> None:
+    async def _link_loop(self, monitor: zmq.asyncio.Socket, engine: int) -> None:
+        link = self.engines[engine]
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._detokenizer_linked = True
+                link.linked = True
             elif event == zmq.EVENT_DISCONNECTED:
-                self._detokenizer_linked = False
-                self.fail_all("lost the connection to the detokenizer", abort=True)
+                link.linked = False
+                self.fail_engine(engine, "lost the connection to the detokenizer", abort=True)
 
     async def _liveness_loop(self) -> None:
         while True:
@@ -342,20 +385,32 @@ class EngineClient:
             self.check_liveness()
 
     def check_liveness(self) -> None:
-        """Ask the watchdog, and fail in-flight requests when stats went stale."""
-        if self._dead_reason is not None:
-            return
-        if self.watchdog is not None:
-            try:
-                reason = self.watchdog()
-            except Exception:
-                logger.exception("the engine watchdog failed")
-                reason = None
-            if reason is not None:
-                self._mark_dead(reason, final=True)
-                return
-        stale = self._stale_reason(time.monotonic())
-        if stale is not None and not self._stale:
-            logger.error("engine unresponsive: %s", stale)
-            self.fail_all(f"the engine is unresponsive: {stale}", abort=True)
-        self._stale = stale is not None
+        """Ask the watchdogs, and fail in-flight requests of engines gone silent."""
+        global_death = _ask(self.watchdog)
+        now = time.monotonic()
+        for link in self.engines:
+            if global_death is not None:
+                self._mark_dead(link.index, global_death, final=True)
+                continue
+            if link.index < len(self.engine_watchdogs):
+                death = _ask(self.engine_watchdogs[link.index])
+                if death is not None:
+                    self._mark_dead(link.index, death)
+                    continue
+            if link.dead_reason is not None:
+                continue
+            stale = link.stale_reason(now, self.stats_timeout_s)
+            if stale is not None and not link.stale:
+                logger.error("engine unresponsive: %s", stale)
+                self.fail_engine(link.index, f"the engine is unresponsive: {stale}", abort=True)
+            link.stale = stale is not None
+
+
+def _ask(watchdog: Watchdog | None) -> str | None:
+    if watchdog is None:
+        return None
+    try:
+        return watchdog()
+    except Exception:
+        logger.exception("an engine watchdog failed")
+        return None

@@ -10,11 +10,16 @@ Body shape (what the `openai` client parses):
 | missing / wrong API key                           | 401    | authentication_error  |
 | unknown model, unknown route                      | 404    | not_found_error       |
 | body larger than the limit                        | 413    | invalid_request_error |
+| body not UTF-8, nested deeper than the limit      | 400    | invalid_request_error |
+| the request's own timeout passed (code timeout)   | 408    | timeout_error         |
+| max_waiting_requests wait already (queue_full)    | 429    | rate_limit_error      |
+| waited past max_queue_delay (queue_timeout)       | 503    | service_unavailable   |
 | engine dead before the request started            | 503    | service_unavailable   |
 | engine died while the request ran                 | 500    | server_error          |
 | anything unexpected (logged with its traceback)   | 500    | server_error          |
 
-Validation errors are 400, not 422, as OpenAI and vLLM answer them: clients treat
+429 and 503 for load carry `Retry-After` (seconds): the `openai` client honours it
+when it retries. Validation errors are 400, not 422, as OpenAI and vLLM answer them: clients treat
 400 as "fix your request", and the `openai` client raises `BadRequestError` for it.
 """
 
@@ -28,7 +33,14 @@ import msgspec
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from kvflow.errors import EngineDeadError, InvalidRequestError, KvflowError, ModelNotFoundError
+from kvflow.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    KvflowError,
+    ModelNotFoundError,
+    RequestRejectedError,
+    RequestTimeoutError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +67,12 @@ class APIError(Exception):
         error_type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message, error_type, param, code)
+        self.headers = headers or {}  # e.g. Allow (405), WWW-Authenticate (401), Retry-After
 
 
 class RequestTooLargeError(APIError):
@@ -71,6 +85,8 @@ class RequestTooLargeError(APIError):
 
 
 _ENCODER = msgspec.json.Encoder()
+RETRY_AFTER_S = 1  # a queue drains in about a step or a few: retry soon, not at once
+_LOAD_ERROR_TYPES = {429: "rate_limit_error", 503: "service_unavailable"}
 # Not a standard status; nginx's name for "the client closed the request".
 CLIENT_CLOSED_REQUEST = 499
 # msgspec says where a value failed: "... - at `$.messages[0].role`".
@@ -90,6 +106,11 @@ def error_info(exc: BaseException) -> tuple[int, ErrorInfo]:
         return HTTPStatus.BAD_REQUEST, ErrorInfo(
             f"malformed JSON body: {exc}", "invalid_request_error"
         )
+    if isinstance(exc, RequestRejectedError):  # before its base class: not a 400
+        error_type = _LOAD_ERROR_TYPES.get(exc.status_code, "service_unavailable")
+        return exc.status_code, ErrorInfo(exc.message, error_type, None, exc.code)
+    if isinstance(exc, RequestTimeoutError):
+        return exc.status_code, ErrorInfo(str(exc), "timeout_error", "timeout", exc.code)
     if isinstance(exc, InvalidRequestError):
         return HTTPStatus.BAD_REQUEST, ErrorInfo(exc.message, "invalid_request_error", exc.param)
     if isinstance(exc, ModelNotFoundError):
@@ -127,4 +148,9 @@ def error_body(info: ErrorInfo) -> bytes:
 
 def error_response(exc: BaseException) -> Response:
     status, info = error_info(exc)
-    return Response(error_body(info), status_code=status, media_type="application/json")
+    headers = exc.headers if isinstance(exc, APIError) else None
+    if isinstance(exc, RequestRejectedError):
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return Response(
+        error_body(info), status_code=status, headers=headers, media_type="application/json"
+    )

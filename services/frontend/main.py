@@ -17,8 +17,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from kvflow.proto.addresses import ServiceAddresses
 from kvflow.services.frontend.app import build_app
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient, Watchdog
+from kvflow.services.frontend.routing import RoutingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +46,31 @@ class _Server(uvicorn.Server):
 
 def run_frontend(
     config: FrontendConfig,
-    addresses: ServiceAddresses,
+    addresses: ServiceAddresses | Sequence[ServiceAddresses],
     model_dir: Path,
     watchdog: Watchdog | None = None,
     *,
     on_ready: Callable[[], None] | None = None,
     tokenizer: Any = None,
+    routing: RoutingConfig | None = None,
+    engine_watchdogs: Sequence[Watchdog] | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Serve until SIGINT/SIGTERM; `on_ready` is called once the port accepts requests.
-    `tokenizer`: the model's, if the caller loaded it already (else loaded here)."""
+    `tokenizer`: the model's, if the caller loaded it already (else loaded here).
+    Several `addresses`: one engine core each (data parallelism), routed by `routing`.
+    `reuse_port`: several frontend processes listen on the same port (SO_REUSEPORT)."""
     if tokenizer is None:
         from kvflow.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
     client = EngineClient(
-        addresses, config.frontend_id, stats_timeout_s=config.stats_timeout_s, watchdog=watchdog
+        addresses,
+        config.frontend_id,
+        stats_timeout_s=config.stats_timeout_s,
+        watchdog=watchdog,
+        engine_watchdogs=engine_watchdogs,
+        routing=routing,
     )
     app = build_app(config, client, tokenizer)
     web_ui = app.state.web_ui
@@ -71,7 +83,25 @@ def run_frontend(
         timeout_graceful_shutdown=int(config.shutdown_grace_s + _SHUTDOWN_MARGIN_S),
     )
     server = _Server(uv_config)
-    _run(serve(server, client, config.shutdown_grace_s, on_ready, on_exit=web_ui.close))
+    sockets = [shared_port_socket(config.host, config.port)] if reuse_port else None
+    _run(
+        serve(
+            server, client, config.shutdown_grace_s, on_ready, on_exit=web_ui.close, sockets=sockets
+        )
+    )
+
+
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket that other processes may bind too: the kernel spreads new
+    connections over them (how several API servers share one port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def _run(main: Coroutine[Any, Any, None]) -> None:
@@ -89,12 +119,13 @@ async def serve(
     grace_s: float,
     on_ready: Callable[[], None] | None = None,
     on_exit: Callable[[], None] | None = None,
+    sockets: list[socket.socket] | None = None,
 ) -> None:
     """Run `server` until it is told to exit; fail the streams still open `grace_s`
     after that (steps 2-3 of the module docstring). `on_exit` is called as soon as
     the server is told to exit (the web UI ends its never-ending stats streams)."""
     _install_signal_handlers(server)
-    serving = asyncio.create_task(server.serve())
+    serving = asyncio.create_task(server.serve(sockets=sockets))
     watcher = asyncio.create_task(_watch(server, client, grace_s, on_ready, on_exit))
     try:
         await serving

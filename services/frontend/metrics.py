@@ -10,7 +10,8 @@ every engine metric has the labels `model_name` and `engine`. Three sources feed
 - each request's deltas (`RequestTracker`): TTFT, inter-token latency, decode time
   and e2e latency from the frontend's clock; queue and prefill time from the engine's
   timestamps (all wall-clock `time.time()`, so the clocks agree on one host);
-- the HTTP middleware: request count by route and status, and duration by route.
+- the HTTP middleware: request count by route and status, and duration by route;
+- the serving code: requests refused or ended for load or time, by reason.
 
 A private CollectorRegistry keeps several apps in one process (tests) apart.
 """
@@ -34,6 +35,9 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 REQUEST_LATENCY_BUCKETS += [40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISHED_REASONS = ("stop", "length", "abort")
+# kvflow:requests_rejected reasons: the codes of QueueFullError, QueueTimeoutError and
+# RequestTimeoutError (kvflow/errors.py).
+REJECTION_REASONS = ("queue_full", "queue_timeout", "timeout")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # SchedulerStats cumulative field -> counter attribute of EngineMetrics.
@@ -78,6 +82,16 @@ class FrontendMetrics:
             ["route", "method", "status"],
             registry=self.registry,
         )
+        # Created at 0 for every reason: a dashboard shows 0, not "No data".
+        self.requests_rejected = Counter(
+            "kvflow:requests_rejected",
+            "Requests refused or ended for load or time: queue_full (HTTP 429), "
+            "queue_timeout (503), timeout (the request's own, 408).",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+        for reason in REJECTION_REASONS:
+            self.requests_rejected.labels(model_name, reason)
         self.http_duration = Histogram(
             "kvflow:http_request_duration_seconds",
             "Duration of HTTP requests in seconds (whole stream for SSE responses).",
@@ -210,6 +224,9 @@ class FrontendMetrics:
     def observe_http(self, route: str, method: str, status: int, duration_s: float) -> None:
         self.http_requests.labels(route, method, str(status)).inc()
         self.http_duration.labels(route, method).observe(duration_s)
+
+    def count_rejected(self, reason: str) -> None:
+        self.requests_rejected.labels(self.model_name, reason).inc()
 
     def track_request(self, arrival_time: float) -> RequestTracker:
         return RequestTracker(self._series, arrival_time)

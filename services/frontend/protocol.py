@@ -13,23 +13,33 @@ skip_special_tokens, prompt_logprobs, priority, cache_salt) so vLLM clients port
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
 from kvflow.errors import InvalidRequestError
 from kvflow.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvflow.services.frontend.json_limits import check_json_limits
 
 MAX_N = 128  # OpenAI's own cap on `n`; also bounds the fan-out one request can cause
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 # Integers that must fit the MessagePack wire and the engine's int32/int64 tensors.
 Int32 = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+MaxTokens = Annotated[int, Meta(ge=1, le=2**31 - 1)]  # SamplingParams.validate: >= 1
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Text = Annotated[str, Meta(min_length=1)]  # an empty prompt has nothing to condition on
+TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
+# The ranges SamplingParams.validate enforces, stated here too so that /openapi.json
+# tells clients (tests/unit/test_openapi_limits.py checks that the two agree).
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+Bias = Annotated[float, Meta(ge=-100, le=100)]
+# Seconds; the frontend aborts the request after this long (request_deadline.py).
+Timeout = Annotated[float, Meta(gt=0, le=1e6)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -41,21 +51,21 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
     model: str | None = None  # None: the one served model
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Annotated[float, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: Int64 | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Bias] | None = None  # token id (as a JSON key) -> bias
     user: str | None = None
     echo: bool | None = False
     # vLLM extras
-    top_k: Int32 | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
     min_tokens: Count | None = None
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
@@ -64,6 +74,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     priority: Int32 = 0
     cache_salt: str | None = None
+    data_parallel_rank: Annotated[int, Meta(ge=0)] | None = None  # the engine to use
+    timeout: Timeout | None = None  # kvflow's extra: abort after this many seconds
 
     @property
     def include_usage(self) -> bool:
@@ -97,8 +109,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[str | TokenId | list[TokenId]]
-    max_tokens: Count | None = 16  # OpenAI's default; null fills the context
+    prompt: Text | Annotated[list[Text | TokenId | TokenIds], Meta(min_length=1)]
+    max_tokens: MaxTokens | None = 16  # OpenAI's default; null fills the context
     logprobs: Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     add_special_tokens: bool = True
     suffix: str | None = None
@@ -141,17 +153,12 @@ class ContentPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The message as the chat template expects it (text parts joined)."""
-        if self.role not in CHAT_ROLES:
-            raise InvalidRequestError(
-                f"unknown role {self.role!r}; expected one of {sorted(CHAT_ROLES)}",
-                param="messages",
-            )
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
@@ -174,8 +181,8 @@ Messages = Annotated[list[ChatMessage], Meta(min_length=1)]
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: Messages
-    max_tokens: Count | None = None  # deprecated by OpenAI in favour of the next one
-    max_completion_tokens: Count | None = None
+    max_tokens: MaxTokens | None = None  # deprecated by OpenAI in favour of the next one
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
@@ -206,7 +213,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -221,7 +228,9 @@ _DECODERS: dict[Any, msgspec.json.Decoder[Any]] = {}
 
 
 def decode_request(body: bytes, request_type: type[RequestT]) -> RequestT:
-    """Decode a JSON body; raises msgspec.DecodeError/ValidationError (both 400)."""
+    """Decode a JSON body; raises InvalidRequestError (bad UTF-8, nesting too deep) or
+    msgspec.DecodeError/ValidationError, all three a 400."""
+    check_json_limits(body)
     decoder = _DECODERS.get(request_type)
     if decoder is None:
         decoder = _DECODERS[request_type] = msgspec.json.Decoder(request_type)

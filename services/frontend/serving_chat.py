@@ -19,6 +19,7 @@ from starlette.responses import Response
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
 from kvflow.services.frontend.protocol import ChatCompletionRequest, decode_request
+from kvflow.services.frontend.request_deadline import RequestDeadlines, request_deadlines
 from kvflow.services.frontend.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -37,7 +38,7 @@ from kvflow.services.frontend.serving_common import (
     clamp_logprob,
     json_response,
 )
-from kvflow.services.frontend.sse import SSEResponse, sse_event, until_disconnect
+from kvflow.services.frontend.sse import sse_event
 
 _ASSISTANT = "assistant"
 
@@ -116,7 +117,12 @@ def _token_logprob(
 class _Chat(ServedRequest):
     """One /v1/chat/completions request after validation."""
 
-    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request: ChatCompletionRequest,
+        deadlines: RequestDeadlines,
+    ) -> None:
         params = request.to_sampling_params()  # validated in ctx.prepare, once per prompt
         conversation = request.conversation()
         token_ids = ctx.render_chat(conversation, request.add_generation_prompt)
@@ -126,7 +132,9 @@ class _Chat(ServedRequest):
             [ctx.prepare_ids(token_ids, params, None)],
             priority=request.priority,
             cache_salt=request.cache_salt,
+            data_parallel_rank=request.data_parallel_rank,
             arrival_time=time.time(),
+            deadlines=deadlines,
         )
         self.include_usage = request.include_usage
         self.echo = _echo_text(request, conversation)
@@ -178,8 +186,7 @@ def _echo_text(request: ChatCompletionRequest, conversation: list[dict[str, obje
 async def create_chat_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
     request = decode_request(body, ChatCompletionRequest)
     ctx.check_model(request.model)
-    chat = _Chat(ctx, request)
-    ctx.check_engine()
-    if request.stream:
-        return SSEResponse(chat.stream())
-    return await until_disconnect(raw, chat.full())
+    deadlines = request_deadlines(request.timeout, raw.headers, bool(request.stream))
+    chat = _Chat(ctx, request, deadlines)
+    ctx.check_engine(request.data_parallel_rank)
+    return await chat.respond(raw, bool(request.stream))

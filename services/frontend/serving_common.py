@@ -9,20 +9,26 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from abc import ABC, abstractmethod
+from asyncio import wait_for
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import jinja2
 import msgspec
+from starlette.requests import Request
 from starlette.responses import Response
 
 from kvflow.errors import (
+    REJECTIONS,
     EngineDeadError,
     InvalidRequestError,
     KvflowError,
     ModelNotFoundError,
+    RequestRejectedError,
+    RequestTimeoutError,
 )
 from kvflow.model_limits import check_prompt
 from kvflow.proto.frontend import RequestOutputDelta
@@ -31,8 +37,11 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.services.detokenizer.incremental import convert_ids_to_token_strings
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient, sample_index
+from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST
 from kvflow.services.frontend.metrics import FrontendMetrics
+from kvflow.services.frontend.request_deadline import Deadline, RequestDeadlines
 from kvflow.services.frontend.responses import UsageInfo
+from kvflow.services.frontend.sse import SSEResponse, unless_disconnected, until_disconnect
 from kvflow.tokenizer import Conversation, apply_chat_template
 
 # JSON has no -inf; OpenAI clients expect a number (vLLM uses the same floor).
@@ -43,6 +52,14 @@ T = TypeVar("T")
 
 class RequestFailedError(KvflowError):
     """The engine failed a request after it started (HTTP 500 / an SSE error event)."""
+
+
+def engine_error(delta: RequestOutputDelta) -> KvflowError:
+    """The exception an engine "error" delta stands for: a load refusal by its code
+    (429/503), else a failure (500)."""
+    message = delta.error or "the engine failed the request"
+    rejection = REJECTIONS.get(delta.error_code or "")
+    return rejection(message) if rejection is not None else RequestFailedError(message)
 
 
 @dataclass(frozen=True)
@@ -66,10 +83,11 @@ class ServingContext:
                 f"{self.config.served_model_name!r}"
             )
 
-    def check_engine(self) -> None:
+    def check_engine(self, data_parallel_rank: int | None = None) -> None:
         problem = self.engine.health_problem()
         if problem is not None:
             raise EngineDeadError(problem)
+        self.engine.check_rank(data_parallel_rank)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -119,15 +137,26 @@ class ServingContext:
         priority: int,
         cache_salt: str | None,
         arrival_time: float,
+        data_parallel_rank: int | None = None,
+        deadline: Deadline | None = None,
     ) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
         """(choice index, delta) for every sample of every prompt, as they come.
 
-        Raises RequestFailedError on an engine error; closing this generator (or a
-        cancelled consumer) aborts every unfinished sample. Feeds request metrics."""
+        Raises RequestFailedError on an engine error, a RequestRejectedError when the
+        engine refused it for load, RequestTimeoutError past `deadline`; closing this
+        generator (or a cancelled consumer) aborts every unfinished sample. Feeds
+        request metrics."""
         n = prompts[0].params.n
         streams = [
             self.engine.generate(
-                f"{request_id}-{i}", p.token_ids, p.params, priority, cache_salt, arrival_time
+                f"{request_id}-{i}",
+                p.token_ids,
+                p.params,
+                priority,
+                cache_salt,
+                arrival_time,
+                data_parallel_rank,
+                deadline,
             )
             for i, p in enumerate(prompts)
         ]
@@ -140,8 +169,11 @@ class ServingContext:
                     trackers[choice].observe(delta, time.time())
                     if delta.finish_reason == "error":
                         failed = True
-                        raise RequestFailedError(delta.error or "the engine failed the request")
+                        raise engine_error(delta)
                     yield choice, delta
+        except (RequestRejectedError, RequestTimeoutError) as exc:
+            self.metrics.count_rejected(exc.code)
+            raise
         finally:
             if not failed:  # the client left: unfinished samples count as aborted
                 now = time.time()
@@ -215,10 +247,14 @@ class ChoiceCounts:
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 
 
-class ServedRequest:
+class ServedRequest(ABC):
     """What a validated completions or chat request has: its id, prompts, the merged
     engine stream of its choices, and usage (each prompt counts once, however large n;
-    cached tokens are each prompt's sample 0's)."""
+    cached tokens are each prompt's sample 0's).
+
+    `respond` waits for the engine's first delta before a stream's status line goes
+    out, so that a refusal (queue full: 429, queue timeout: 503, its own timeout: 408)
+    is the response's status, not an error event inside a 200 stream."""
 
     def __init__(
         self,
@@ -229,6 +265,8 @@ class ServedRequest:
         priority: int,
         cache_salt: str | None,
         arrival_time: float,
+        deadlines: RequestDeadlines,
+        data_parallel_rank: int | None = None,
     ) -> None:
         self.ctx = ctx
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -238,15 +276,64 @@ class ServedRequest:
         self.priority = priority
         self.cache_salt = cache_salt
         self.arrival_time = arrival_time
+        self.data_parallel_rank = data_parallel_rank
+        self.deadlines = deadlines
+        self._deltas: AsyncGenerator[tuple[int, RequestOutputDelta], None] | None = None
+        self._first: tuple[int, RequestOutputDelta] | None = None
 
-    def deltas(self) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
-        return self.ctx.generate(
+    async def respond(self, raw: Request, stream: bool) -> Response:
+        if not stream:
+            return await until_disconnect(raw, self.full())
+        if await unless_disconnected(raw.receive, self._open()) is None:
+            await self.close()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return SSEResponse(self.stream())
+
+    @abstractmethod
+    async def full(self) -> Response:
+        """The whole response, once every choice finished."""
+
+    @abstractmethod
+    def stream(self) -> AsyncGenerator[bytes, None]:
+        """The SSE events of the response."""
+
+    async def _open(self) -> bool:
+        """Send the request to the engine and wait for its first delta."""
+        self._deltas = self.ctx.generate(
             self.id,
             self.prompts,
             priority=self.priority,
             cache_salt=self.cache_salt,
             arrival_time=self.arrival_time,
+            data_parallel_rank=self.data_parallel_rank,
+            deadline=self.deadlines.whole,
         )
+        first: Awaitable[tuple[int, RequestOutputDelta]] = anext(self._deltas)
+        limit = self.deadlines.first_chunk
+        try:
+            self._first = await (first if limit is None else wait_for(first, limit.remaining()))
+        except StopAsyncIteration:
+            self._first = None
+        except asyncio.TimeoutError:
+            self.ctx.metrics.count_rejected(RequestTimeoutError.code)
+            assert limit is not None
+            raise limit.error() from None
+        return True
+
+    async def close(self) -> None:
+        if self._deltas is not None:
+            await self._deltas.aclose()
+
+    async def deltas(self) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
+        """(choice index, delta) of every choice, the first one included."""
+        if self._deltas is None:
+            await self._open()
+        assert self._deltas is not None
+        async with aclosing(self._deltas) as rest:
+            if self._first is not None:
+                yield self._first
+            async for item in rest:
+                yield item
 
     def usage(self, choices: Sequence[ChoiceCounts]) -> UsageInfo:
         n = len(choices) // len(self.prompts)

@@ -22,6 +22,7 @@ from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
 from kvflow.services.detokenizer.incremental import convert_ids_to_token_strings
 from kvflow.services.frontend.protocol import CompletionRequest, decode_request
+from kvflow.services.frontend.request_deadline import RequestDeadlines, request_deadlines
 from kvflow.services.frontend.responses import (
     CompletionChoice,
     CompletionChunk,
@@ -36,7 +37,7 @@ from kvflow.services.frontend.serving_common import (
     clamp_logprob,
     json_response,
 )
-from kvflow.services.frontend.sse import SSEResponse, sse_event, until_disconnect
+from kvflow.services.frontend.sse import sse_event
 
 
 class _Choice(ChoiceCounts):
@@ -143,7 +144,12 @@ def _extend(total: CompletionLogprobs | None, part: CompletionLogprobs) -> None:
 class _Completion(ServedRequest):
     """One /v1/completions request after validation."""
 
-    def __init__(self, ctx: ServingContext, request: CompletionRequest) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request: CompletionRequest,
+        deadlines: RequestDeadlines,
+    ) -> None:
         params = request.to_sampling_params()  # validated in ctx.prepare, once per prompt
         prompts = [
             ctx.prepare(prompt, params, request.add_special_tokens) for prompt in request.prompts()
@@ -154,7 +160,9 @@ class _Completion(ServedRequest):
             prompts,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            data_parallel_rank=request.data_parallel_rank,
             arrival_time=time.time(),
+            deadlines=deadlines,
         )
         self.include_usage = request.include_usage
         want_logprobs = request.logprobs is not None
@@ -205,8 +213,7 @@ class _Completion(ServedRequest):
 async def create_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
     request = decode_request(body, CompletionRequest)
     ctx.check_model(request.model)
-    completion = _Completion(ctx, request)
-    ctx.check_engine()
-    if request.stream:
-        return SSEResponse(completion.stream())
-    return await until_disconnect(raw, completion.full())
+    deadlines = request_deadlines(request.timeout, raw.headers, bool(request.stream))
+    completion = _Completion(ctx, request, deadlines)
+    ctx.check_engine(request.data_parallel_rank)
+    return await completion.respond(raw, bool(request.stream))

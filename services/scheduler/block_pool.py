@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from kvflow.services.scheduler.block_hash import BlockHash
+from kvflow.block_hash import BlockHash
 
 
 class KVBlock:

@@ -11,10 +11,15 @@ it plans N+1 while the worker runs N, counting one placeholder token per request
 N samples (request.py). A result that ends a request (EOS, stop, length) retires it
 one step late: the token its next, already planned, step samples is never emitted.
 
-    AddRequest ─▶ add_request ─▶ admit ─▶ scheduler.waiting   (InvalidRequestError out)
+    AddRequest ─▶ add_request ─▶ admit ─▶ scheduler.waiting   (InvalidRequestError out;
+                   QueueFullError when max_waiting_requests already wait)
     abort_requests ─▶ scheduler.finish_requests ─▶ "abort" deltas
     schedule ─▶ StepPlan (kept in flight) ─▶ the worker
     update(StepResult) ─▶ scheduler.update_from_output ─▶ TokenDeltas
+                      └▶ requests past max_queue_delay ─▶ "error" deltas (queue_timeout)
+
+Load limits live here, on the one waiting queue every frontend feeds, so they are exact
+however many frontends there are (queue_limits.py).
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvflow.errors import InvalidRequestError
+from kvflow.errors import InvalidRequestError, RequestRejectedError
 from kvflow.metrics.roofline import StepBatch
 from kvflow.proto.engine import AddRequest, TokenDelta
 from kvflow.proto.step import StepPlan, StepResult
 from kvflow.services.scheduler.admission import EngineLimits, admit
+from kvflow.services.scheduler.queue_limits import QueueLimits
 from kvflow.services.scheduler.request import RequestStatus
 from kvflow.services.scheduler.scheduler import Scheduler
 
@@ -83,6 +89,10 @@ class EngineCore:
         self.in_flight: deque[StepInFlight] = deque()
         self.owners: dict[str, str] = {}  # live req_id -> frontend_id
         self.counters = TokenCounters()
+        config = scheduler.config
+        self.queue_limits = QueueLimits(config.max_waiting_requests, config.max_queue_delay)
+        # The code of the last refusal, for error_delta (the loop passes it the text only).
+        self._refused: tuple[str, str] | None = None  # (req_id, error code)
 
     # ---- requests ----------------------------------------------------------------
 
@@ -91,9 +101,15 @@ class EngineCore:
         reason when it cannot run. Duplicate ids are refused the same way."""
         if message.req_id in self.owners:
             raise InvalidRequestError(f"duplicate request id {message.req_id!r}")
+        try:
+            self.queue_limits.check_room(len(self.scheduler.waiting))
+        except RequestRejectedError as exc:
+            self._refused = (message.req_id, exc.code)
+            raise
         request = admit(message, self.limits, queued_time=now)
         self.owners[message.req_id] = message.frontend_id
         self.scheduler.add_request(request)
+        self.queue_limits.on_added(now)
 
     def abort_requests(self, req_ids: list[str], finish_reason: str = "abort") -> list[TokenDelta]:
         """Finish requests from outside the step loop: a client that left ("abort") or a
@@ -152,7 +168,30 @@ class EngineCore:
                 delta.frontend_id = self.owners.get(delta.req_id, "")
             else:
                 delta.frontend_id = self.owners.pop(delta.req_id, "")
-        return step, deltas
+        return step, deltas + self.expire_waiting(now)
+
+    def expire_waiting(self, now: float) -> list[TokenDelta]:
+        """Fail the requests that waited longer than max_queue_delay for their first
+        step (update() calls this: while requests wait, steps run)."""
+        expired = self.queue_limits.expired(self.scheduler.waiting, now)
+        if not expired:
+            return []
+        error = self.queue_limits.timeout_error()
+        deltas = []
+        for request in self.scheduler.finish_requests(expired, RequestStatus.FINISHED_ERROR):
+            self._forget(request.request_id)
+            deltas.append(
+                TokenDelta(
+                    request.request_id,
+                    [],
+                    finish_reason="error",
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    frontend_id=self.owners.pop(request.request_id, ""),
+                    error=str(error),
+                    error_code=error.code,
+                )
+            )
+        return deltas
 
     def drop_worker_state(self) -> int:
         """The worker died: its steps in flight never return and its KV is gone. Every
@@ -163,6 +202,7 @@ class EngineCore:
 
     def error_delta(self, message: AddRequest, error: str) -> TokenDelta:
         """The final delta of a request that could not be admitted."""
+        refused, self._refused = self._refused, None
         return TokenDelta(
             message.req_id,
             [],
@@ -170,6 +210,7 @@ class EngineCore:
             num_prompt_tokens=len(message.prompt_token_ids),
             frontend_id=message.frontend_id,
             error=error,
+            error_code=refused[1] if refused and refused[0] == message.req_id else None,
         )
 
     def _forget(self, req_id: str) -> None:

@@ -24,7 +24,7 @@ from collections import Counter
 from itertools import chain
 from typing import NamedTuple, Protocol
 
-from kvflow.services.scheduler.block_hash import BlockHash, extend_block_hashes
+from kvflow.block_hash import BlockHash, extend_block_hashes
 from kvflow.services.scheduler.block_pool import BlockPool, check_invariant
 
 

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from kvflow.services.scheduler.block_hash import (
+from kvflow.block_hash import (
     BlockHash,
     extend_block_hashes,
     hash_block_tokens,

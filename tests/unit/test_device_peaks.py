@@ -74,9 +74,10 @@ def test_flags_override_each_peak(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_real_calibration_on_a_small_shape() -> None:
     peaks = calibrate("cpu", "float32", matmul_size=64, copy_bytes=1 << 20)
     assert peaks.source == "calibrated"
-    # 64^3 * 2 FLOPs and 2 MiB moved take microseconds: any sane machine is within these.
-    assert 1e7 < peaks.flops < 1e14
-    assert 1e7 < peaks.bandwidth < 1e13
+    # 64^3 * 2 FLOPs and 2 MiB moved take microseconds; the lower bounds leave room for a
+    # run descheduled for tens of milliseconds on a loaded 2-core machine.
+    assert 1e5 < peaks.flops < 1e14
+    assert 1e6 < peaks.bandwidth < 1e13
 
 
 def test_a_calibration_below_a_measured_rate_is_redone(

@@ -32,13 +32,14 @@ def test_recovering_is_unhealthy_and_keeps_requests_in_flight(tmp_path: Path) ->
     client = EngineClient(ServiceAddresses.ipc(str(tmp_path)), "fe")
     queue: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()
     client._queues["a"] = queue  # a request in flight
-    client._on_stats(stats())
+    client._owners["a"] = 0
+    client._on_stats(stats(), 0)
     assert client.health_problem() is None
-    client._on_stats(stats(recovering="worker rank 0 failed: killed"))
+    client._on_stats(stats(recovering="worker rank 0 failed: killed"), 0)
     assert client.health_problem() == "recovering: worker rank 0 failed: killed"
     client.check_liveness()
     assert queue.empty() and client.num_in_flight == 1  # not failed: it will resume
-    client._on_stats(stats(restarts=1, resumed=1))
+    client._on_stats(stats(restarts=1, resumed=1), 0)
     assert client.health_problem() is None
 
 

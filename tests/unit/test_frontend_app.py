@@ -91,6 +91,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.publish_stats = True
         self.hang_prefix = TOKENIZER.encode("hang")
+        self.refusal: tuple[str, str] | None = None  # (code, message): refuse every request
+        self.silent = False  # answer nothing (a request stuck in the queue)
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._stop = threading.Event()
         self._frontends: set[bytes] = set()
@@ -161,6 +163,15 @@ class FakeEngine:
         )
 
     def _answer(self, add: AddRequest) -> None:
+        if self.silent:
+            return
+        if self.refusal is not None:
+            code, error = self.refusal
+            delta = RequestOutputDelta(
+                add.req_id, "", [], finish_reason="error", error=error, error_code=code
+            )
+            self._router.send(FrontendOutputs([delta]), to=add.frontend_id.encode())
+            return
         params = add.sampling_params
         prompt = add.prompt_token_ids
         index = int(add.req_id.rpartition("#")[2]) if "#" in add.req_id else 0
@@ -566,7 +577,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
@@ -1018,6 +1029,7 @@ def test_a_restarted_scheduler_fails_the_requests_in_flight(tmp_path: Path) -> N
     client._handle(_stats("first"))
     in_flight: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()
     client._queues["req-1#0"] = in_flight
+    client._owners["req-1#0"] = 0
     client._handle(_stats("first"))  # the same scheduler: nothing happens
     assert in_flight.empty() and client.num_in_flight == 1
     client._handle(_stats("second"))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvflow.services.scheduler.block_hash import hash_block_tokens
+from kvflow.block_hash import hash_block_tokens
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kvflow.block_hash import BlockHash
 from kvflow.proto.stats import PhaseTotals, SchedulerStats, StepRecord
 from kvflow.services.frontend.engine_view import EngineView
-from kvflow.services.scheduler.block_hash import BlockHash
 from kvflow.services.scheduler.block_map import block_map
 from kvflow.services.scheduler.block_pool import BlockPool
 

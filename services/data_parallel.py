@@ -1,0 +1,245 @@
+"""`kvflow serve --data-parallel-size D`: D engine cores behind one frontend (or
+several: `--api-server-count`, services/api_servers.py).
+
+    kvflow serve (this process)
+      ├─ engine 0: worker rank 0..W-1, scheduler (engine "0"), detokenizer   ipc://<dir>/engine0/*
+      ├─ engine 1: ...                                                         ipc://<dir>/engine1/*
+      ├─ supervisor thread: restarts an engine whose process died
+      └─ frontend (HTTP) here: one link per engine, routed by --load-balance
+
+Each engine is the whole single-engine stack with addresses of its own, its detokenizer
+included: a stop string's abort goes to the one scheduler that holds the request, and a
+detokenizer's death takes down one engine, not all. Processes are named
+`kvflow-e<i>-sched`, `kvflow-e<i>-w<rank>`, `kvflow-e<i>-detok`.
+
+An engine whose process dies is out of routing at once (its watchdog, read by the
+frontend); its remaining processes are stopped and the engine is started anew, up to
+`RESTART_BUDGET` times. The restarted scheduler's new incarnation in its stats puts it
+back into routing. Every engine must be ready before the frontend opens its port.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvflow.config import EngineConfig
+from kvflow.errors import KvflowError
+from kvflow.proto.addresses import ServiceAddresses
+from kvflow.proto.lifecycle import StopFlag, set_process_name
+from kvflow.services.children import ChildProcesses
+from kvflow.services.launcher import (
+    ServeOptions,
+    _launcher_phases,
+    _ready_line,
+    _resolve_model,
+    _TokenizerPreload,
+    make_frontend_config,
+)
+from kvflow.services.scheduler.main import SchedulerOptions
+
+logger = logging.getLogger(__name__)
+
+RESTART_BUDGET = 3  # restarts per engine; past it the engine stays out of routing
+_SUPERVISE_S = 0.2
+
+
+def _named(name: str, target: Callable[..., int], *args: Any, **kwargs: Any) -> int:
+    """Runs in the child: an engine-specific process name, then the role's main."""
+    set_process_name(name)
+    return target(*args, **kwargs)
+
+
+@dataclass
+class EngineGroup:
+    """One engine core's processes (workers, scheduler, detokenizer) and its addresses."""
+
+    index: int
+    config: EngineConfig
+    model_dir: Path
+    directory: Path
+    scheduler_options: SchedulerOptions
+    context: zmq.Context
+    children: ChildProcesses | None = None
+    death: str | None = None  # set by the supervisor, read by the frontend's watchdog
+    restarts: int = 0
+    generation: int = 0
+
+    @property
+    def addresses(self) -> ServiceAddresses:
+        return ServiceAddresses.ipc(str(self.directory))
+
+    def start(self) -> None:
+        from kvflow.gpu_worker.main import run_worker
+        from kvflow.services.detokenizer.main import run_detokenizer
+        from kvflow.services.scheduler.main import run_scheduler
+
+        self.generation += 1
+        ack = f"ipc://{self.directory}/launcher{self.generation}"
+        children = self.children = ChildProcesses(self.context, ack)
+        e, addresses = self.index, self.addresses
+        for rank in range(self.config.parallel.world_size):
+            target = functools.partial(_named, f"kvflow-e{e}-w{rank}", run_worker)
+            children.start("worker", rank, target, self.config, addresses, rank, self.model_dir)
+        scheduler = functools.partial(_named, f"kvflow-e{e}-sched", run_scheduler, engine_id=str(e))
+        args = (self.config, addresses, self.model_dir, self.scheduler_options)
+        children.start("scheduler", 0, scheduler, *args)
+        detokenizer = functools.partial(_named, f"kvflow-e{e}-detok", run_detokenizer)
+        children.start("detokenizer", 0, detokenizer, addresses, self.model_dir)
+
+    def dead_child(self) -> str | None:
+        """What happened to the first dead process (no sockets: any thread may ask)."""
+        assert self.children is not None
+        for child in self.children.children:
+            if not child.process.is_alive():
+                return f"engine {self.index}: {child.exit_description()}"
+        return None
+
+    def stop(self, timeout_s: float) -> None:
+        if self.children is not None:
+            self.children.shutdown(self.addresses.scheduler_input, timeout_s)
+            self.children = None
+
+
+class Supervisor:
+    """A thread that notices a dead engine and starts it anew (within the budget)."""
+
+    def __init__(self, groups: list[EngineGroup], options: ServeOptions, stop: StopFlag) -> None:
+        self.groups = groups
+        self.options = options
+        self.stop = stop
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvflow-dp-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._done.wait(_SUPERVISE_S):
+            for group in self.groups:
+                if group.children is not None and group.death is None:
+                    self._check(group)
+
+    def _check(self, group: EngineGroup) -> None:
+        death = group.dead_child()
+        if death is None:
+            return
+        group.death = death
+        logger.error("%s", death)
+        group.stop(self.options.shutdown_timeout_s)
+        if group.restarts >= RESTART_BUDGET or self._done.is_set():
+            logger.error("engine %d: restart budget spent; it stays down", group.index)
+            return
+        group.restarts += 1
+        logger.warning("engine %d: restart %d", group.index, group.restarts)
+        group.start()
+        try:
+            assert group.children is not None
+            group.children.wait_ready(self.options.startup_timeout_s, self.stop)
+        except KvflowError as exc:
+            logger.error("engine %d failed to restart: %s", group.index, exc)
+            group.stop(self.options.shutdown_timeout_s)
+            group.death = None  # the next pass finds it dead again and retries
+            return
+        group.death = None  # the frontend routes to it again on its new incarnation
+
+
+def serve_data_parallel(config: EngineConfig, options: ServeOptions) -> int:
+    """`serve()` with `data_parallel_size` engines; 0 after a clean shutdown, 1 on error."""
+    start = time.monotonic()
+    stop = StopFlag().install()
+    phases = _launcher_phases()
+    try:
+        model_dir = _resolve_model(config)
+    except KvflowError as exc:
+        print(f"kvflow serve: {exc}", file=sys.stderr)
+        return 1
+    base = Path(tempfile.mkdtemp(prefix="kvflow-dp-"))
+    context = zmq.Context()
+    scheduler_options = SchedulerOptions(startup_phases=phases.seconds)
+    groups = [
+        EngineGroup(i, config, model_dir, base / f"engine{i}", scheduler_options, context)
+        for i in range(config.parallel.data_parallel_size)
+    ]
+    preload = _TokenizerPreload(model_dir)
+    supervisor = Supervisor(groups, options, stop)
+    try:
+        start_engines(groups, options, stop)
+        logger.info("%d engines ready in %.1f s", len(groups), time.monotonic() - start)
+        if not stop.is_set():
+            supervisor.start()
+            _run_frontend(config, options, groups, model_dir, preload.get(), start)
+            stop.install()  # the frontend's loop restored the default handlers on exit
+        return 0
+    except KvflowError as exc:
+        print(f"kvflow serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        preload.join()
+        supervisor.close()
+        for group in groups:
+            group.stop(options.shutdown_timeout_s)
+        context.destroy(linger=0)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def start_engines(groups: list[EngineGroup], options: ServeOptions, stop: StopFlag) -> None:
+    """Start every engine at once (they load in parallel), then wait for all of them."""
+    for group in groups:
+        group.directory.mkdir(parents=True, exist_ok=True)
+        group.start()
+    for group in groups:
+        assert group.children is not None
+        group.children.wait_ready(options.startup_timeout_s, stop)
+
+
+def _run_frontend(
+    config: EngineConfig,
+    options: ServeOptions,
+    groups: list[EngineGroup],
+    model_dir: Path,
+    tokenizer: Any,
+    start: float,
+) -> None:
+    from kvflow.services.api_servers import start_api_servers, stop_api_servers
+    from kvflow.services.frontend.main import run_frontend
+    from kvflow.services.frontend.routing import RoutingConfig
+
+    frontend = make_frontend_config(config, model_dir, options)
+    routing = RoutingConfig(policy=config.parallel.load_balance, block_size=config.cache.block_size)
+    addresses = [group.addresses for group in groups]
+    extra = start_api_servers(options.api_server_count - 1, frontend, addresses, model_dir, routing)
+    try:
+        run_frontend(
+            frontend,
+            addresses,
+            model_dir,
+            on_ready=_ready_line(frontend, start),
+            tokenizer=tokenizer,
+            routing=routing,
+            engine_watchdogs=[functools.partial(_death, group) for group in groups],
+            reuse_port=options.api_server_count > 1,
+        )
+    finally:
+        stop_api_servers(extra, options.shutdown_timeout_s)
+    logger.info("frontend stopped")
+
+
+def _death(group: EngineGroup) -> str | None:
+    return group.death

@@ -1,0 +1,75 @@
+"""EngineClient with two engines, without sockets: per-engine health, degraded, and a
+death that fails only the dead engine's requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from kvflow.errors import EngineDeadError, InvalidRequestError
+from kvflow.proto.addresses import ServiceAddresses
+from kvflow.proto.frontend import EngineDead, RequestOutputDelta
+from kvflow.proto.stats import SchedulerStats
+from kvflow.services.frontend.engine_client import EngineClient
+
+
+def _client(tmp_path: Path) -> EngineClient:
+    addresses = [ServiceAddresses.ipc(str(tmp_path / f"e{i}")) for i in range(2)]
+    return EngineClient(addresses, "frontend-x", stats_timeout_s=5.0)
+
+
+def _stats(engine: int, incarnation: str, waiting: int = 0) -> SchedulerStats:
+    return SchedulerStats(time.time(), str(engine), 0, waiting, 0.0, incarnation=incarnation)
+
+
+def _in_flight(
+    client: EngineClient, child_id: str, engine: int
+) -> asyncio.Queue[RequestOutputDelta]:
+    queue: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()
+    client._queues[child_id] = queue
+    client._owners[child_id] = engine
+    return queue
+
+
+def test_one_dead_engine_degrades_and_fails_only_its_requests(tmp_path: Path) -> None:
+    client = _client(tmp_path)
+    assert client.health_problem() is not None  # no stats yet from either
+    client._handle(_stats(0, "a"), 0)
+    assert client.is_healthy and client.is_degraded  # engine 1 not ready yet
+    client._handle(_stats(1, "b"), 1)
+    assert client.is_healthy and not client.is_degraded
+    on_0, on_1 = _in_flight(client, "r0#0", 0), _in_flight(client, "r1#0", 1)
+    client._handle(EngineDead("worker rank 0 failed"), 1)
+    assert on_0.empty()
+    delta = on_1.get_nowait()
+    assert delta.finish_reason == "error" and "(engine 1)" in (delta.error or "")
+    assert client.is_healthy and client.is_degraded
+    assert client.engine_problems() == {"0": None, "1": "worker rank 0 failed"}
+    with pytest.raises(EngineDeadError, match="engine 1"):
+        client.check_rank(1)
+    with pytest.raises(InvalidRequestError):
+        client.check_rank(2)
+    # The restarted engine's new incarnation puts it back.
+    client._handle(_stats(1, "c"), 1)
+    assert client.is_healthy and not client.is_degraded
+    client.check_rank(1)
+
+
+def test_all_engines_down_is_unhealthy_with_every_reason(tmp_path: Path) -> None:
+    client = _client(tmp_path)
+    client._handle(_stats(0, "a"), 0)
+    client._handle(_stats(1, "b"), 1)
+    client._handle(EngineDead("boom"), 0)
+    client._handle(EngineDead("bang"), 1)
+    assert client.health_problem() == "engine 0: boom; engine 1: bang"
+
+
+def test_a_stats_message_feeds_the_router(tmp_path: Path) -> None:
+    client = _client(tmp_path)
+    client._handle(_stats(0, "a", waiting=3), 0)
+    client._handle(_stats(1, "b"), 1)
+    assert client.router.score(0) == 12 and client.router.score(1) == 0
+    assert client._route([1, 2, 3], None, None) == 1

@@ -1,0 +1,59 @@
+"""The options of this area, as the CLI and the offline API take them: the API key from a
+flag, a file or the environment; the load limits as engine flags for the scheduler, and
+refused by the offline `LLM` (which runs every prompt it is given)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvflow import LLM
+from kvflow.config import EngineConfig
+from kvflow.errors import ConfigError
+from kvflow.services.cli import build_parser
+from kvflow.services.cli_args import engine_options
+from kvflow.services.serve_cli import resolve_api_key
+
+
+def _args(*argv: str) -> object:
+    return build_parser().parse_args(["frontend", "--ipc-dir", "/tmp/x", *argv])
+
+
+def test_api_key_from_flag_file_or_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVFLOW_API_KEY", raising=False)
+    assert resolve_api_key(_args()) is None
+    assert resolve_api_key(_args("--api-key", "k1")) == "k1"
+    key_file = tmp_path / "key"
+    key_file.write_text("k2\nignored\n")
+    assert resolve_api_key(_args("--api-key-file", str(key_file))) == "k2"
+    monkeypatch.setenv("KVFLOW_API_KEY", "k3")
+    assert resolve_api_key(_args()) == "k3"
+    assert resolve_api_key(_args("--api-key", "k1")) == "k1"  # the flag wins
+    with pytest.raises(SystemExit, match="not both"):
+        resolve_api_key(_args("--api-key", "k1", "--api-key-file", str(key_file)))
+    with pytest.raises(SystemExit, match="cannot read"):
+        resolve_api_key(_args("--api-key-file", str(tmp_path / "missing")))
+    key_file.write_text("  \n")
+    with pytest.raises(SystemExit, match="empty"):
+        resolve_api_key(_args("--api-key-file", str(key_file)))
+
+
+def test_load_limits_are_engine_flags_of_every_role() -> None:
+    for role in ("serve", "scheduler", "frontend"):
+        argv = [role, "--max-waiting-requests", "8", "--max-queue-delay", "2.5"]
+        if role != "serve":
+            argv += ["--ipc-dir", "/tmp/x"]
+        options = engine_options(build_parser().parse_args(argv))
+        config = EngineConfig.create(device="cpu", dtype="float32", **options).scheduler
+        assert (config.max_waiting_requests, config.max_queue_delay) == (8, 2.5)
+    with pytest.raises(ConfigError, match="max_waiting_requests must be >= 1"):
+        EngineConfig.create(device="cpu", dtype="float32", max_waiting_requests=0)
+
+
+@pytest.mark.parametrize("option", [{"max_waiting_requests": 4}, {"max_queue_delay": 1.0}])
+def test_offline_llm_refuses_load_limits(option: dict[str, float]) -> None:
+    with pytest.raises(ConfigError, match="kvflow serve"):
+        LLM(device="cpu", dtype="float32", **option)
