@@ -11,7 +11,10 @@ The plan socket is connected first, before the model loads: the scheduler says
 SchedulerHello once it sees every rank subscribed, and the hello waits in the socket
 until the model is ready to answer it. A scheduler that restarts says hello again to
 the same workers (ZeroMQ reconnects them): they drop the old scheduler's requests and
-rank 0 answers with WorkerInfo as at start-up.
+rank 0 answers with WorkerInfo as at start-up. Each worker process has a random
+incarnation id, sent in its heartbeats and WorkerInfo: a scheduler that hears a new id
+for a rank knows the worker it planned for was replaced (a restart), even before it
+missed a heartbeat, and recovers (services/scheduler/recovery.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,8 @@ def run_worker(
 ) -> int:
     """Run one rank until Shutdown/SIGTERM (0) or an error (ProcessFailed, then 1)."""
 
+    incarnation = uuid.uuid4().hex[:12]
+
     def body(context: zmq.Context, link: LauncherLink, stop: StopFlag) -> int:
         plans = TypedSocket.open(
             context,
@@ -60,9 +66,9 @@ def run_worker(
             subscribe=b"",
         )
         results = TypedSocket.open(context, zmq.PUSH, addresses.worker_result, bind=False)
-        heartbeat = _Heartbeat(context, addresses.worker_result, rank)
+        heartbeat = _Heartbeat(context, addresses.worker_result, rank, incarnation)
         try:
-            return _serve(config, rank, model_dir, plans, results, link, stop)
+            return _serve(config, rank, model_dir, plans, results, link, stop, incarnation)
         except Exception as exc:
             # The scheduler hears it on its own channel at once (not after 5 s of silence).
             results.send(ProcessFailed("worker", rank, f"{type(exc).__name__}: {exc}"))
@@ -82,6 +88,7 @@ def _serve(
     results: TypedSocket[Any],
     link: LauncherLink,
     stop: StopFlag,
+    incarnation: str,
 ) -> int:
     start = time.perf_counter()
     phases = StartupPhases()
@@ -99,9 +106,9 @@ def _serve(
                 result = runner.execute(message)
                 if rank == 0:
                     results.send(result)
-            case SchedulerHello(incarnation=incarnation):
+            case SchedulerHello(incarnation=hello_id):
                 runner.drop_all_requests()
-                logger.info("worker rank %d: hello from scheduler %s", rank, incarnation)
+                logger.info("worker rank %d: hello from scheduler %s", rank, hello_id)
                 if rank == 0:
                     results.send(
                         WorkerInfo(
@@ -112,7 +119,8 @@ def _serve(
                             startup_phases=phases.seconds,
                             peak_flops=peaks.flops,
                             peak_bandwidth=peaks.bandwidth,
-                            incarnation=incarnation,
+                            incarnation=hello_id,
+                            worker_incarnation=incarnation,
                         )
                     )
             case Shutdown():
@@ -172,16 +180,17 @@ def _device_peaks(config: EngineConfig) -> DevicePeaks:
 class _Heartbeat:
     """A daemon thread that PUSHes WorkerHeartbeat every second on its own socket."""
 
-    def __init__(self, context: zmq.Context, address: str, rank: int) -> None:
+    def __init__(self, context: zmq.Context, address: str, rank: int, incarnation: str) -> None:
         self._socket = TypedSocket.open(context, zmq.PUSH, address, bind=False)
         self._rank = rank
+        self._incarnation = incarnation
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="worker-heartbeat", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while True:
-            self._socket.send(WorkerHeartbeat(self._rank, time.time()))
+            self._socket.send(WorkerHeartbeat(self._rank, time.time(), self._incarnation))
             if self._stopped.wait(HEARTBEAT_INTERVAL_S):
                 break
         self._socket.close()

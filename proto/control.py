@@ -30,6 +30,7 @@ class WorkerHeartbeat(msgspec.Struct, tag=True, array_like=True):
 
     rank: int
     timestamp: float
+    incarnation: str = ""  # random id of the worker process (a new one after a restart)
 
 
 class WorkerInfo(msgspec.Struct, tag=True, array_like=True):
@@ -45,6 +46,7 @@ class WorkerInfo(msgspec.Struct, tag=True, array_like=True):
     peak_flops: float = 0.0  # FLOP/s of the device at the dtype in use; 0 = unknown
     peak_bandwidth: float = 0.0  # bytes/s of device memory; 0 = unknown
     incarnation: str = ""  # of the SchedulerHello this answers
+    worker_incarnation: str = ""  # random id of the answering worker process
 
 
 LauncherInput = ProcessReady | ProcessFailed

@@ -68,6 +68,11 @@ class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tr
     # Random id of the scheduler process: a new value means the scheduler restarted and
     # requests in flight before it are lost (frontends fail them).
     incarnation: str = ""
+    # Worker crash recovery (services/scheduler/recovery.py): why the worker is being
+    # waited for ("" while it serves), and cumulative counts since start.
+    recovering: str = ""
+    num_worker_restarts: int = 0
+    num_resumed_requests: int = 0
     # The steps since the last stats message (the newest ones, at most 64) and the
     # state of the KV blocks: the web UI's engine view.
     recent_steps: list[StepRecord] = []

@@ -6,6 +6,14 @@ Each child names itself ("kvflow-worker0" in ps and /proc/<pid>/comm), ignores S
 (a terminal's Ctrl-C reaches the whole process group, but only the launcher decides
 the order of shutdown) and dies with the launcher (PR_SET_PDEATHSIG).
 
+Supervision (`supervise`, polled by the launcher's supervisor thread once every role is
+ready): a dead worker is restarted (its model reloaded; the scheduler resumes its
+requests once it answers) after a backoff that doubles per restart, at most
+`RestartPolicy.max_worker_restarts` times. Any other dead role, or a worker past that
+budget, is fatal: `watchdog()` names it from then on, and the launcher exits 1 so that
+Docker's or systemd's restart policy takes over. Polling also reaps every exited child:
+none is left a zombie.
+
 Shutdown: `Shutdown` to the scheduler (once it is ready), which passes it to the
 workers and the detokenizer; whoever is still alive after `timeout_s` gets SIGTERM
 (which ends a child still loading at once), then SIGKILL.
@@ -42,13 +50,29 @@ class LaunchError(KvflowError):
     """A child failed or timed out at start-up; the message names it."""
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How often a dead worker is restarted before the launcher gives up."""
+
+    max_worker_restarts: int = 3  # over the launcher's life; 0 = never restart
+    backoff_s: float = 1.0  # before the first restart; doubled for each further one
+    max_backoff_s: float = 30.0
+
+    def backoff(self, num_restarts: int) -> float:
+        return min(self.backoff_s * 2**num_restarts, self.max_backoff_s)
+
+
 @dataclass
 class Child:
     role: str
     rank: int
     process: BaseProcess
+    target: Callable[..., int]
+    args: tuple[Any, ...]
     ready: ProcessReady | None = None
     error: str | None = None  # from its ProcessFailed
+    num_restarts: int = 0
+    restart_at: float | None = None  # monotonic; set while a restart waits its backoff
 
     @property
     def name(self) -> str:
@@ -72,9 +96,18 @@ class ChildProcesses:
         )
         self._context = context
         self._spawn = multiprocessing.get_context("spawn")
+        self.fatal: str | None = None  # set by supervise(): what ended the engine
 
     def start(self, role: str, rank: int, target: Callable[..., int], *args: Any) -> Child:
         """Start `target(*args, launcher_address=...)` in a fresh interpreter."""
+        child = Child(role, rank, self._process(role, rank, target, args), target, args)
+        self.children.append(child)
+        logger.info("started %s (pid %d)", child.name, child.process.pid)
+        return child
+
+    def _process(
+        self, role: str, rank: int, target: Callable[..., int], args: tuple[Any, ...]
+    ) -> BaseProcess:
         process = self._spawn.Process(
             target=_child_main,
             args=(os.getpid(), f"{role}{rank}", logging.getLogger().level, target, args),
@@ -82,10 +115,7 @@ class ChildProcesses:
             name=f"kvflow-{role}{rank}",
         )
         process.start()
-        child = Child(role, rank, process)
-        self.children.append(child)
-        logger.info("started %s (pid %d)", child.name, process.pid)
-        return child
+        return process
 
     def wait_ready(self, timeout_s: float, stop: StopFlag) -> None:
         """Until every child acked; LaunchError naming the one that failed or is late."""
@@ -112,12 +142,47 @@ class ChildProcesses:
         raise AssertionError("no child failed")
 
     def watchdog(self) -> str | None:
-        """None while every child runs; else what happened to the first dead one."""
+        """None while the engine runs or recovers; else why it cannot (thread-safe:
+        it only reads what the supervisor thread found)."""
+        return self.fatal
+
+    def supervise(self, policy: RestartPolicy, now: float) -> str | None:
+        """Reap dead children, restart dead workers within the budget (after their
+        backoff); the fatal reason once there is one."""
         self._read_acks(0)
         for child in self.children:
-            if not child.process.is_alive():
-                return child.exit_description()
+            if self.fatal is None and not child.process.is_alive():
+                self.fatal = self._on_dead(child, policy, now)
+        return self.fatal
+
+    def _on_dead(self, child: Child, policy: RestartPolicy, now: float) -> str | None:
+        if child.role != "worker":
+            return child.exit_description()
+        if child.num_restarts >= policy.max_worker_restarts:
+            budget = policy.max_worker_restarts
+            return f"{child.exit_description()}; restart budget spent ({budget} restarts)"
+        if child.restart_at is None:
+            child.restart_at = now + policy.backoff(child.num_restarts)
+            logger.error(
+                "%s; restart %d of %d in %.1f s",
+                child.exit_description(),
+                child.num_restarts + 1,
+                policy.max_worker_restarts,
+                child.restart_at - now,
+            )
+        elif now >= child.restart_at:
+            self._restart(child)
         return None
+
+    def _restart(self, child: Child) -> None:
+        child.process = self._process(child.role, child.rank, child.target, child.args)
+        child.ready, child.error, child.restart_at = None, None, None
+        child.num_restarts += 1
+        logger.warning("restarted %s (pid %d)", child.name, child.process.pid)
+
+    @property
+    def num_worker_restarts(self) -> int:
+        return sum(c.num_restarts for c in self.children if c.role == "worker")
 
     def shutdown(self, scheduler_input: str, timeout_s: float) -> None:
         """Shutdown via the scheduler, then SIGTERM and SIGKILL for stragglers."""

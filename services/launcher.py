@@ -4,19 +4,27 @@
       ├─ spawn: worker rank 0     ┐
       ├─ spawn: scheduler         ├─ each acks ProcessReady on ipc://<dir>/launcher
       ├─ spawn: detokenizer       ┘
-      └─ frontend (HTTP) here, with a watchdog over the children
+      ├─ supervisor thread: restarts a dead worker (budget, backoff); any other death,
+      │  or the budget spent, ends the engine: SIGTERM to this process, exit code 1
+      └─ frontend (HTTP) here; its watchdog reads what the supervisor found
 
 The channels between the roles are ipc sockets in a private temporary directory
 (removed at exit). Start-up fails with a message naming the role that failed or timed
 out. SIGINT/SIGTERM: the frontend stops accepting and lets in-flight streams finish
 or fail, then the children get Shutdown, then SIGTERM, then SIGKILL; none outlives
 this process (they also die with it: PR_SET_PDEATHSIG).
+
+Exit codes: 0 after a clean shutdown, 1 after a start error or when the engine could
+not be kept alive (a role other than the worker died, or the worker died more often
+than `max_worker_restarts`): then Docker's or systemd's restart policy takes over.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -33,7 +41,7 @@ from kvflow.errors import KvflowError
 from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.lifecycle import StopFlag
-from kvflow.services.children import ChildProcesses
+from kvflow.services.children import ChildProcesses, RestartPolicy
 
 if TYPE_CHECKING:
     from kvflow.services.frontend.config import FrontendConfig
@@ -50,11 +58,13 @@ class ServeOptions:
     startup_timeout_s: float = 600.0  # model loading included
     shutdown_timeout_s: float = 10.0  # per stage: Shutdown, then SIGTERM
     trace_file: str | None = None  # the scheduler's step trace (Chrome/Perfetto JSON)
+    restart: RestartPolicy = RestartPolicy()  # of a dead worker
     api_server_count: int = 1  # HTTP frontend processes on the port (SO_REUSEPORT)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
-    """Run the stack until SIGINT/SIGTERM; 0 after a clean shutdown, 1 on a start error."""
+    """Run the stack until SIGINT/SIGTERM; 0 after a clean shutdown, 1 on a start error
+    or when the engine died for good (see the module docstring)."""
     if config.parallel.data_parallel_size > 1 or options.api_server_count > 1:
         from kvflow.services.data_parallel import serve_data_parallel
 
@@ -85,19 +95,27 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         trace_file=str(Path(options.trace_file).absolute()) if options.trace_file else None,
         startup_phases=phases.seconds,
     )
+    supervisor = Supervisor(children, options.restart)
     try:
         _start_children(children, config, addresses, model_dir, scheduler_options)
-        _serve_when_ready(config, options, addresses, model_dir, children, stop, start, preload)
-        return 0
+        _serve_when_ready(
+            config, options, addresses, model_dir, children, stop, start, preload, supervisor
+        )
     except KvflowError as exc:
         print(f"kvflow serve: {exc}", file=sys.stderr)
         return 1
     finally:
         preload.join()  # never exit while a thread is importing
+        supervisor.pause()
         children.shutdown(addresses.scheduler_input, options.shutdown_timeout_s)
+        supervisor.stop()  # after the children: a worker it restarted dies with it
         context.destroy(linger=0)
         shutil.rmtree(ipc_dir, ignore_errors=True)
         logger.info("launcher done")
+    if children.fatal is not None:
+        print(f"kvflow serve: the engine died: {children.fatal}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _serve_when_ready(
@@ -109,6 +127,7 @@ def _serve_when_ready(
     stop: StopFlag,
     start: float,
     preload: _TokenizerPreload,
+    supervisor: Supervisor,
 ) -> None:
     """Wait for the children's acks, then serve HTTP here until a signal."""
     from kvflow.services.frontend.main import run_frontend
@@ -117,6 +136,7 @@ def _serve_when_ready(
     logger.info("engine ready in %.1f s", time.monotonic() - start)
     if stop.is_set():
         return
+    supervisor.start()
     frontend = make_frontend_config(config, model_dir, options)
     on_ready = _ready_line(frontend, start)
     run_frontend(
@@ -145,7 +165,64 @@ def _resolve_model(config: EngineConfig) -> Path:
 
     if config.parallel.world_size != 1:
         raise KvflowError("tensor/pipeline parallelism is not supported yet (world size 1)")
-    return resolve_model_dir(config.model.model)
+    try:
+        return resolve_model_dir(config.model.model)
+    except KvflowError:
+        raise
+    except Exception as exc:  # e.g. the disk filled up while a GGUF was converted
+        # The conversion writes into a temporary directory and renames it only when
+        # complete: nothing half-written is left in the cache to be loaded next time.
+        raise KvflowError(
+            f"could not prepare the model (a GGUF is converted into $KVFLOW_CACHE_DIR, "
+            f"by default ~/.cache/kvflow): {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+class Supervisor:
+    """A thread that polls `ChildProcesses.supervise` and, once the engine cannot be
+    kept alive, lets the frontend fail what is in flight with the reason (its watchdog
+    polls every 0.25 s) and then stops this process as SIGTERM would.
+
+    Workers it restarts get PR_SET_PDEATHSIG from this thread, so the thread lives
+    until the children are stopped: `pause()` before `ChildProcesses.shutdown`,
+    `stop()` after it."""
+
+    POLL_S = 0.1
+    FAIL_REQUESTS_S = 1.0  # the frontend's watchdog sees the reason before SIGTERM
+
+    def __init__(self, children: ChildProcesses, policy: RestartPolicy) -> None:
+        self._children = children
+        self._policy = policy
+        self._lock = threading.Lock()  # held while supervising; pause() takes it
+        self._paused = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvflow-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.POLL_S):
+            with self._lock:
+                fatal = (
+                    None
+                    if self._paused
+                    else self._children.supervise(self._policy, time.monotonic())
+                )
+            if fatal is not None:
+                logger.error("engine dead: %s", fatal)
+                time.sleep(self.FAIL_REQUESTS_S)
+                os.kill(os.getpid(), signal.SIGTERM)
+                self._done.wait()
+
+    def pause(self) -> None:
+        with self._lock:
+            self._paused = True
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 class _TokenizerPreload:

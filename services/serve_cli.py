@@ -18,7 +18,9 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.proto.addresses import ServiceAddresses
+from kvflow.services.children import RestartPolicy
 from kvflow.services.cli_args import add_engine_args, engine_options
+from kvflow.services.scheduler.recovery import WORKER_RECOVERY_TIMEOUT_S
 
 
 def add_serve_parsers(subparsers: Any) -> None:
@@ -28,6 +30,7 @@ def add_serve_parsers(subparsers: Any) -> None:
     serve.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds for every role to start"
     )
+    _add_restart_args(serve)
     serve.add_argument(
         "--api-server-count",
         type=int,
@@ -56,10 +59,33 @@ def add_serve_parsers(subparsers: Any) -> None:
         if role == "scheduler":
             _add_trace_arg(parser)
             parser.add_argument(
+                "--worker-recovery-timeout",
+                type=float,
+                default=WORKER_RECOVERY_TIMEOUT_S,
+                help="seconds a lost worker may take to come back before the scheduler exits 1",
+            )
+            parser.add_argument(
                 "--engine-id", default="0", help="this engine's data-parallel rank (metric label)"
             )
         add_engine_args(parser)
         parser.set_defaults(handler=handler)
+
+
+def _add_restart_args(parser: argparse.ArgumentParser) -> None:
+    defaults = RestartPolicy()
+    group = parser.add_argument_group("supervision")
+    group.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        default=defaults.max_worker_restarts,
+        help="restarts of a dead worker (its requests resume) before the server exits 1",
+    )
+    group.add_argument(
+        "--worker-restart-backoff",
+        type=float,
+        default=defaults.backoff_s,
+        help="seconds before the first worker restart, doubled for each further one",
+    )
 
 
 def _add_trace_arg(parser: argparse.ArgumentParser) -> None:
@@ -144,6 +170,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         api_key=resolve_api_key(args),
         startup_timeout_s=args.startup_timeout,
         trace_file=args.trace_file,
+        restart=RestartPolicy(args.max_worker_restarts, args.worker_restart_backoff),
         api_server_count=args.api_server_count,
     )
     return serve(_config(args), options)
@@ -157,7 +184,9 @@ def _run_scheduler(args: argparse.Namespace) -> int:
         config,
         resolve_addresses(args),
         _model_dir(config),
-        SchedulerOptions(trace_file=args.trace_file),
+        SchedulerOptions(
+            trace_file=args.trace_file, worker_recovery_timeout_s=args.worker_recovery_timeout
+        ),
         launcher_address=args.launcher_address,
         engine_id=args.engine_id,
     )

@@ -25,6 +25,10 @@ Invariants:
   that moment are failed (and aborted) anyway, so no caller waits on an engine that may
   never answer. Until the first stats arrive the engine counts as not ready (503), not
   as dead;
+- a lost worker is the scheduler's to recover: its stats say `recovering` (with the
+  reason) until a worker is back, and the requests in flight wait and then go on
+  where they stopped; meanwhile the engine is not healthy (503 "recovering: ...") and
+  new requests are refused;
 - a restarted scheduler (compose restarts a failed container) shows a new
   `incarnation` in its stats: the requests in flight are failed, since the old process
   took them with it, and an `EngineDead` the old one sent is forgotten;
@@ -341,6 +345,7 @@ class EngineClient:
         self.router.observe_load(engine, stats.num_waiting, stats.num_running)
         self.latest_stats[stats.engine] = stats
         link.stats_seen = time.monotonic()
+        link.recovering = stats.recovering
         for listener in self._listeners:
             try:
                 listener(stats)

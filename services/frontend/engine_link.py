@@ -8,7 +8,9 @@ and what the frontend knows of its health.
 An engine is serving when its stats arrived within `stats_timeout_s`, no death was
 reported (EngineDead, or its watchdog), and the detokenizer link is up. A death is
 forgotten when stats with a new scheduler incarnation arrive (the engine restarted),
-unless it was final (the launcher's own watchdog: nothing will restart it).
+unless it was final (the launcher's own watchdog: nothing will restart it). While
+its stats say `recovering` (a worker crashed and is being restarted), it is not
+serving either, but the requests in flight are kept: they resume.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class EngineLink:
     dead_reason: str | None = None
     dead_final: bool = False
     stale: bool = False
+    # Why the engine waits for its worker to come back ("" while it serves): requests
+    # in flight resume then, new ones are refused meanwhile.
+    recovering: str = ""
     # None until open() (tests drive a client without sockets), then False until the
     # DEALER's handshake with the detokenizer is done.
     linked: bool | None = None
@@ -80,6 +85,8 @@ class EngineLink:
             # Not connected yet (or the scheduler never came up): refuse rather than
             # queue requests nobody may ever run.
             return NOT_READY
+        if self.recovering:
+            return f"recovering: {self.recovering}"
         if self.linked is False:
             return NOT_LINKED
         return self.stale_reason(now, stats_timeout_s)

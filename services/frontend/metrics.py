@@ -48,6 +48,8 @@ _CUMULATIVE = {
     "num_preemptions": "num_preemptions",
     "num_prompt_tokens": "prompt_tokens",
     "num_generation_tokens": "generation_tokens",
+    "num_worker_restarts": "worker_restarts",
+    "num_resumed_requests": "requests_resumed",
 }
 
 
@@ -123,6 +125,13 @@ class FrontendMetrics:
         )
         self.num_preemptions = counter(
             "num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        self.worker_restarts = counter(
+            "worker_restarts", "Workers that came back after a crash (the engine recovered)."
+        )
+        self.requests_resumed = counter(
+            "requests_resumed",
+            "Requests preempted by a worker crash and resumed by recomputation.",
         )
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(

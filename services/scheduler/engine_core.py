@@ -290,6 +290,13 @@ class EngineCore:
             )
         return deltas
 
+    def drop_worker_state(self) -> int:
+        """The worker died: its steps in flight never return and its KV is gone. Every
+        running request recomputes from its prompt and the tokens already emitted, so
+        its stream goes on where it stopped. Returns how many requests were running."""
+        self.in_flight.clear()
+        return self.scheduler.preempt_all()
+
     def error_delta(self, message: AddRequest, error: str) -> TokenDelta:
         """The final delta of a request that could not be admitted."""
         refused, self._refused = self._refused, None

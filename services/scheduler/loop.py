@@ -13,6 +13,11 @@ the inbox only when no step can be planned: idle, or every slot is awaiting a re
           ─▶ AbortRequests ─▶ core.abort_requests ─▶ "abort" TokenDelta
           ─▶ StepResult ─▶ core.update ─▶ EngineOutputs ─▶ detokenizer
     a slot free and work left ─▶ core.schedule ─▶ StepPlan ─▶ workers
+
+A lost worker (it failed, went silent or dropped its connection) does not end the
+loop: the steps in flight are dropped, the running requests are preempted, and no step
+is planned until a worker answers a new hello (recovery.py); then they resume by
+recomputation and their streams go on where they stopped.
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ from kvflow.proto.engine import (
     TokenDelta,
 )
 from kvflow.proto.stats import SchedulerStats, StepRecord
-from kvflow.proto.step import Shutdown, StepResult
+from kvflow.proto.step import SchedulerHello, Shutdown, StepResult
 from kvflow.services.scheduler.block_map import block_map
 from kvflow.services.scheduler.engine_core import EngineCore, StepInFlight
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
+from kvflow.services.scheduler.recovery import WorkerRecovery
 from kvflow.services.scheduler.step_trace import StepSample, StepTrace
 
 logger = logging.getLogger(__name__)
@@ -87,6 +93,7 @@ class SchedulerLoop:
         engine_id: str = "0",
         instruments: Instruments | None = None,
         incarnation: str = "",
+        recovery: WorkerRecovery | None = None,
     ) -> None:
         self.core = core
         self.outputs = outputs
@@ -95,6 +102,9 @@ class SchedulerLoop:
         self.engine_id = engine_id
         self.incarnation = incarnation
         self.instruments = instruments or Instruments()
+        self.recovery = recovery or WorkerRecovery(incarnation)
+        # rank -> random id of the worker process that answered the latest hello
+        self.worker_incarnations: dict[int, str] = {}
         # perf_counter() when the worker could start the oldest step in flight: when it
         # was sent, or when the step before it came back, whichever was later.
         self._step_started = 0.0
@@ -121,7 +131,7 @@ class SchedulerLoop:
         return self.shutdown_requested or self.dead_reason is not None
 
     def _can_plan(self) -> bool:
-        return self.core.can_schedule()
+        return not self.recovery.recovering and self.core.can_schedule()
 
     def _wait_timeout(self, now: float) -> float:
         if self._can_plan() and not self._stalled:
@@ -160,16 +170,20 @@ class SchedulerLoop:
                 self._add(message)
             case AbortRequests():
                 self._abort(message)
+            case StepResult() if self.recovery.recovering:
+                logger.info("result of step %d from a lost worker: ignored", message.step_id)
             case StepResult():
                 self.liveness.beat(0, now)
                 self._finish_step(message)
-            case WorkerHeartbeat(rank=rank):
+            case WorkerHeartbeat(rank=rank, incarnation=worker):
                 self.liveness.beat(rank, now)
+                self._check_incarnation(rank, worker, now)
             case ProcessFailed(rank=rank, error=error):
-                self.dead_reason = f"worker rank {rank} failed: {error}"
+                self._worker_lost(f"worker rank {rank} failed: {error}", now)
+            case WorkerInfo(rank=0) if self.recovery.answers(message.incarnation):
+                self._worker_back(message, now)
             case WorkerInfo(rank=rank):
-                # Only a SchedulerHello asks for one, and it is sent once, at start-up.
-                logger.warning("unexpected WorkerInfo from worker rank %d: ignored", rank)
+                logger.debug("WorkerInfo from worker rank %d for another hello: ignored", rank)
             case WorkerDisconnected():
                 self.liveness.suspect(now)
             case Shutdown():
@@ -255,16 +269,69 @@ class SchedulerLoop:
         if deltas:
             self.outputs.detokenizer.send(EngineOutputs(deltas, time.time()))
 
+    # ---- worker recovery ---------------------------------------------------------
+
+    def _worker_lost(self, reason: str, now: float) -> None:
+        if self.recovery.recovering:
+            logger.warning("while recovering: %s", reason)
+            return
+        num_preempted = self.core.drop_worker_state()
+        self.recovery.lost(reason, now, num_preempted)
+        logger.error(
+            "worker lost (%s): %d running request(s) will resume when it is back",
+            reason,
+            num_preempted,
+        )
+        self._next_stats = now  # frontends learn it now (/health: recovering)
+
+    def _check_incarnation(self, rank: int, worker: str, now: float) -> None:
+        """A heartbeat from another process than the one that answered the hello: the
+        worker was restarted (perhaps before its silence was noticed)."""
+        known = self.worker_incarnations.get(rank)
+        if known and worker and worker != known and not self.recovery.recovering:
+            self._worker_lost(f"worker rank {rank} was restarted (a new process)", now)
+
+    def _worker_back(self, info: WorkerInfo, now: float) -> None:
+        kv_cache = self.core.scheduler.kv_cache
+        if info.num_blocks < kv_cache.num_blocks:  # the pool is sized once, at start-up
+            self.dead_reason = (
+                f"the restarted worker has {info.num_blocks} KV blocks, "
+                f"fewer than the {kv_cache.num_blocks} the scheduler manages"
+            )
+            return
+        took = self.recovery.back(now)
+        self.worker_incarnations[info.rank] = info.worker_incarnation
+        self.liveness.last_seen = dict.fromkeys(self.liveness.last_seen, now)
+        self.liveness.suspect_since = None
+        self._stalled = False
+        self._next_stats = now
+        logger.warning(
+            "worker back after %.1f s: %d request(s) resume",
+            took,
+            self.core.scheduler.num_unfinished_requests,
+        )
+
+    def _check_workers(self, now: float) -> None:
+        recovery = self.recovery
+        if not recovery.recovering:
+            lost = self.liveness.dead_reason(now)
+            if lost is not None:
+                self._worker_lost(lost, now)
+        hello_id = recovery.hello_due(now)
+        if hello_id is not None:
+            self.outputs.plans.send(SchedulerHello(hello_id))
+        if self.dead_reason is None:
+            self.dead_reason = recovery.timed_out(now)
+
     # ---- periodic work -----------------------------------------------------------
 
     def _housekeeping(self, now: float) -> None:
+        self._check_workers(now)
         if now >= self._next_stats:
             self._next_stats = now + STATS_INTERVAL_S
             self.outputs.stats.send(self.stats_message())
             if self.instruments.trace is not None:
                 self.instruments.trace.flush()  # a live trace file lags by 0.5 s at most
-        if self.dead_reason is None:
-            self.dead_reason = self.liveness.dead_reason(now)
         idle = not self.core.in_flight and not self.core.has_unfinished_requests()
         if idle and now >= self._next_integrity:
             self._next_integrity = now + INTEGRITY_INTERVAL_S
@@ -296,6 +363,9 @@ class SchedulerLoop:
             peak_bandwidth=instruments.peak_bandwidth,
             startup_phases=instruments.startup_phases,
             incarnation=self.incarnation,
+            recovering=self.recovery.reason or "",
+            num_worker_restarts=self.recovery.num_worker_restarts,
+            num_resumed_requests=self.recovery.num_resumed_requests,
             recent_steps=self._take_recent_steps(),
             kv_block_map=block_map(self.core.scheduler.kv_cache.block_pool),
             grammar=self.core.grammar_stats(),

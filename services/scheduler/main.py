@@ -14,9 +14,12 @@ build the KV cache manager and the core, ack the launcher. The same sequence let
 restarted scheduler (compose restarts a failed container) take over running workers:
 they drop the old scheduler's requests on the hello, and frontends, seeing a new
 incarnation in the stats, fail the requests that were in flight.
-A dead worker (ProcessFailed, or no heartbeat for `heartbeat_timeout_s`) or a fatal
-error in the core: EngineDead to the frontends (stats) and the detokenizer, Shutdown to
-the remaining workers, ProcessFailed to the launcher, exit code 1.
+A lost worker (ProcessFailed, no heartbeat for `heartbeat_timeout_s`, or a dropped
+connection and silence) is waited for: the loop preempts its requests and says hello
+again until a (restarted) worker answers, then they resume (recovery.py). A worker that
+is not back within `worker_recovery_timeout_s`, or a fatal error in the core: EngineDead
+to the frontends (stats) and the detokenizer, Shutdown to the remaining workers,
+ProcessFailed to the launcher, exit code 1.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from kvflow.services.scheduler.grammar_compiler import grammar_compiler
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.loop import Instruments, Outputs, SchedulerLoop
+from kvflow.services.scheduler.recovery import WORKER_RECOVERY_TIMEOUT_S, WorkerRecovery
 from kvflow.services.scheduler.scheduler import Scheduler
 from kvflow.services.scheduler.step_trace import StepTrace
 from kvflow.tokenizer import load_tokenizer, read_eos_token_ids
@@ -70,6 +74,9 @@ class SchedulerOptions:
     # Start-up phases measured before this process (the launcher's), passed on in the
     # stats with the worker's own.
     startup_phases: dict[str, float] = field(default_factory=dict)
+    # How long a lost worker may take to come back (restart + model load) before the
+    # scheduler gives up and exits 1.
+    worker_recovery_timeout_s: float = WORKER_RECOVERY_TIMEOUT_S
 
 
 def run_scheduler(
@@ -84,9 +91,11 @@ def run_scheduler(
 ) -> int:
     """Run the scheduler until Shutdown/SIGTERM (0) or a fatal error (1)."""
 
+    options = options or SchedulerOptions()
+
     def body(context: zmq.Context, link: LauncherLink, stop: StopFlag) -> int:
         eos_token_ids = read_eos_token_ids(model_dir)
-        instruments = _instruments(config, model_dir, options or SchedulerOptions())
+        instruments = _instruments(config, model_dir, options)
         sockets = _SchedulerSockets(context, addresses)
         try:
             return _serve(
@@ -99,6 +108,7 @@ def run_scheduler(
                 engine_id,
                 heartbeat_timeout_s,
                 instruments,
+                options.worker_recovery_timeout_s,
             )
         finally:
             sockets.close()  # the last Shutdown / EngineDead messages are flushed
@@ -118,6 +128,7 @@ def _serve(
     engine_id: str,
     heartbeat_timeout_s: float,
     instruments: Instruments,
+    recovery_timeout_s: float,
 ) -> int:
     incarnation = uuid.uuid4().hex[:12]
     started = _await_workers(sockets, config.parallel.world_size, stop, incarnation)
@@ -154,7 +165,9 @@ def _serve(
         engine_id,
         instruments,
         incarnation=incarnation,
+        recovery=WorkerRecovery(incarnation, recovery_timeout_s),
     )
+    loop.worker_incarnations[0] = info.worker_incarnation
     for message in early:  # requests that raced the workers' start-up, in order
         loop.handle(message)
     link.ready(num_blocks=info.num_blocks, max_model_len=info.max_model_len)

@@ -312,6 +312,22 @@ class Scheduler:
         self._prompt_logprobs.pop(request.request_id, None)
         self._worker_forget.append(request.request_id)
 
+    def preempt_all(self) -> int:
+        """The worker died with every KV block: put each running request back at the
+        front of the queue (in order) to recompute prompt and outputs, and forget every
+        cached prefix (its KV is gone). Returns how many requests were running."""
+        running, self.running = self.running, []
+        for request in reversed(running):  # push_front: the oldest ends up first
+            self.kv_cache.free(request.request_id, step_discarded=True)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0  # the in-flight samples are lost
+            self.waiting.push_front(request)
+        self._worker_forget = []  # the new worker knows no request
+        reset = self.kv_cache.reset_prefix_cache()
+        assert reset, "a block is still held after every request was preempted"
+        return len(running)
+
     def snapshot(self) -> SchedulerSnapshot:
         return SchedulerSnapshot(
             num_running=len(self.running),

@@ -1,13 +1,22 @@
-"""A worker process dies under `kvflow serve`: /health turns 503, the stream in flight
-fails fast with an in-band error, new requests are refused, and SIGTERM still leaves
-no process behind."""
+"""A worker process dies under `kvflow serve` (SIGKILL, mid-stream).
+
+Within the restart budget nothing is lost: the launcher restarts the worker, the
+scheduler resumes every stream by recomputation, and each stream ends with exactly the
+tokens of a run without the kill (greedy, and seeded sampling); meanwhile /health says 503 "recovering", and the
+metrics count the restart and the resumed requests. With the budget spent, the streams
+fail with an in-band error naming the cause, and `kvflow serve` exits 1 with no process
+left behind (so that Docker's or systemd's restart policy takes over).
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -15,71 +24,158 @@ from serve_harness import (
     MODEL_NAME,
     child_pid,
     group_members,
+    metric_values,
     sse_events,
     start_server,
     stop_server,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slow
 
-# Deadlines only, for a loaded 2-core machine: a working server fails the stream within
-# the heartbeat timeout (5 s; a dropped connection is faster), a broken one never does,
-# and the client's read timeout then ends the test with an error.
-STREAM_DEADLINE_S = 60.0
+# Deadlines only, for a loaded 2-core machine: the worker reloads its model (seconds),
+# a broken server never finishes, and the client's read timeout then fails the test.
+STREAM_DEADLINE_S = 120.0
+PROMPTS = ["A very long story:", "Once upon a time", "The list of primes:", "Dear diary,"]
+# Greedy, except the last stream: seeded sampling, whose generator must replay too.
+SAMPLING = [{"temperature": 0.0}] * 3 + [{"temperature": 1.0, "seed": 1234}]
+MAX_TOKENS = 300
 
 
-def test_worker_death_is_reported_and_fails_requests_fast(
+def _stream(
+    base_url: str, prompt: str, sampling: dict[str, Any], started: threading.Event | None
+) -> dict[str, Any]:
+    """One completion stream: its text, finish reasons and errors."""
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        **sampling,
+    }
+    text, finishes, errors = [], [], []
+    with (
+        httpx.Client(timeout=STREAM_DEADLINE_S) as http,
+        http.stream("POST", base_url + "/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200, response.read()
+        for event in sse_events(response):
+            if not isinstance(event, dict):
+                continue
+            if "error" in event:
+                errors.append(event["error"]["message"])
+            for choice in event.get("choices", []):
+                text.append(choice["text"])
+                finishes.append(choice.get("finish_reason"))
+                if started is not None and len(text) >= 3:
+                    started.set()
+    return {"text": "".join(text), "finish": [f for f in finishes if f], "errors": errors}
+
+
+def _run_streams(base_url: str, on_started: Any = None) -> list[dict[str, Any]]:
+    """Every prompt at once; `on_started()` runs once each stream has a few tokens."""
+    events = [threading.Event() for _ in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [
+            pool.submit(_stream, base_url, prompt, sampling, event if on_started else None)
+            for prompt, sampling, event in zip(PROMPTS, SAMPLING, events, strict=True)
+        ]
+        if on_started is not None:
+            for event in events:
+                assert event.wait(STREAM_DEADLINE_S)
+            on_started()
+        return [future.result() for future in futures]
+
+
+class _HealthLog:
+    """Polls /health in a thread: (status, body) in order of change."""
+
+    def __init__(self, base_url: str) -> None:
+        self.seen: list[tuple[int, str]] = []
+        self._url = base_url + "/health"
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(0.05):
+            try:
+                response = httpx.get(self._url, timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            item = (response.status_code, response.text)
+            if not self.seen or self.seen[-1] != item:
+                self.seen.append(item)
+
+    def stop(self) -> list[tuple[int, str]]:
+        self._done.set()
+        self._thread.join()
+        return self.seen
+
+
+def test_worker_sigkill_mid_stream_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
+    server = start_server(
+        tiny_model_dir, tmp_path, "--max-worker-restarts", "2", "--worker-restart-backoff", "0.2"
+    )
+    try:
+        reference = _run_streams(server.base_url)
+        assert all(r["finish"] == ["length"] and not r["errors"] for r in reference)
+        worker = child_pid(server.pid, "kvflow-worker0")
+        assert worker is not None
+        health = _HealthLog(server.base_url)
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            os.kill(worker, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+
+        crashed = _run_streams(server.base_url, kill)
+        took = time.monotonic() - killed_at[0]
+        assert wait_for(lambda: health.seen[-1][0] == 200, STREAM_DEADLINE_S)
+        seen = health.stop()
+        new_worker = child_pid(server.pid, "kvflow-worker0")
+        metrics = metric_values(server.base_url)
+    finally:
+        code, survivors = stop_server(server)
+    for got, want in zip(crashed, reference, strict=True):
+        assert not got["errors"], got["errors"]
+        assert got["finish"] == ["length"]
+        assert got["text"] == want["text"]  # no token lost, duplicated or changed
+    assert new_worker is not None and new_worker != worker
+    recovering = [body for status, body in seen if status == 503]
+    assert recovering and "recovering" in recovering[0], seen
+    assert seen[-1][0] == 200
+    assert metrics["kvflow:worker_restarts_total"] == 1
+    assert metrics["kvflow:requests_resumed_total"] == len(PROMPTS)
+    assert survivors == [] and code == 0, server.log_tail()
+    print(f"\nworker SIGKILL -> every stream finished {took:.1f} s later; health: {seen}")
+
+
+def test_restart_budget_spent_fails_requests_and_exits_nonzero(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    server = start_server(tiny_model_dir, tmp_path)
+    server = start_server(tiny_model_dir, tmp_path, "--max-worker-restarts", "0")
     try:
         worker = child_pid(server.pid, "kvflow-worker0")
         assert worker is not None and worker in group_members(server.pid)
-        body = {
-            "model": MODEL_NAME,
-            "prompt": "A very long story:",
-            "max_tokens": 480,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        with (
-            httpx.Client(timeout=STREAM_DEADLINE_S) as http,
-            http.stream("POST", server.base_url + "/v1/completions", json=body) as response,
-        ):
-            assert response.status_code == 200
-            events = sse_events(response)
-            first = next(events)
-            assert first["choices"][0]["text"] is not None
+        killed_at: list[float] = []
+
+        def kill() -> None:
             os.kill(worker, signal.SIGKILL)
-            killed_at = time.monotonic()
-            rest = list(events)  # must end on its own, before the read timeout
-            failed_after = time.monotonic() - killed_at
-        errors = [e for e in rest if isinstance(e, dict) and "error" in e]
-        finishes = [
-            c.get("finish_reason")
-            for e in rest
-            if isinstance(e, dict)
-            for c in e.get("choices", [])
-        ]
-        assert errors and rest[-1] == "[DONE]", rest[-3:]
-        assert "worker rank 0" in errors[-1]["error"]["message"], errors[-1]
-        assert "length" not in finishes
-        health = httpx.get(server.base_url + "/health", timeout=5.0)
-        assert health.status_code == 503
-        # Refused up front (503, not queued for an engine that is gone).
-        refused = httpx.post(
-            server.base_url + "/v1/completions",
-            json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2},
-            timeout=STREAM_DEADLINE_S,
-        )
-        assert refused.status_code == 503, refused.text
-        assert refused.json()["error"]["type"] == "service_unavailable"
-        print(
-            f"\nstartup {server.startup_s:.1f} s; in-flight stream failed after "
-            f"{failed_after:.2f} s"
-        )
+            killed_at.append(time.monotonic())
+
+        results = _run_streams(server.base_url, kill)
+        failed_after = time.monotonic() - killed_at[0]
+        code = server.process.wait(STREAM_DEADLINE_S)  # exits on its own
+        exited_after = time.monotonic() - killed_at[0]
     finally:
-        code, survivors = stop_server(server)
+        stop_code, survivors = stop_server(server)
+    for result in results:
+        assert result["errors"] and "length" not in result["finish"], result
+        message = result["errors"][-1]
+        assert "worker rank 0" in message and "restart budget spent" in message, message
+    assert code == stop_code == 1, server.log_tail()
     assert survivors == [], server.log_tail()
-    assert code == 0, server.log_tail()
+    assert "restart budget spent" in server.log_tail()
+    print(f"\nstreams failed after {failed_after:.2f} s; exit 1 after {exited_after:.1f} s")

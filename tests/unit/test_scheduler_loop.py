@@ -7,7 +7,6 @@ import queue
 from typing import Any
 
 import msgspec
-import pytest
 
 from kvflow.config import SchedulerConfig
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat
@@ -160,18 +159,21 @@ def test_stats_are_published_even_when_idle() -> None:
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
 
 
-@pytest.mark.parametrize(
-    "message, reason",
-    [
-        (ProcessFailed("worker", 0, "CUDA error"), "worker rank 0 failed: CUDA error"),
-        (Shutdown(), None),
-    ],
-)
-def test_worker_failure_and_shutdown_end_the_loop(message: Any, reason: str | None) -> None:
+def test_shutdown_ends_the_loop() -> None:
     loop, inbox, _ = make_loop()
-    inbox.put(message)
+    inbox.put(Shutdown())
     loop.run_once()
-    assert loop.finished and loop.dead_reason == reason
+    assert loop.finished and loop.dead_reason is None
+
+
+def test_a_failed_worker_is_waited_for_not_fatal() -> None:
+    loop, inbox, outputs = make_loop()
+    inbox.put(ProcessFailed("worker", 0, "CUDA error"))
+    loop.run_once()
+    assert not loop.finished
+    assert loop.recovery.reason == "worker rank 0 failed: CUDA error"
+    stats = [m for m in sent(outputs, "stats") if isinstance(m, SchedulerStats)]
+    assert stats[-1].recovering == "worker rank 0 failed: CUDA error"
 
 
 def test_liveness_silence_and_dropped_connections() -> None:
