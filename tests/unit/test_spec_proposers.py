@@ -85,12 +85,17 @@ def occurrences(docs: Sequence[Sequence[int]], s: Sequence[int], depth: int) -> 
 
 
 def continuation_reference(
-    docs: Sequence[Sequence[int]], context: list[int], depth: int, k: int, factor: float, min_prob: float
+    docs: Sequence[Sequence[int]],
+    context: list[int],
+    depth: int,
+    k: int,
+    factor: float,
+    min_prob: float,
 ) -> tuple[list[int], float]:
     vocab = sorted({t for doc in docs for t in doc})
 
     def children(s: list[int]) -> dict[int, int]:
-        counts = {c: occurrences(docs, s + [c], depth) for c in vocab}
+        counts = {c: occurrences(docs, [*s, c], depth) for c in vocab}
         return {c: n for c, n in counts.items() if n > 0}
 
     for length in range(min(depth - 1, len(context)), 0, -1):
@@ -113,7 +118,7 @@ def continuation_reference(
             break
         out.append(best)
         score += prob
-        s = s + [best]
+        s = [*s, best]
     return out, score
 
 
@@ -124,8 +129,8 @@ def tree_counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
     while stack:
         path, node = stack.pop()
         for token_id, child in node.children.items():
-            out[path + (token_id,)] = child.count
-            stack.append((path + (token_id,), child))
+            out[(*path, token_id)] = child.count
+            stack.append(((*path, token_id), child))
     return out
 
 
@@ -140,7 +145,10 @@ def test_suffix_tree_counts_equal_brute_force(depth: int) -> None:
     for path, count in counts.items():
         assert count == occurrences(docs, path, depth), path
     expected_paths = {
-        tuple(doc[i : i + n]) for doc in docs for i in range(len(doc)) for n in range(1, depth + 1)
+        tuple(doc[i : i + n])
+        for doc in docs
+        for i in range(len(doc))
+        for n in range(1, depth + 1)
         if i + n <= len(doc)
     }
     assert set(counts) == expected_paths
@@ -162,7 +170,9 @@ def test_suffix_tree_remove_equals_rebuild() -> None:
     assert tree.root.children == {} and tree.num_nodes() == 0
 
 
-@pytest.mark.parametrize(("depth", "factor", "min_prob"), [(4, 1.0, 0.1), (8, 2.0, 0.0), (6, 0.5, 0.4)])
+@pytest.mark.parametrize(
+    ("depth", "factor", "min_prob"), [(4, 1.0, 0.1), (8, 2.0, 0.0), (6, 0.5, 0.4)]
+)
 def test_suffix_proposals_equal_brute_force(depth: int, factor: float, min_prob: float) -> None:
     for stream in token_streams(seed=depth, count=12):
         tree = SuffixTree(depth)
@@ -182,10 +192,12 @@ def test_suffix_proposals_equal_brute_force(depth: int, factor: float, min_prob:
 
 
 def test_suffix_proposer_uses_recent_outputs_and_evicts() -> None:
-    proposer = SuffixProposer(max_depth=8, max_cached_requests=2, max_spec_factor=2.0, min_token_prob=0.0)
+    proposer = SuffixProposer(
+        max_depth=8, max_cached_requests=2, max_spec_factor=2.0, min_token_prob=0.0
+    )
     prompt = [100, 101]
     proposer.propose("a", prompt, 2, 4)
-    proposer.finish("a", prompt + [1, 2, 3, 4, 5, 6], 2)
+    proposer.finish("a", [*prompt, 1, 2, 3, 4, 5, 6], 2)
     # A new request whose output so far ends in "2 3": the cached output continues it.
     assert proposer.propose("b", [200, 2, 3], 1, 3) == [4, 5, 6]
     proposer.finish("b", [200, 2, 3], 1)

@@ -75,7 +75,9 @@ class NgramProposer:
         self.max_n = max_n
         self.indexes: dict[str, NgramIndex] = {}
 
-    def propose(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int, k: int) -> list[int]:
+    def propose(
+        self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int, k: int
+    ) -> list[int]:
         index = self.indexes.get(req_id)
         if index is None:
             index = self.indexes[req_id] = NgramIndex(self.min_n, self.max_n)

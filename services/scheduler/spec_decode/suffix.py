@@ -44,7 +44,9 @@ class SuffixProposer:
             config.suffix_decoding_min_token_prob,
         )
 
-    def propose(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int, k: int) -> list[int]:
+    def propose(
+        self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int, k: int
+    ) -> list[int]:
         tree = self.own.get(req_id)
         if tree is None:
             tree = self.own[req_id] = SuffixTree(self.max_depth)

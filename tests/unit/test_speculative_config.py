@@ -1,0 +1,54 @@
+"""--speculative-config parsing and validation (vLLM's JSON shape)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.errors import ConfigError
+from kvflow.speculative_config import SpeculativeConfig
+
+
+def test_parses_json_and_dicts() -> None:
+    text = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    config = SpeculativeConfig.parse(text)
+    assert (config.method, config.num_speculative_tokens) == ("ngram", 4)
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 3)  # one sets both
+    assert SpeculativeConfig.parse(config.to_json()) == config
+    assert (
+        SpeculativeConfig.parse({"method": "suffix", "num_speculative_tokens": 8}).method
+        == "suffix"
+    )
+    draft = SpeculativeConfig.parse(
+        {"method": "draft_model", "num_speculative_tokens": 3, "model": "/m"}
+    )
+    assert draft.model == "/m"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("[1]", "JSON object"),
+        ("{nope", "valid JSON"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_min",
+        ),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "/m"}, "model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "batch"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 2}, "acceptance"),
+        ({"method": "ngram", "num_speculative_tokens": "x"}, "speculative"),
+    ],
+)
+def test_rejects_bad_configs(value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        SpeculativeConfig.parse(value)  # type: ignore[arg-type]
