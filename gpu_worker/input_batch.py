@@ -1,35 +1,51 @@
-"""The worker's persistent batch: per-request state kept across steps.
+"""The worker's persistent batch: each running request's state in preallocated rows.
 
-Only deltas arrive in a `StepPlan`; this module applies them and turns the plan into
-the flat tensors one forward pass needs (token ids, positions, slot mapping, block
-tables). Tokens the worker samples are appended here, so they never travel back.
+A request gets a *slot* when it arrives (`NewRequestData`, sent once, and again only
+when it resumes after a preemption) and keeps it until the plan tells the worker to
+forget it; a freed slot is reused, lowest first. Per slot, in host memory::
+
+    token_ids    [slots, max_model_len] int32   prompt + outputs (incl. the last sample)
+    num_tokens, num_prompt_tokens, num_computed_tokens   [slots] int64
+    block_table  [slots, max_blocks_per_req] int32, 0 past num_blocks
+    sampling     per-slot sampling parameters and penalty counts (sampling_state.py)
+
+Later plans carry only deltas (`CachedRequestData`: appended block ids, tokens computed
+before the step), and the tokens the worker samples are written into `token_ids` here,
+so they never travel back (with steps in flight, the next plan already computes at
+their positions). A step's inputs are gathered from these arrays with index arithmetic,
+never built token by token::
+
+    request r with slot s, scheduled n tokens from position c = num_computed[s]:
+    positions      c, c+1, ..., c+n-1
+    input_ids      token_ids[s, positions]
+    slot_mapping   block_table[s, positions // B] * B + positions % B
+    seq_lens       c + n;  sampled when c + n == num_tokens[s] (the end of what is known)
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
-from kvflow.gpu_worker.sampling_metadata import request_generator
-from kvflow.proto.step import StepPlan
-from kvflow.sampling_params import SamplingParams
+from kvflow.gpu_worker.sampling_metadata import SamplingMetadata
+from kvflow.gpu_worker.sampling_state import SamplingState, TokenRows
+from kvflow.proto.step import CachedRequestData, NewRequestData, StepPlan
 
 
-@dataclass
-class RequestState:
-    req_id: str
-    token_ids: list[int]  # prompt + outputs, including the last sampled token
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    generator: torch.Generator | None = None
+@dataclass(frozen=True)
+class BatchLimits:
+    max_num_seqs: int  # slots
+    max_model_len: int  # tokens per slot
+    block_size: int
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+    def max_blocks_per_req(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
 
 
 @dataclass
@@ -37,6 +53,7 @@ class PromptLogprobsRange:
     """Rows of hidden states whose logits give prompt logprobs for prompt[start+1 : end+1]."""
 
     req_id: str
+    slot: int
     start: int  # index into the prompt-logprob list (position of the predicting token)
     end: int
     first_row: int  # row in the flat token batch of position `start`
@@ -49,120 +66,217 @@ class ModelInputs:
     metadata: AttentionMetadata
     sample_req_ids: list[str]  # requests sampled this step, rows of logits_indices[:n]
     prompt_ranges: list[PromptLogprobsRange] = field(default_factory=list)
+    sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 class InputBatch:
-    def __init__(self, block_size: int, device: torch.device, seed: int = 0) -> None:
-        self.block_size = block_size
+    def __init__(
+        self,
+        limits: BatchLimits,
+        vocab_size: int,
+        eos_token_ids: set[int],
+        device: torch.device,
+    ) -> None:
+        self.limits = limits
         self.device = device
-        self.requests: dict[str, RequestState] = {}
-        self.seed = seed
+        slots = limits.max_num_seqs
+        self.token_ids = torch.zeros(slots, limits.max_model_len, dtype=torch.int32)
+        self._token_ids = self.token_ids.numpy()  # the same memory
+        self.num_tokens = np.zeros(slots, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(slots, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(slots, dtype=np.int64)
+        self.block_table = np.zeros((slots, limits.max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(slots, dtype=np.int64)
+        self.sampling = SamplingState(slots, vocab_size, eos_token_ids, device)
+        self.slot_of: dict[str, int] = {}
+        self.req_ids: list[str | None] = [None] * slots
+        self._free_slots = list(range(slots))  # a heap: the lowest free slot first
+        self._prompt_logprobs: set[int] = set()  # slots whose prompt logprobs are due
+        self.rows = TokenRows(self.token_ids, self.num_tokens, self.num_prompt_tokens)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.slot_of)
+
+    # ---- plan deltas -------------------------------------------------------------------
 
     def apply_plan(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self.remove(req_id)
         for new in plan.new_requests:
-            params = new.sampling_params
-            generator = None
-            if params.seed is not None:
-                num_drawn = len(new.token_ids) - new.num_prompt_tokens  # > 0 if resumed
-                generator = request_generator(params.seed, self.device, num_drawn)
-            self.requests[new.req_id] = RequestState(
-                req_id=new.req_id,
-                token_ids=list(new.token_ids),
-                num_prompt_tokens=new.num_prompt_tokens,
-                sampling_params=params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                generator=generator,
-            )
+            self.add(new)
         for cached in plan.cached_requests:
-            state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            self._update(cached)
+
+    def add(self, new: NewRequestData) -> int:
+        """Put a new (or resumed) request into the lowest free slot."""
+        assert new.req_id not in self.slot_of, f"{new.req_id} arrived twice"
+        if not self._free_slots:
+            raise RuntimeError(f"more than max_num_seqs={self.limits.max_num_seqs} requests")
+        num_tokens = len(new.token_ids)
+        if num_tokens > self.limits.max_model_len:
+            raise ValueError(f"{new.req_id}: {num_tokens} tokens > max_model_len")
+        slot = heapq.heappop(self._free_slots)
+        self.slot_of[new.req_id] = slot
+        self.req_ids[slot] = new.req_id
+        self._token_ids[slot, :num_tokens] = new.token_ids
+        self.num_tokens[slot] = num_tokens
+        self.num_prompt_tokens[slot] = new.num_prompt_tokens
+        self.num_computed_tokens[slot] = new.num_computed_tokens
+        self.block_table[slot] = 0
+        self.num_blocks[slot] = 0
+        self._append_blocks(slot, new.block_ids)
+        params = new.sampling_params
+        outputs = self.token_ids[slot, new.num_prompt_tokens : num_tokens]
+        self.sampling.add(slot, params, outputs)
+        # Prompt logprobs are due once, before any output: not again on a resume.
+        if params.prompt_logprobs is not None and num_tokens == new.num_prompt_tokens:
+            self._prompt_logprobs.add(slot)
+        return slot
+
+    def remove(self, req_id: str) -> None:
+        """Forget a finished, aborted or preempted request and free its slot."""
+        slot = self.slot_of.pop(req_id, None)
+        if slot is None:
+            return
+        self.req_ids[slot] = None
+        self.sampling.remove(slot)
+        self._prompt_logprobs.discard(slot)
+        heapq.heappush(self._free_slots, slot)
+
+    def clear(self) -> None:
+        for req_id in list(self.slot_of):
+            self.remove(req_id)
+
+    def _update(self, cached: CachedRequestData) -> None:
+        slot = self.slot_of[cached.req_id]
+        if cached.new_block_ids:
+            self._append_blocks(slot, cached.new_block_ids)
+        self.num_computed_tokens[slot] = cached.num_computed_tokens
+
+    def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[slot])
+        end = start + len(block_ids)
+        if end > self.limits.max_blocks_per_req:
+            raise ValueError(f"slot {slot}: {end} blocks > {self.limits.max_blocks_per_req}")
+        self.block_table[slot, start:end] = block_ids
+        self.num_blocks[slot] = end
+
+    # ---- one step's inputs -------------------------------------------------------------
 
     def prepare_inputs(self, plan: StepPlan) -> ModelInputs:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
-        sample_req_ids: list[str] = []
-        prompt_ranges: list[PromptLogprobsRange] = []
-        for req_id, num_tokens in zip(plan.scheduled_req_ids, plan.num_scheduled_tokens):
-            state = self.requests[req_id]
-            start = state.num_computed_tokens
-            end = start + num_tokens
-            first_row = len(input_ids)
-            input_ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            query_start_loc.append(len(input_ids))
-            seq_lens.append(end)
-            prompt_range = _prompt_logprobs_range(state, start, end, first_row)
-            if prompt_range is not None:
-                prompt_ranges.append(prompt_range)
-            if end == len(state.token_ids):
-                logits_rows.append(len(input_ids) - 1)
-                sample_req_ids.append(req_id)
-        for prompt_range in prompt_ranges:
-            num_rows = prompt_range.end - prompt_range.start
-            logits_rows.extend(range(prompt_range.first_row, prompt_range.first_row + num_rows))
-        metadata = self._build_metadata(plan, positions, query_start_loc, seq_lens, logits_rows)
+        """The forward's inputs for the scheduled requests, in the plan's order."""
+        slots = np.fromiter(
+            (self.slot_of[r] for r in plan.scheduled_req_ids),
+            dtype=np.int64,
+            count=len(plan.scheduled_req_ids),
+        )  # [R]
+        num_scheduled = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)  # [R]
+        start = self.num_computed_tokens[slots]  # [R]
+        seq_lens = start + num_scheduled  # [R]
+        query_start_loc = np.zeros(len(slots) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        token_slots, positions = self._token_positions(slots, start, num_scheduled, query_start_loc)
+        input_ids = self._token_ids[token_slots, positions].astype(np.int64)  # [T]
+        sampled = np.flatnonzero(seq_lens == self.num_tokens[slots])  # [Rs] batch rows
+        prompt_ranges = self._prompt_logprobs_ranges(slots, start, seq_lens, query_start_loc)
+        logits_rows = [query_start_loc[sampled + 1] - 1]
+        logits_rows += [
+            np.arange(p.first_row, p.first_row + p.end - p.start) for p in prompt_ranges
+        ]
+        metadata = self._attention_metadata(
+            slots, token_slots, positions, seq_lens, query_start_loc, np.concatenate(logits_rows)
+        )
         return ModelInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=metadata.slot_mapping.new_tensor(positions),
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
             metadata=metadata,
-            sample_req_ids=sample_req_ids,
+            sample_req_ids=[plan.scheduled_req_ids[i] for i in sampled.tolist()],
             prompt_ranges=prompt_ranges,
+            sample_slots=slots[sampled],
         )
 
-    def _build_metadata(
+    def _token_positions(
         self,
-        plan: StepPlan,
-        positions: list[int],
-        query_start_loc: list[int],
-        seq_lens: list[int],
-        logits_rows: list[int],
+        slots: np.ndarray,
+        start: np.ndarray,
+        num_scheduled: np.ndarray,
+        query_start_loc: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(slot, position) [T] of every scheduled token, requests one after another."""
+        if query_start_loc[-1] == len(slots):  # decode only: one token per request
+            return slots, start
+        token_req = np.repeat(np.arange(len(slots)), num_scheduled)  # [T]
+        offset_in_req = np.arange(query_start_loc[-1]) - query_start_loc[token_req]
+        return slots[token_req], start[token_req] + offset_in_req
+
+    def _attention_metadata(
+        self,
+        slots: np.ndarray,
+        token_slots: np.ndarray,
+        positions: np.ndarray,
+        seq_lens: np.ndarray,
+        query_start_loc: np.ndarray,
+        logits_rows: np.ndarray,
     ) -> AttentionMetadata:
-        block_lists = [self.requests[r].block_ids for r in plan.scheduled_req_ids]
-        max_blocks = max(len(b) for b in block_lists)
-        block_tables = torch.tensor(
-            [b + [0] * (max_blocks - len(b)) for b in block_lists], dtype=torch.int32
-        )  # [num_reqs, max_blocks]
-        num_tokens_per_req = torch.tensor(plan.num_scheduled_tokens)
-        req_index = torch.repeat_interleave(torch.arange(len(block_lists)), num_tokens_per_req)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        block_size = self.block_size
-        slot_mapping = block_tables[req_index, pos // block_size].long() * block_size + (
-            pos % block_size
-        )  # [num_tokens]
-        device = self.device
+        block_size = self.limits.block_size
+        blocks = self.block_table[token_slots, positions // block_size].astype(np.int64)
+        slot_mapping = blocks * block_size + positions % block_size  # [T]
+        max_blocks = int(self.num_blocks[slots].max())
         return AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=block_tables.to(device),
-            max_query_len=max(plan.num_scheduled_tokens),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+            slot_mapping=self._to_device(slot_mapping),
+            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            block_tables=self._to_device(self.block_table[slots, :max_blocks]),
+            max_query_len=int((query_start_loc[1:] - query_start_loc[:-1]).max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            logits_indices=self._to_device(logits_rows.astype(np.int64)),
         )
 
-    def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
-        for req_id, token_id in zip(req_ids, token_ids):
-            self.requests[req_id].token_ids.append(token_id)
+    def _prompt_logprobs_ranges(
+        self,
+        slots: np.ndarray,
+        start: np.ndarray,
+        seq_lens: np.ndarray,
+        query_start_loc: np.ndarray,
+    ) -> list[PromptLogprobsRange]:
+        """Prompt logprobs are computed once, before the request has produced output;
+        the last prompt token predicts nothing."""
+        ranges: list[PromptLogprobsRange] = []
+        if not self._prompt_logprobs:
+            return ranges
+        for row, slot in enumerate(slots.tolist()):
+            if slot not in self._prompt_logprobs:
+                continue
+            last = min(int(seq_lens[row]), int(self.num_prompt_tokens[slot]) - 1)
+            if start[row] < last:
+                req_id = self.req_ids[slot]
+                assert req_id is not None
+                first_row = int(query_start_loc[row])
+                ranges.append(PromptLogprobsRange(req_id, slot, int(start[row]), last, first_row))
+        return ranges
 
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
-def _prompt_logprobs_range(
-    state: RequestState, start: int, end: int, first_row: int
-) -> PromptLogprobsRange | None:
-    """Prompt logprobs are computed once, before the request has produced output."""
-    if state.sampling_params.prompt_logprobs is None:
-        return None
-    if len(state.token_ids) != state.num_prompt_tokens:
-        return None  # resumed after preemption: they were already sent
-    last = min(end, state.num_prompt_tokens - 1)  # the last prompt token predicts nothing
-    if start >= last:
-        return None
-    return PromptLogprobsRange(state.req_id, start, last, first_row)
+    # ---- sampling ----------------------------------------------------------------------
+
+    def sampling_metadata(self, inputs: ModelInputs) -> SamplingMetadata:
+        return self.sampling.metadata(inputs.sample_slots, self.rows)
+
+    def append_sampled(
+        self, slots: np.ndarray, sampled: torch.Tensor, metadata: SamplingMetadata
+    ) -> None:
+        """Write the tokens sampled for `slots` ([R] int64, on the device) into the rows."""
+        self.sampling.record_sampled(metadata, sampled)
+        if self.num_tokens[slots].max(initial=0) >= self.limits.max_model_len:
+            raise ValueError("a request sampled past max_model_len")
+        self._token_ids[slots, self.num_tokens[slots]] = sampled.cpu().numpy()
+        self.num_tokens[slots] += 1
+        if self._prompt_logprobs:  # a request with output owes no prompt logprobs
+            self._prompt_logprobs.difference_update(slots.tolist())
+
+    def prompt_token_ids(self, slot: int, start: int, end: int) -> torch.Tensor:
+        return self.token_ids[slot, start:end].to(self.device, torch.int64)

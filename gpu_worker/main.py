@@ -136,6 +136,7 @@ def _build_runner(
             from kvflow.kernels.cpu.native_build import load_all
 
             load_all()
+    max_model_len = read_model_limits(model_dir, config.model.max_model_len).max_model_len
     with phases.measure("model_load"):
         runner = ModelRunner(
             RunnerConfig(
@@ -144,9 +145,10 @@ def _build_runner(
                 cache=config.cache,
                 device=config.device,
                 eos_token_ids=eos_token_ids,
+                max_num_seqs=config.scheduler.max_num_seqs,
+                max_model_len=max_model_len,
             )
         )
-    max_model_len = read_model_limits(model_dir, config.model.max_model_len).max_model_len
     with phases.measure("roofline_calibration"):
         peaks = _device_peaks(config)
     with phases.measure("kv_cache_profile"):

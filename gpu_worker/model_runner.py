@@ -16,11 +16,10 @@ import torch
 
 from kvflow.config import CacheConfig, DeviceConfig, ModelConfig
 from kvflow.gpu_worker.attn_metadata import forward_context
-from kvflow.gpu_worker.input_batch import InputBatch, ModelInputs
+from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
-from kvflow.gpu_worker.sampler import Sampler, compute_prompt_logprobs
-from kvflow.gpu_worker.sampling_metadata import SamplingMetadata
+from kvflow.gpu_worker.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from kvflow.kernels.cpu.native_build import load_all as load_native_kernels
 from kvflow.proto.step import StepPlan, StepResult, TokenLogprobs
 
@@ -39,6 +38,8 @@ class RunnerConfig:
     cache: CacheConfig
     device: DeviceConfig
     eos_token_ids: frozenset[int]
+    max_num_seqs: int  # slots of the persistent batch
+    max_model_len: int  # tokens per slot
 
 
 class ModelRunner:
@@ -61,7 +62,8 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.from_hf_config(
             self.hf_config, config.cache.block_size, self.dtype
         )
-        self.batch = InputBatch(config.cache.block_size, self.device, config.model.seed)
+        limits = BatchLimits(config.max_num_seqs, config.max_model_len, config.cache.block_size)
+        self.batch = InputBatch(limits, self.vocab_size, set(config.eos_token_ids), self.device)
         # Unseeded requests share one generator, seeded from the engine's seed.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
         self.num_blocks = 0
@@ -121,7 +123,7 @@ class ModelRunner:
     def drop_all_requests(self) -> None:
         """Forget every request: a new scheduler knows none of them (its KV cache
         manager starts empty, so the cached K/V is simply overwritten)."""
-        self.batch.requests.clear()
+        self.batch.clear()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -145,69 +147,62 @@ class ModelRunner:
         return result
 
     def _sample(self, inputs: ModelInputs, logits: torch.Tensor) -> StepResult:
+        """Sample the rows of `logits` [Rs, V] fp32 (one per sampled request); a step
+        that edits the logits before sampling (a grammar bitmask) goes before `sampler`."""
         req_ids = inputs.sample_req_ids
         if not req_ids:
             return StepResult(step_id=0, req_ids=[], sampled_token_ids=[])
-        states = [self.batch.requests[r] for r in req_ids]
-        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        metadata = SamplingMetadata.build(
-            params=[s.sampling_params for s in states],
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
-            generators=generators,
-            eos_token_ids=set(self.config.eos_token_ids),
-            vocab_size=self.vocab_size,
-            device=self.device,
-        )
+        metadata = self.batch.sampling_metadata(inputs)
         output = self.sampler(logits, metadata)
-        sampled = output.sampled_token_ids.tolist()
-        self.batch.append_sampled(req_ids, sampled)
+        self.batch.append_sampled(inputs.sample_slots, output.sampled_token_ids, metadata)
         logprobs: list[list[TokenLogprobs]] = []
         if output.logprobs is not None:
-            logprobs = _to_token_logprobs(output.logprobs, states)
+            logprobs = self._token_logprobs(output.logprobs, inputs.sample_slots.tolist())
         return StepResult(
             step_id=0,
             req_ids=req_ids,
-            sampled_token_ids=[[t] for t in sampled],
+            sampled_token_ids=[[t] for t in output.sampled_token_ids.tolist()],
             logprobs=logprobs,
         )
+
+    def _token_logprobs(
+        self, tensors: LogprobsTensors, slots: list[int]
+    ) -> list[list[TokenLogprobs]]:
+        """Per sampled row: [] if that request asked for no logprobs, else its own top-N."""
+        token_ids = tensors.token_ids.tolist()
+        logprobs = tensors.logprobs.tolist()
+        ranks = tensors.ranks.tolist()
+        entries: list[list[TokenLogprobs]] = []
+        for i, slot in enumerate(slots):
+            num = int(self.batch.sampling.num_logprobs[slot])
+            if num < 0:
+                entries.append([])
+                continue
+            k = num + 1
+            entries.append([TokenLogprobs(token_ids[i][:k], logprobs[i][:k], int(ranks[i]))])
+        return entries
 
     def _add_prompt_logprobs(
         self, inputs: ModelInputs, logits: torch.Tensor, result: StepResult
     ) -> None:
         row = 0
         for prompt_range in inputs.prompt_ranges:
-            state = self.batch.requests[prompt_range.req_id]
+            params = self.batch.sampling.params[prompt_range.slot]
+            assert params is not None
+            k = params.prompt_logprobs or 0
             num_rows = prompt_range.end - prompt_range.start
-            next_ids = state.token_ids[prompt_range.start + 1 : prompt_range.end + 1]
-            tensors = compute_prompt_logprobs(
-                logits[row : row + num_rows],
-                torch.tensor(next_ids, device=logits.device),
-                state.sampling_params.prompt_logprobs or 0,
+            next_ids = self.batch.prompt_token_ids(
+                prompt_range.slot, prompt_range.start + 1, prompt_range.end + 1
             )
+            tensors = compute_prompt_logprobs(logits[row : row + num_rows], next_ids, k)
             result.prompt_logprobs[prompt_range.req_id] = _rows_to_token_logprobs(
-                tensors, num_rows, state.sampling_params.prompt_logprobs or 0
+                tensors, num_rows, k
             )
             result.prompt_logprobs_start[prompt_range.req_id] = prompt_range.start
             row += num_rows
 
 
-def _to_token_logprobs(tensors, states) -> list[list[TokenLogprobs]]:  # type: ignore[no-untyped-def]
-    """Per sampled row: [] if that request asked for no logprobs, else its own top-N."""
-    token_ids = tensors.token_ids.tolist()
-    logprobs = tensors.logprobs.tolist()
-    ranks = tensors.ranks.tolist()
-    entries: list[list[TokenLogprobs]] = []
-    for i, state in enumerate(states):
-        if state.sampling_params.logprobs is None:
-            entries.append([])
-            continue
-        k = state.sampling_params.logprobs + 1
-        entries.append([TokenLogprobs(token_ids[i][:k], logprobs[i][:k], int(ranks[i]))])
-    return entries
-
-
-def _rows_to_token_logprobs(tensors, num_rows: int, k: int) -> list[TokenLogprobs]:  # type: ignore[no-untyped-def]
+def _rows_to_token_logprobs(tensors: LogprobsTensors, num_rows: int, k: int) -> list[TokenLogprobs]:
     token_ids = tensors.token_ids.tolist()
     logprobs = tensors.logprobs.tolist()
     ranks = tensors.ranks.tolist()

@@ -154,18 +154,21 @@ def apply_banned_tokens(logits: torch.Tensor, banned: BannedTokens) -> None:
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> None:
     """Repetition divides positive / multiplies negative logits of tokens seen in prompt
-    or output; then logit -= frequency * count + presence * [count > 0] (output only)."""
-    x = logits if pen.rows is None else logits.index_select(0, pen.rows)  # [Rp, V]
-    in_output = pen.output_counts > 0  # [Rp, V]
-    if pen.prompt_mask is not None:
-        seen = in_output | pen.prompt_mask
-        penalised = torch.where(x > 0, x / pen.repetition, x * pen.repetition)
-        x = torch.where(seen, penalised, x)
-    x = x - pen.frequency * pen.output_counts - pen.presence * in_output
-    if pen.rows is None:
-        logits.copy_(x)
-    else:
-        logits.index_copy_(0, pen.rows, x)
+    or output; then logit -= frequency * count + presence * [count > 0] (output only).
+
+    Only each row's history is read and written (`PenaltyTensors`): every history token
+    is seen, and a token outside it is left as it is by all three penalties."""
+    ids = pen.token_ids  # [Rp, L]
+    rows = pen.params.rows
+    if rows is None:
+        rows = torch.arange(ids.shape[0], device=ids.device)
+    index = (rows.unsqueeze(1).expand_as(ids), ids)
+    x = logits[index]  # [Rp, L]
+    repetition = pen.params.repetition
+    x = torch.where(x > 0, x / repetition, x * repetition)
+    counts = pen.output_counts
+    x = x - pen.params.frequency * counts - pen.params.presence * (counts > 0)
+    logits.index_put_(index, x)  # a token listed twice gets the same value twice
 
 
 def _sample_full_vocab(

@@ -89,6 +89,8 @@ class LLMEngine:
                 cache=config.cache,
                 device=config.device,
                 eos_token_ids=self.eos_token_ids,
+                max_num_seqs=config.scheduler.max_num_seqs,
+                max_model_len=self.max_model_len,
             )
         )
         runner.initialize_kv_cache(runner.determine_num_blocks())

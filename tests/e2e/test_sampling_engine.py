@@ -129,6 +129,21 @@ def test_seeded_tokens_survive_chunked_prefill_and_preemption(llm: LLM, model_di
     )
     assert firsts(tight.generate(prompts, params)) == alone
     assert tight.engine.scheduler.num_preemptions > 0
+    batch = tight.engine.runner.batch
+    assert batch.sampling.penalties.counts is not None  # SEEDED[1] has a presence penalty
+    # The worker forgets finished requests when the next plan says so, and reuses slots.
+    tight.generate(prompts[:1], params[:1])
+    assert list(batch.slot_of.values()) == [0]
+
+
+def test_no_penalty_state_without_penalised_requests(model_dir: Path) -> None:
+    fresh = LLM(str(model_dir), dtype="float32", device="cpu", max_num_seqs=4)
+    params = [OTHERS[0], OTHERS[1], SEEDED[0]]
+    fresh.generate(seeded_prompts(fresh) * 3, params * 2)
+    batch = fresh.engine.runner.batch
+    assert batch.sampling.penalties.counts is None
+    fresh.generate(seeded_prompts(fresh)[:1], [OTHERS[3]])  # repetition_penalty: made now
+    assert batch.sampling.penalties.counts is not None
 
 
 def test_n_samples_differ_and_reproduce(llm: LLM) -> None:

@@ -18,6 +18,7 @@ from kvflow.gpu_worker.sampler import (
     compute_prompt_logprobs,
 )
 from kvflow.gpu_worker.sampling_metadata import SamplingMetadata, request_generator
+from kvflow.gpu_worker.sampling_state import SamplingState, TokenRows
 from kvflow.gpu_worker.vocab_ops import (
     row_argmax,
     row_count_at_least,
@@ -29,24 +30,40 @@ from kvflow.sampling_params import SamplingParams as SP
 EOS = 0
 
 
+def new_state(
+    params: Sequence[SP],
+    vocab_size: int,
+    prompts: Sequence[Sequence[int]] | None = None,
+    outputs: Sequence[Sequence[int]] | None = None,
+) -> tuple[SamplingState, TokenRows]:
+    """A persistent sampling state with request i in slot i, and its token rows."""
+    rows = len(params)
+    prompts = prompts if prompts is not None else [[]] * rows
+    outputs = outputs if outputs is not None else [[]] * rows
+    histories = [list(p) + list(o) for p, o in zip(prompts, outputs)]
+    token_ids = torch.zeros(rows, max(map(len, histories), default=0) + 1, dtype=torch.int32)
+    for i, history in enumerate(histories):
+        token_ids[i, : len(history)] = torch.tensor(history, dtype=torch.int32)
+    token_rows = TokenRows(
+        token_ids,
+        np.array([len(h) for h in histories], dtype=np.int64),
+        np.array([len(p) for p in prompts], dtype=np.int64),
+    )
+    state = SamplingState(rows, vocab_size, {EOS}, torch.device("cpu"))
+    for i, p in enumerate(params):
+        state.add(i, p, torch.tensor(outputs[i], dtype=torch.int64))
+    return state, token_rows
+
+
 def build(
     params: Sequence[SP],
     vocab_size: int,
     *,
     prompts: Sequence[Sequence[int]] | None = None,
     outputs: Sequence[Sequence[int]] | None = None,
-    generators: dict[int, torch.Generator] | None = None,
 ) -> SamplingMetadata:
-    rows = len(params)
-    return SamplingMetadata.build(
-        list(params),
-        prompts if prompts is not None else [[]] * rows,
-        outputs if outputs is not None else [[]] * rows,
-        generators or {},
-        {EOS},
-        vocab_size,
-        "cpu",
-    )
+    state, token_rows = new_state(params, vocab_size, prompts, outputs)
+    return state.metadata(np.arange(len(params)), token_rows)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SP], seed: int = 0, **kw) -> torch.Tensor:
@@ -105,8 +122,7 @@ def test_build_groups_and_flags() -> None:
         SP(top_p=0.5, min_p=0.1),
         SP(temperature=0.0, seed=4),
     ]
-    gens = {1: request_generator(3, "cpu"), 4: request_generator(4, "cpu")}
-    md = build(params, 100, generators=gens)
+    md = build(params, 100)
     assert md.greedy_rows.tolist() == [0, 4]
     assert md.plain_rows.tolist() == [1]
     assert md.truncated_rows.tolist() == [2, 3]
@@ -162,17 +178,16 @@ OTHERS = [SP(), SP(temperature=0.0), SP(top_k=300), SP(top_p=0.8), SP(temperatur
 def _seeded_run(params: SP, layout: list[int], steps: int = 20, vocab: int = 500) -> list[int]:
     """Tokens of one seeded request over `steps` steps; `layout` lists the batch rows,
     -1 marking the seeded request and i >= 0 OTHERS[i]."""
-    generator = request_generator(params.seed or 0, "cpu")
     sampler = Sampler(torch.Generator().manual_seed(len(layout)))
     noise = torch.Generator().manual_seed(99 + len(layout))
     row = layout.index(-1)
+    state, token_rows = new_state([params if i < 0 else OTHERS[i] for i in layout], vocab)
     tokens = []
     for step in range(steps):
         own = torch.randn(vocab, generator=torch.Generator().manual_seed(step)) * 0.5
         logits = torch.randn(len(layout), vocab, generator=noise) * 0.5
         logits[row] = own
-        batch = [params if i < 0 else OTHERS[i] for i in layout]
-        md = build(batch, vocab, generators={row: generator})
+        md = state.metadata(np.arange(len(layout)), token_rows)
         tokens.append(int(sampler(logits, md).sampled_token_ids[row]))
     return tokens
 
@@ -183,6 +198,13 @@ def test_seeded_request_is_independent_of_the_batch(params: SP) -> None:
     assert len(set(alone)) >= 10  # really random, not stuck
     for layout in ([0, -1, 1], [2, 0, 4, -1, 3], [-1, 2, 2, 1, 0, 3, 4, 0]):
         assert _seeded_run(params, layout) == alone, layout
+
+
+def test_request_generator_replays_the_draws_already_taken() -> None:
+    fresh = request_generator(7, "cpu")
+    draws = [torch.rand(1, generator=fresh).item() for _ in range(5)]
+    resumed = request_generator(7, "cpu", num_drawn=3)
+    assert [torch.rand(1, generator=resumed).item() for _ in range(2)] == draws[3:]
 
 
 def test_different_seeds_differ() -> None:
