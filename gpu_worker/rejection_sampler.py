@@ -29,14 +29,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import msgspec
 import torch
 
 from kvflow.gpu_worker.sampler import LogprobsTensors, gather_logprobs
 from kvflow.gpu_worker.sampling_metadata import SamplingMetadata
 from kvflow.gpu_worker.target_probs import target_probs
 from kvflow.gpu_worker.vocab_ops import sample_from_weights
-from kvflow.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,7 +67,7 @@ class RejectionSampler:
     def __call__(
         self,
         logits: torch.Tensor,  # [sum(k_r + 1), V] fp32, consumed
-        metadata: SamplingMetadata,  # one row per position (`verification_metadata`)
+        metadata: SamplingMetadata,  # one row per position (spec_metadata.py)
         drafts: DraftBatch,
         generators: dict[int, torch.Generator],  # seeded random requests only
     ) -> RejectionOutput:
@@ -238,28 +236,3 @@ def _emitted_logprobs(
     index = torch.tensor(rows, dtype=torch.int64, device=raw.device)
     flat = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=raw.device)
     return gather_logprobs(raw.index_select(0, index), flat, k)
-
-
-def verification_metadata(
-    params: Sequence[SamplingParams],
-    prompt_token_ids: Sequence[Sequence[int]],
-    output_token_ids: Sequence[Sequence[int]],
-    draft_token_ids: Sequence[Sequence[int]],
-    eos_token_ids: set[int],
-    vocab_size: int,
-    device: torch.device | str,
-) -> SamplingMetadata:
-    """One row per verified position: row (r, j) is request r after its output plus
-    drafts d_<j, so penalties and min_tokens see the drafts before the position. Seeded
-    rows get no generator here: the rejection sampler draws for them per request."""
-    rows_params, rows_prompts, rows_outputs = [], [], []
-    for p, prompt, output, drafts in zip(
-        params, prompt_token_ids, output_token_ids, draft_token_ids
-    ):
-        for j in range(len(drafts) + 1):
-            rows_params.append(msgspec.structs.replace(p, seed=None) if p.seed is not None else p)
-            rows_prompts.append(prompt)
-            rows_outputs.append([*output, *drafts[:j]])
-    return SamplingMetadata.build(
-        rows_params, rows_prompts, rows_outputs, {}, eos_token_ids, vocab_size, device
-    )

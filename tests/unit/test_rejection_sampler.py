@@ -9,17 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 from sampling_reference import Fit, Processing, probabilities, sampling_fields, token_fit
 
 from kvflow.gpu_worker import rejection_sampler as rs
-from kvflow.gpu_worker.rejection_sampler import (
-    DraftBatch,
-    RejectionSampler,
-    verification_metadata,
-)
+from kvflow.gpu_worker.rejection_sampler import DraftBatch, RejectionSampler
 from kvflow.gpu_worker.sampling_metadata import request_generator
+from kvflow.gpu_worker.sampling_state import SamplingState, TokenRows
+from kvflow.gpu_worker.spec_metadata import verification_metadata
 from kvflow.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -43,22 +42,30 @@ def params_for(spec: Processing, **extra: object) -> SamplingParams:
 def run_sampler(
     logits: torch.Tensor,  # [k + 1, V]
     drafts: list[list[int]],  # per sample
-    params: SamplingParams,
+    params: SamplingParams | list[SamplingParams],
     draft_probs: torch.Tensor | None = None,  # [k, V] shared q
     seed: int = 0,
-    generators: dict[int, torch.Generator] | None = None,
-) -> rs.RejectionOutput:
+) -> tuple[rs.RejectionOutput, SamplingState]:
+    """Every sample is a request in its own slot of the worker's sampling state (which
+    builds the per-position metadata as the model runner does)."""
     n = len(drafts)
-    logits.shape[0] - 1
-    metadata = verification_metadata(
-        [params] * n, [PROMPT] * n, [OUTPUT] * n, drafts, {EOS}, VOCAB, "cpu"
-    )
+    per_request = params if isinstance(params, list) else [params] * n
+    state = SamplingState(n, VOCAB, {EOS}, torch.device("cpu"))
+    known = PROMPT + OUTPUT
+    token_ids = torch.tensor([known] * n, dtype=torch.int32)
+    rows = TokenRows(token_ids, np.full(n, len(known)), np.full(n, len(PROMPT)))
+    for slot, p in enumerate(per_request):
+        state.add(slot, p, token_ids[slot, len(PROMPT) :])
+    verification = verification_metadata(state, rows, np.arange(n), drafts)
     flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int64)
     batch = DraftBatch(
         [len(d) for d in drafts], flat, None if draft_probs is None else draft_probs.repeat(n, 1)
     )
     sampler = RejectionSampler(torch.Generator().manual_seed(seed))
-    return sampler(logits.repeat(n, 1), metadata, batch, generators or {})
+    out = sampler(
+        logits.repeat(n, 1), verification.metadata, batch, verification.requests.generators
+    )
+    return out, state
 
 
 def target_at(logits: torch.Tensor, spec: Processing, history: list[int], j: int) -> torch.Tensor:
@@ -125,7 +132,7 @@ def test_one_hot_drafts_keep_the_target_distribution(name: str) -> None:
     spec = SPECS[name]
     logits = position_logits(seed=len(name), k=3)
     drafts = [one_hot_drafts(logits, spec)] * NUM_SAMPLES
-    out = run_sampler(logits, drafts, params_for(spec), seed=1)
+    out, _ = run_sampler(logits, drafts, params_for(spec), seed=1)
     assert assert_matches(logits, spec, out, drafts) >= 2
     assert all(len(t) == n + 1 for t, n in zip(out.token_ids, out.num_accepted))
 
@@ -147,7 +154,7 @@ def test_draft_model_drafts_keep_the_target_distribution(name: str) -> None:
     spec = SPECS[name]
     logits = position_logits(seed=7, k=2)
     q, drafts = draft_model_samples(seed=8, k=2)
-    out = run_sampler(logits, drafts, params_for(spec), draft_probs=q, seed=2)
+    out, _ = run_sampler(logits, drafts, params_for(spec), draft_probs=q, seed=2)
     assert assert_matches(logits, spec, out, drafts) >= 3
 
 
@@ -179,7 +186,7 @@ def test_wrong_rules_fail_the_distribution_check(
     else:
         q, drafts = draft_model_samples(seed=8, k=2)
     monkeypatch.setattr(rs, *MUTATIONS[mutation])
-    out = run_sampler(logits, drafts, params_for(spec), draft_probs=q, seed=2)
+    out, _ = run_sampler(logits, drafts, params_for(spec), draft_probs=q, seed=2)
     assert any_rejected(logits, spec, out, drafts)
 
 
@@ -194,7 +201,7 @@ def test_reused_uniform_must_be_rescaled(monkeypatch: pytest.MonkeyPatch) -> Non
         return original(weights, 0.5 + 0.5 * uniforms)
 
     monkeypatch.setattr(rs, "sample_from_weights", biased)
-    out = run_sampler(logits, drafts, params_for(spec), seed=2)
+    out, _ = run_sampler(logits, drafts, params_for(spec), seed=2)
     assert any_rejected(logits, spec, out, drafts)
 
 
@@ -206,7 +213,7 @@ def test_penalties_must_see_the_drafts_before_each_position() -> None:
     logits[1] = logits[0]  # d_0 is likely again at position 1, where it is penalised
     draft = one_hot_drafts(logits, spec)
     drafts = [draft] * NUM_SAMPLES
-    out = run_sampler(logits, drafts, params_for(spec), seed=4)
+    out, _ = run_sampler(logits, drafts, params_for(spec), seed=4)
     assert assert_matches(logits, spec, out, drafts) >= 2
     forgetful = spec.but(presence=0.0, frequency=0.0, repetition=1.0)  # what ignoring d_0 gives
     p_wrong, p_right = target_at(logits, forgetful, [], 1), target_at(logits, spec, [draft[0]], 1)
@@ -223,7 +230,7 @@ def test_greedy_accepts_while_drafts_equal_the_argmax() -> None:
     cases = [argmax[:3], [argmax[0], wrong, argmax[2]], [wrong, argmax[1], argmax[2]], []]
     params = SamplingParams(temperature=0.0, logit_bias={9: 2.0})
     for drafts, expected in zip(cases, [argmax, [argmax[0], argmax[1]], [argmax[0]], [argmax[0]]]):
-        out = run_sampler(logits[: len(drafts) + 1], [drafts], params)
+        out, _ = run_sampler(logits[: len(drafts) + 1], [drafts], params)
         assert out.token_ids == [expected], (drafts, spec)
         assert out.num_accepted == [len(expected) - 1]
 
@@ -232,16 +239,16 @@ def test_seeded_requests_draw_once_per_emitted_token() -> None:
     spec = SPECS["top_p"]
     logits = position_logits(seed=7, k=3)
     drafts = [one_hot_drafts(logits, spec)] * 8
-    generators = {r: request_generator(100 + r, "cpu") for r in range(8)}
-    params = params_for(spec, seed=1)
-    out = run_sampler(logits, drafts, params, generators=generators)
-    again = run_sampler(
-        logits, drafts, params, generators={r: request_generator(100 + r, "cpu") for r in range(8)}
-    )
+    params = [params_for(spec, seed=100 + r) for r in range(8)]
+    out, state = run_sampler(logits, drafts, params, seed=1)
+    again, _ = run_sampler(logits, drafts, params, seed=2)
     assert out.token_ids == again.token_ids  # the seeds decide, not the shared generator
     for r, tokens in enumerate(out.token_ids):
-        replayed = request_generator(100 + r, "cpu", num_drawn=len(tokens))
-        assert torch.equal(generators[r].get_state(), replayed.get_state())
+        # One draw for the output the request arrived with, then one per emitted token.
+        replayed = request_generator(100 + r, "cpu", num_drawn=len(OUTPUT) + len(tokens))
+        generator = state.generators[r]
+        assert generator is not None
+        assert torch.equal(generator.get_state(), replayed.get_state())
     assert {len(t) for t in out.token_ids} != {4}  # some rejected: the rewind mattered
 
 
@@ -249,7 +256,7 @@ def test_logprobs_are_the_raw_logprobs_of_emitted_tokens() -> None:
     logits = position_logits(seed=9, k=2)
     params = SamplingParams(temperature=0.8, logprobs=2)
     drafts = [[1, 2], [int(logits[0].argmax()), int(logits[1].argmax())]]
-    out = run_sampler(logits, drafts, params)
+    out, _ = run_sampler(logits, drafts, params)
     assert out.logprobs is not None
     raw = logits.log_softmax(dim=1)
     row = 0
@@ -260,3 +267,17 @@ def test_logprobs_are_the_raw_logprobs_of_emitted_tokens() -> None:
             assert out.logprobs.token_ids[row, 1] == int(raw[j].argmax())
             row += 1
     assert row == out.logprobs.token_ids.shape[0]
+
+
+def test_min_tokens_counts_the_drafts_before_each_position() -> None:
+    """One output so far and min_tokens 3: EOS is banned at positions 0 and 1 only."""
+    logits = position_logits(seed=4, k=3)
+    logits[:, EOS] = 50.0  # EOS would win everywhere
+    banned = logits.clone()
+    banned[:2, EOS] = float("-inf")
+    a0, a1 = int(banned[0].argmax()), int(banned[1].argmax())
+    params = SamplingParams(temperature=0.0, min_tokens=3)
+    out, _ = run_sampler(logits, [[a0, a1, EOS]], params)
+    assert out.token_ids == [[a0, a1, EOS, EOS]]
+    out, _ = run_sampler(logits, [[EOS, a1, EOS]], params)  # EOS at position 0 is banned
+    assert out.token_ids == [[a0]]
