@@ -34,6 +34,7 @@ from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.scheduler import Scheduler
+from kvflow.services.scheduler.spec_decode.speculator import make_speculator
 from kvflow.tokenizer import load_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,12 @@ class LLMEngine:
             self.eos_token_ids,
         )
         self.core = EngineCore(
-            Scheduler(config.scheduler, kv_cache, self.max_model_len),
+            Scheduler(
+                config.scheduler,
+                kv_cache,
+                self.max_model_len,
+                make_speculator(config.speculative.speculative_config),
+            ),
             limits,
             config.scheduler.max_steps_in_flight,
         )

@@ -40,6 +40,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None  # top-N logprobs per output token (+ the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    speculative: bool = True  # False: never speculate for this request (opt-out)
 
     @property
     def greedy(self) -> bool:

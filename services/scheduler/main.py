@@ -50,6 +50,7 @@ from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.loop import Instruments, Outputs, SchedulerLoop
 from kvflow.services.scheduler.scheduler import Scheduler
+from kvflow.services.scheduler.spec_decode.speculator import make_speculator
 from kvflow.services.scheduler.step_trace import StepTrace
 from kvflow.tokenizer import read_eos_token_ids
 
@@ -133,7 +134,8 @@ def _serve(
     kv_cache = KVCacheManager(
         info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
     )
-    scheduler = Scheduler(config.scheduler, kv_cache, info.max_model_len)
+    speculator = make_speculator(config.speculative.speculative_config)
+    scheduler = Scheduler(config.scheduler, kv_cache, info.max_model_len, speculator)
     core = EngineCore(scheduler, limits, config.scheduler.max_steps_in_flight)
     ranks = range(config.parallel.world_size)
     liveness = Liveness(heartbeat_timeout_s, dict.fromkeys(ranks, time.monotonic()))

@@ -3,7 +3,8 @@
 Two trees (suffix_tree.py): one per request over its own prompt + output, and one
 global tree over the outputs of the last `max_cached_requests` finished requests (what
 agent loops and repeated edits reuse). Each step, each tree matches the longest suffix
-of the request's tokens it holds with a continuation, then proposes the most frequent
+of the request's tokens it holds with a continuation (at most max_depth - k tokens, so
+that k can follow within the tree's depth), then proposes the most frequent
 continuation, up to min(k, max_spec_factor x match length) tokens while its cumulative
 probability stays at least `min_token_prob`. The proposal with the larger score (sum
 of cumulative probabilities) wins; the request's own tree wins ties.
@@ -59,7 +60,8 @@ class SuffixProposer:
         return best.token_ids
 
     def _propose_from(self, tree: SuffixTree, context: Sequence[int], k: int) -> Continuation:
-        match = tree.longest_match(context)
+        # Leave room for k tokens after the match: paths end at max_depth.
+        match = tree.longest_match(context, max(1, self.max_depth - k))
         if match is None:
             return Continuation([], 0.0)
         node, length = match

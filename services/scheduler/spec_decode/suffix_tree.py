@@ -108,10 +108,13 @@ class SuffixTree:
                 return None
         return node
 
-    def longest_match(self, context: Sequence[int]) -> tuple[_Node, int] | None:
-        """The longest suffix of `context` (at most max_depth - 1 tokens, so that one
-        more can follow) found in the tree with a continuation: (its node, its length)."""
-        for length in range(min(self.max_depth - 1, len(context)), 0, -1):
+    def longest_match(
+        self, context: Sequence[int], max_length: int | None = None
+    ) -> tuple[_Node, int] | None:
+        """The longest suffix of `context` (at most `max_length` and max_depth - 1 tokens,
+        so that more can follow) found in the tree with a continuation: (node, length)."""
+        limit = self.max_depth - 1 if max_length is None else min(max_length, self.max_depth - 1)
+        for length in range(min(limit, len(context)), 0, -1):
             node = self.find(context[len(context) - length :])
             if node is not None and node.children:
                 return node, length
