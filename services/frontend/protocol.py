@@ -64,6 +64,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     priority: Int32 = 0
     cache_salt: str | None = None
+    speculative: bool = True  # kvflow: false opts this request out of speculative decoding
 
     @property
     def include_usage(self) -> bool:
@@ -93,6 +94,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            speculative=self.speculative,
         )
 
 

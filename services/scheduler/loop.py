@@ -41,6 +41,7 @@ from kvflow.proto.step import Shutdown, StepResult
 from kvflow.services.scheduler.block_map import block_map
 from kvflow.services.scheduler.engine_core import EngineCore, StepInFlight
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
+from kvflow.services.scheduler.spec_decode.speculator import spec_decode_stats
 from kvflow.services.scheduler.step_trace import StepSample, StepTrace
 
 logger = logging.getLogger(__name__)
@@ -286,6 +287,7 @@ class SchedulerLoop:
             incarnation=self.incarnation,
             recent_steps=self._take_recent_steps(),
             kv_block_map=block_map(self.core.scheduler.kv_cache.block_pool),
+            **spec_decode_stats(stats.spec_decode),
         )
 
     def _take_recent_steps(self) -> list[StepRecord]:

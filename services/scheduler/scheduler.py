@@ -26,7 +26,7 @@ from kvflow.proto.step import (
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
-from kvflow.services.scheduler.spec_decode.speculator import Speculator
+from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class SchedulerSnapshot:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decode: SpecDecodeCounters | None = None  # None: no speculative decoding
 
 
 @dataclass
@@ -382,4 +383,5 @@ class Scheduler:
             prefix_cache_queries=self.kv_cache.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decode=None if self.speculator is None else self.speculator.counters,
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvflow.services.scheduler.spec_decode.ngram import NgramProposer
 from kvflow.services.scheduler.spec_decode.suffix import SuffixProposer
@@ -107,3 +107,15 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
 
 def make_speculator(config: SpeculativeConfig | None) -> Speculator | None:
     return None if config is None else Speculator(config)
+
+
+def spec_decode_stats(counters: SpecDecodeCounters | None) -> dict[str, Any]:
+    """The `SchedulerStats` fields of the counters (none without speculative decoding)."""
+    if counters is None:
+        return {}
+    return {
+        "spec_decode_num_drafts": counters.num_drafts,
+        "spec_decode_num_draft_tokens": counters.num_draft_tokens,
+        "spec_decode_num_accepted_tokens": counters.num_accepted_tokens,
+        "spec_decode_accepted_per_pos": list(counters.accepted_per_pos),
+    }
