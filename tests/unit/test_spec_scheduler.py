@@ -30,9 +30,15 @@ def make(k: int = 3, budget: int = 32, **spec: object) -> Scheduler:
     )
 
 
-def add(scheduler: Scheduler, req_id: str = "r", max_tokens: int = 10, **params: object) -> Request:
+def add(
+    scheduler: Scheduler,
+    req_id: str = "r",
+    max_tokens: int = 10,
+    prompt: list[int] = PROMPT,
+    **params: object,
+) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)  # type: ignore[arg-type]
-    request = Request(req_id, list(PROMPT), sp, max_tokens=max_tokens)
+    request = Request(req_id, list(prompt), sp, max_tokens=max_tokens)
     scheduler.add_request(request)
     return request
 
@@ -73,14 +79,14 @@ def test_drafts_are_scheduled_hashed_never_and_rolled_back() -> None:
 
 
 def test_drafts_stop_short_of_max_tokens_and_the_budget() -> None:
-    scheduler = make(k=4, budget=5)
+    scheduler = make(k=4, budget=8)
     add(scheduler, max_tokens=3)
     apply(scheduler, scheduler.schedule(), {"r": [3]})  # 1 output; 2 more allowed
-    add(scheduler, "b", max_tokens=10)  # its prompt chunk takes what the drafts leave
+    add(scheduler, "b", prompt=list(range(20, 40)))  # its chunk takes what the drafts leave
     plan = scheduler.schedule()
     # max_tokens leaves room for 1 draft + 1 more token, whatever k says.
     assert plan.spec_token_ids == {"r": [1]}
-    assert plan.num_scheduled_tokens == [2, 3]  # the drafts came out of the budget
+    assert plan.num_scheduled_tokens == [2, 6]  # the drafts came out of the budget
     apply(scheduler, plan, {"r": [1, 2]})
     assert "r" not in scheduler.requests  # finished at exactly max_tokens
     assert scheduler.kv_cache.get_block_ids("r") == []
