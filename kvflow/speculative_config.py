@@ -10,7 +10,8 @@ Methods:
   followed its latest earlier occurrence.
 - `suffix`: a depth-limited suffix tree over the request's own tokens and over the
   outputs of recent requests (a cache of `suffix_decoding_max_cached_requests`).
-- `draft_model`: a smaller model with the same tokenizer (`model`) proposes by decoding.
+- `draft_model` (a smaller model with the same tokenizer, `model`) is accepted by the
+  parser's shape but refused: it is not implemented yet.
 
 Off-switches: speculation stops for the whole batch above `disable_by_batch_size`
 running requests, and for one request while its acceptance rate over its last
@@ -66,6 +67,8 @@ class SpeculativeConfig:
             raise ConfigError("suffix_decoding_min_token_prob must be in [0, 1]")
         if (self.method == "draft_model") != (self.model is not None):
             raise ConfigError("`model` is required by draft_model and only by it")
+        if self.method == "draft_model":
+            raise ConfigError("the draft_model method is not implemented yet: use ngram or suffix")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ConfigError("disable_by_batch_size must be >= 1")
         if self.acceptance_window < 1 or not 0.0 <= self.min_acceptance_rate <= 1.0:

@@ -102,7 +102,7 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
         return SuffixProposer.from_config(config)
-    raise ValueError(f"the {config.method} proposer is not built by the scheduler")
+    raise AssertionError(f"unexpected method {config.method}")  # refused by the config
 
 
 def make_speculator(config: SpeculativeConfig | None) -> Speculator | None:
