@@ -114,3 +114,18 @@ def test_batch_size_switch() -> None:
     add(scheduler, "b")
     apply(scheduler, scheduler.schedule(), {"a": [3], "b": [3]})
     assert scheduler.schedule().spec_token_ids == {}  # 2 running > 1
+
+
+def test_nothing_to_copy_also_switches_speculation_off() -> None:
+    scheduler = make(k=2, acceptance_window=4)
+    speculator = scheduler.speculator
+    assert speculator is not None
+    add(scheduler, prompt=list(range(10, 20)), max_tokens=20)
+    apply(scheduler, scheduler.schedule(), {"r": [50]})
+    calls = []
+    propose = speculator.proposer.propose
+    speculator.proposer.propose = lambda *a: calls.append(1) or propose(*a)  # type: ignore[method-assign]
+    for token in range(51, 59):  # new tokens only: the proposer never finds a match
+        apply(scheduler, scheduler.schedule(), {"r": [token]})
+    # Two empty proposals (2 x k = 4 "drafted"), then 4 plain steps, then 2 more.
+    assert len(calls) == 4

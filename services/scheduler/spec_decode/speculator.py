@@ -6,7 +6,8 @@ is on, the batch is at most `disable_by_batch_size` running requests, and its re
 acceptance is not too low. The low-acceptance off-switch: once a request has drafted
 `acceptance_window` tokens, if fewer than `min_acceptance_rate` of them were accepted,
 it decodes plainly for `acceptance_window` steps, then tries again from a clean slate
-(so a request whose text turns repetitive later gets its speed-up back).
+(so a request whose text turns repetitive later gets its speed-up back). A step where
+the proposer found nothing counts as k rejected drafts here (not in the metrics).
 
 Counters follow vLLM's metric names (kvflow:spec_decode_*): drafts (verification
 steps with at least one draft), draft tokens, accepted tokens, accepted per position.
@@ -79,10 +80,18 @@ class Speculator:
         if max_drafts <= 0:
             return []
         k = min(self.config.num_speculative_tokens, max_drafts)
-        return self.proposer.propose(req_id, token_ids, num_prompt_tokens, k)
+        drafts = self.proposer.propose(req_id, token_ids, num_prompt_tokens, k)
+        if not drafts:
+            # Nothing to copy counts as k rejected drafts for the off-switch: the step
+            # gained nothing, and with async scheduling it still cost the overlap.
+            self._count(req_id, self.config.num_speculative_tokens, 0)
+        return drafts
 
     def on_verified(self, req_id: str, num_draft_tokens: int, num_accepted: int) -> None:
         self.counters.record(num_draft_tokens, num_accepted)
+        self._count(req_id, num_draft_tokens, num_accepted)
+
+    def _count(self, req_id: str, num_draft_tokens: int, num_accepted: int) -> None:
         state = self._acceptance.setdefault(req_id, _Acceptance())
         state.drafted += num_draft_tokens
         state.accepted += num_accepted
