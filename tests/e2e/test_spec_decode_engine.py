@@ -161,3 +161,20 @@ def test_thousand_requests_with_rejections_and_aborts_leak_nothing(model: Path) 
     counters = engine.scheduler.speculator.counters  # type: ignore[union-attr]
     assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens  # some rejected
     assert_no_blocks_held(llm)
+
+
+def test_logprobs_of_accepted_tokens_equal_plain_decoding(model: Path) -> None:
+    params = greedy(max_tokens=16, logprobs=2)
+    plain = make_llm(model, None).generate(PROMPTS[:2], params)
+    spec_llm = make_llm(model, NGRAM)
+    spec = spec_llm.generate(PROMPTS[:2], params)
+    assert accepted(spec_llm) > 0
+    for want, got in zip(plain, spec):
+        assert got.token_ids == want.token_ids
+        assert want.logprobs is not None and got.logprobs is not None
+        assert len(got.logprobs) == len(got.token_ids)
+        for w, g in zip(want.logprobs, got.logprobs):
+            assert w.keys() == g.keys()
+            for token_id, logprob in w.items():
+                assert g[token_id].rank == logprob.rank
+                assert g[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-3)
