@@ -31,10 +31,10 @@ from typing import NamedTuple
 
 import torch
 
-from kvflow.gpu_worker.sampler import LogprobsTensors, gather_logprobs
+from kvflow.gpu_worker.sampler import LogprobsTensors, apply_logits_processors, gather_logprobs
 from kvflow.gpu_worker.sampling_metadata import SamplingMetadata
 from kvflow.gpu_worker.target_probs import target_probs
-from kvflow.gpu_worker.vocab_ops import sample_from_weights
+from kvflow.gpu_worker.vocab_ops import row_argmax, sample_from_weights
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,13 +74,17 @@ class RejectionSampler:
         raw = None
         if metadata.max_num_logprobs is not None:
             raw = logits.log_softmax(dim=1)  # raw logprobs, as the Sampler reports
-        probs = target_probs(logits, metadata)  # [N, V]
         layout = _Layout.build(drafts.num_draft_tokens, logits.device)
-        uniforms, states = self._uniforms(layout, generators, logits.device)
-        accept = accept_probs(probs, drafts, layout.draft_rows)  # [sum k]
-        accepted = uniforms.index_select(0, layout.draft_rows) < accept  # [sum k]
-        num_accepted = _leading_accepted(accepted, layout)  # [R]
-        final = _final_tokens(probs, drafts, layout, uniforms, accept, num_accepted)
+        states: dict[int, torch.Tensor] = {}
+        if metadata.all_greedy and drafts.draft_probs is None:
+            num_accepted, final = _greedy(logits, metadata, drafts, layout)
+        else:
+            probs = target_probs(logits, metadata)  # [N, V]
+            uniforms, states = self._uniforms(layout, generators, logits.device)
+            accept = accept_probs(probs, drafts, layout.draft_rows)  # [sum k]
+            accepted = uniforms.index_select(0, layout.draft_rows) < accept  # [sum k]
+            num_accepted = _leading_accepted(accepted, layout)  # [R]
+            final = _final_tokens(probs, drafts, layout, uniforms, accept, num_accepted)
         num_accepted_list = num_accepted.tolist()  # the host syncs
         final_list = final.tolist()
         _settle(generators, states, num_accepted_list)
@@ -173,6 +177,18 @@ def residual_weights(
     if q is None:
         return p.scatter(1, draft.unsqueeze(1), 0.0)
     return (p - q).clamp_min(0.0)
+
+
+def _greedy(
+    logits: torch.Tensor, md: SamplingMetadata, drafts: DraftBatch, layout: _Layout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All rows greedy and one-hot drafts: accept while the draft is the argmax, then
+    the argmax; no [N, V] probabilities and no randomness (as the Sampler's greedy)."""
+    apply_logits_processors(logits, md)
+    targets = row_argmax(logits)  # [N]
+    accepted = targets.index_select(0, layout.draft_rows) == drafts.draft_token_ids
+    num_accepted = _leading_accepted(accepted, layout)  # [R]
+    return num_accepted, targets.index_select(0, layout.row_offsets + num_accepted)
 
 
 def _leading_accepted(accepted: torch.Tensor, layout: _Layout) -> torch.Tensor:

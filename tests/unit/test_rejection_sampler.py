@@ -233,6 +233,11 @@ def test_greedy_accepts_while_drafts_equal_the_argmax() -> None:
         out, _ = run_sampler(logits[: len(drafts) + 1], [drafts], params)
         assert out.token_ids == [expected], (drafts, spec)
         assert out.num_accepted == [len(expected) - 1]
+        # Beside a random row the general path serves it, with the same result.
+        mixed, _ = run_sampler(
+            logits[: len(drafts) + 1], [drafts, drafts], [params, SamplingParams(seed=3)]
+        )
+        assert mixed.token_ids[0] == expected
 
 
 def test_seeded_requests_draw_once_per_emitted_token() -> None:
