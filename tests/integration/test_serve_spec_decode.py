@@ -16,6 +16,7 @@ import pytest
 from serve_harness import MODEL_NAME, Server, metric_values, start_server, stop_server, wait_for
 
 from kvflow import LLM, SamplingParams
+from kvflow.services.bench.serve import spec_decode_counts
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +65,9 @@ def test_served_speculation_equals_offline_without(
     metrics = metric_values(server.base_url)
     assert metrics["kvflow:spec_decode_num_draft_tokens_total"] >= accepted()
     assert metrics["kvflow:spec_decode_num_drafts_total"] > 0
+    # What `kvflow bench serve` reads for its mean acceptance length.
+    counts = spec_decode_counts(server.base_url)
+    assert counts is not None and 0 < counts[2] <= counts[1]
     # Opted out: the same text, and the counters do not move.
     before = metric_values(server.base_url)["kvflow:spec_decode_num_draft_tokens_total"]
     assert complete(server, PROMPTS[1], speculative=False) == offline[1]
