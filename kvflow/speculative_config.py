@@ -20,6 +20,7 @@ running requests, and for one request while its acceptance rate over its last
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -101,8 +102,12 @@ class SpeculativeConfig:
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig:
-    """argparse `type=` of `--speculative-config`."""
-    return SpeculativeConfig.parse(text)
+    """argparse `type=` of `--speculative-config`: a bad value is a usage error that
+    names the problem."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError
+from kvflow.services.cli_args import add_engine_args, engine_options
 from kvflow.speculative_config import SpeculativeConfig
 
 
@@ -49,3 +53,19 @@ def test_parses_json_and_dicts() -> None:
 def test_rejects_bad_configs(value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         SpeculativeConfig.parse(value)  # type: ignore[arg-type]
+
+
+def test_cli_flag_reaches_the_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    text = '{"method": "suffix", "num_speculative_tokens": 6}'
+    args = parser.parse_args(
+        ["--speculative-config", text, "--device", "cpu", "--dtype", "float32"]
+    )
+    config = EngineConfig.create(**engine_options(args))
+    spec = config.speculative.speculative_config
+    assert spec is not None and (spec.method, spec.num_speculative_tokens) == ("suffix", 6)
+    assert EngineConfig.create(device="cpu", dtype="float32").speculative.speculative_config is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "ngram"}'])
+    assert "num_speculative_tokens" in capsys.readouterr().err
