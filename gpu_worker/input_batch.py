@@ -20,6 +20,12 @@ never built token by token::
     input_ids      token_ids[s, positions]
     slot_mapping   block_table[s, positions // B] * B + positions % B
     seq_lens       c + n;  sampled when c + n == num_tokens[s] (the end of what is known)
+
+Speculative decoding: a plan's draft tokens for slot s are written past its known
+tokens, token_ids[s, num_tokens : num_tokens + k] (num_drafts[s] = k, for this step
+only), so they are gathered as inputs like any other token. Such a request is sampled
+when c + n reaches num_tokens + k, and its last k + 1 positions give logits rows (the
+target after the context and after each draft); the tokens it accepts are appended.
 """
 
 from __future__ import annotations
@@ -67,6 +73,20 @@ class ModelInputs:
     sample_req_ids: list[str]  # requests sampled this step, rows of logits_indices[:n]
     prompt_ranges: list[PromptLogprobsRange] = field(default_factory=list)
     sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # [Rs] drafts of each sampled request: it has num_drafts + 1 logits rows, in order.
+    sample_num_drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @property
+    def num_sample_rows(self) -> int:
+        return len(self.sample_req_ids) + int(self.sample_num_drafts.sum())
+
+    def sample_row_req_ids(self) -> list[str]:
+        """The request of each sampled logits row: a request with k drafts has k + 1
+        consecutive rows (one per draft position, then the bonus)."""
+        if not self.sample_num_drafts.any():
+            return self.sample_req_ids
+        repeats = (self.sample_num_drafts + 1).tolist()
+        return [r for r, n in zip(self.sample_req_ids, repeats) for _ in range(n)]
 
 
 class InputBatch:
@@ -85,6 +105,7 @@ class InputBatch:
         self.num_tokens = np.zeros(slots, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(slots, dtype=np.int64)
         self.num_computed_tokens = np.zeros(slots, dtype=np.int64)
+        self.num_drafts = np.zeros(slots, dtype=np.int64)  # this step's draft tokens
         self.block_table = np.zeros((slots, limits.max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(slots, dtype=np.int64)
         self.sampling = SamplingState(slots, vocab_size, eos_token_ids, device)
@@ -107,6 +128,20 @@ class InputBatch:
             self.add(new)
         for cached in plan.cached_requests:
             self._update(cached)
+        self.num_drafts[:] = 0
+        for req_id, drafts in plan.spec_token_ids.items():
+            self._put_drafts(self.slot_of[req_id], drafts)
+
+    def _put_drafts(self, slot: int, drafts: list[int]) -> None:
+        start = int(self.num_tokens[slot])
+        if start + len(drafts) > self.limits.max_model_len:
+            raise ValueError(f"slot {slot}: drafts past max_model_len")
+        self._token_ids[slot, start : start + len(drafts)] = drafts
+        self.num_drafts[slot] = len(drafts)
+
+    def draft_token_ids(self, slot: int) -> list[int]:
+        start = int(self.num_tokens[slot])
+        return self._token_ids[slot, start : start + int(self.num_drafts[slot])].tolist()
 
     def add(self, new: NewRequestData) -> int:
         """Put a new (or resumed) request into the lowest free slot."""
@@ -178,9 +213,11 @@ class InputBatch:
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         token_slots, positions = self._token_positions(slots, start, num_scheduled, query_start_loc)
         input_ids = self._token_ids[token_slots, positions].astype(np.int64)  # [T]
-        sampled = np.flatnonzero(seq_lens == self.num_tokens[slots])  # [Rs] batch rows
+        known = self.num_tokens[slots] + self.num_drafts[slots]  # [R]
+        sampled = np.flatnonzero(seq_lens == known)  # [Rs] batch rows
+        num_drafts = self.num_drafts[slots[sampled]]  # [Rs]
         prompt_ranges = self._prompt_logprobs_ranges(slots, start, seq_lens, query_start_loc)
-        logits_rows = [query_start_loc[sampled + 1] - 1]
+        logits_rows = [_last_rows(query_start_loc[sampled + 1], num_drafts + 1)]
         logits_rows += [
             np.arange(p.first_row, p.first_row + p.end - p.start) for p in prompt_ranges
         ]
@@ -194,6 +231,7 @@ class InputBatch:
             sample_req_ids=[plan.scheduled_req_ids[i] for i in sampled.tolist()],
             prompt_ranges=prompt_ranges,
             sample_slots=slots[sampled],
+            sample_num_drafts=num_drafts,
         )
 
     def _token_positions(
@@ -278,5 +316,31 @@ class InputBatch:
         if self._prompt_logprobs:  # a request with output owes no prompt logprobs
             self._prompt_logprobs.difference_update(slots.tolist())
 
+    def append_accepted(self, slots: np.ndarray, token_ids: list[list[int]]) -> None:
+        """Speculative steps: write each slot's emitted tokens (1..k+1) into its row and
+        count them for penalties; the drafts past them are simply overwritten later."""
+        counts = self.sampling.penalties.counts
+        for slot, tokens in zip(slots.tolist(), token_ids):
+            start = int(self.num_tokens[slot])
+            if start + len(tokens) > self.limits.max_model_len:
+                raise ValueError("a request sampled past max_model_len")
+            self._token_ids[slot, start : start + len(tokens)] = tokens
+            self.num_tokens[slot] = start + len(tokens)
+            if self.sampling.penalties.active[slot]:
+                assert counts is not None
+                ids = torch.tensor(tokens, dtype=torch.int64, device=counts.device)
+                counts[slot].index_add_(0, ids, torch.ones(len(tokens), device=counts.device))
+        if self._prompt_logprobs:
+            self._prompt_logprobs.difference_update(slots.tolist())
+
     def prompt_token_ids(self, slot: int, start: int, end: int) -> torch.Tensor:
         return self.token_ids[slot, start:end].to(self.device, torch.int64)
+
+
+def _last_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The last counts[i] rows before ends[i] for each i, in order: [sum(counts)]."""
+    if counts.size == 0 or int(counts.max()) == 1:
+        return ends - 1
+    firsts = np.repeat(ends - counts, counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return firsts + np.arange(int(counts.sum())) - starts

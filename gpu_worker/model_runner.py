@@ -21,7 +21,9 @@ from kvflow.gpu_worker.grammar_bitmask import apply_grammar_bitmask
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
+from kvflow.gpu_worker.rejection_sampler import DraftBatch, RejectionSampler
 from kvflow.gpu_worker.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
+from kvflow.gpu_worker.spec_metadata import verification_metadata
 from kvflow.kernels.cpu.native_build import load_all as load_native_kernels
 from kvflow.proto.step import StepPlan, StepResult, TokenLogprobs
 
@@ -65,6 +67,8 @@ class ModelRunner:
         self.batch = InputBatch(limits, self.vocab_size, set(config.eos_token_ids), self.device)
         # Unseeded requests share one generator, seeded from the engine's seed.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
+        # Verifies draft tokens; shares the unseeded requests' generator.
+        self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -139,9 +143,14 @@ class ModelRunner:
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
             logits = self.model.compute_logits(hidden[inputs.metadata.logits_indices])
-        num_sampled = len(inputs.sample_req_ids)
-        apply_grammar_bitmask(logits[:num_sampled], inputs.sample_req_ids, plan.grammar_bitmask)
-        result = self._sample(inputs, logits[:num_sampled])
+        num_sampled = inputs.num_sample_rows
+        if plan.grammar_bitmask is not None:  # guided requests never carry drafts
+            row_req_ids = inputs.sample_row_req_ids()
+            apply_grammar_bitmask(logits[:num_sampled], row_req_ids, plan.grammar_bitmask)
+        if inputs.sample_num_drafts.any():
+            result = self._verify(inputs, logits[:num_sampled])
+        else:
+            result = self._sample(inputs, logits[:num_sampled])
         self._add_prompt_logprobs(inputs, logits[num_sampled:], result)
         result.step_id = plan.step_id
         result.execute_time_s = time.perf_counter() - start
@@ -163,6 +172,34 @@ class ModelRunner:
             step_id=0,
             req_ids=req_ids,
             sampled_token_ids=[[t] for t in output.sampled_token_ids.tolist()],
+            logprobs=logprobs,
+        )
+
+    def _verify(self, inputs: ModelInputs, logits: torch.Tensor) -> StepResult:
+        """A step with draft tokens: `logits` [sum(k_r + 1), V], each sampled request's
+        k_r + 1 positions in order (k_r = 0 for a plain decode in the same batch)."""
+        slots = inputs.sample_slots
+        drafts = [self.batch.draft_token_ids(slot) for slot in slots.tolist()]
+        verification = verification_metadata(self.batch.sampling, self.batch.rows, slots, drafts)
+        flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int64, device=self.device)
+        batch = DraftBatch([len(d) for d in drafts], flat, None)
+        output = self.rejection_sampler(
+            logits, verification.metadata, batch, verification.requests.generators
+        )
+        self.batch.append_accepted(slots, output.token_ids)
+        logprobs: list[list[TokenLogprobs]] = []
+        if output.logprobs is not None:
+            rows = [int(s) for s, ts in zip(slots.tolist(), output.token_ids) for _ in ts]
+            flat_entries = self._token_logprobs(output.logprobs, rows)
+            start = 0
+            for tokens in output.token_ids:
+                entries = flat_entries[start : start + len(tokens)]
+                logprobs.append([e for entry in entries for e in entry])
+                start += len(tokens)
+        return StepResult(
+            step_id=0,
+            req_ids=inputs.sample_req_ids,
+            sampled_token_ids=output.token_ids,
             logprobs=logprobs,
         )
 

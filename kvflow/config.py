@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvflow.errors import ConfigError
+from kvflow.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -137,12 +138,25 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeOptions:
+    speculative_config: SpeculativeConfig | None = field(
+        default=None,
+        metadata={
+            "help": "speculative decoding as JSON, e.g. "
+            '\'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, suffix)',
+            "parse": parse_speculative_config,
+        },
+    )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
 
     @classmethod
     def create(cls, **options: Any) -> EngineConfig:
@@ -163,6 +177,9 @@ class EngineConfig:
         by_section["device"]["attention_backend"] = resolve_attention_backend(
             by_section["device"].get("attention_backend", "auto"), device
         )
+        spec = by_section["speculative"].get("speculative_config")
+        if spec is not None:  # JSON text or a dict (LLM(speculative_config={...}))
+            by_section["speculative"]["speculative_config"] = SpeculativeConfig.parse(spec)
         by_section["model"]["dtype"] = resolve_dtype(
             by_section["model"].get("dtype", "auto"), device
         )
@@ -175,6 +192,7 @@ _SECTION_TYPES: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "device": DeviceConfig,
+    "speculative": SpeculativeOptions,
 }
 
 

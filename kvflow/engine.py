@@ -35,6 +35,7 @@ from kvflow.services.scheduler.engine_core import EngineCore
 from kvflow.services.scheduler.grammar_compiler import grammar_compiler
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.scheduler import Scheduler
+from kvflow.services.scheduler.spec_decode.speculator import make_speculator
 from kvflow.structured_outputs import check_grammar
 from kvflow.tokenizer import load_eos_token_ids, load_tokenizer
 
@@ -67,7 +68,13 @@ class LLMEngine:
             self.eos_token_ids,
         )
         self.core = EngineCore(
-            Scheduler(config.scheduler, kv_cache, self.max_model_len, self.vocab_size),
+            Scheduler(
+                config.scheduler,
+                kv_cache,
+                self.max_model_len,
+                self.vocab_size,
+                make_speculator(config.speculative.speculative_config),
+            ),
             limits,
             config.scheduler.max_steps_in_flight,
             grammar_compiler(limits, lambda: self.tokenizer),

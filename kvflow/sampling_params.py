@@ -82,6 +82,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    speculative: bool = True  # False: never speculate for this request (opt-out)
 
     @property
     def greedy(self) -> bool:

@@ -78,3 +78,9 @@ class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tr
     recent_steps: list[StepRecord] = []
     kv_block_map: KVBlockMap | None = None
     grammar: GrammarStats | None = None  # None until a guided request arrives
+    # Speculative decoding, cumulative (vLLM's spec_decode_* metrics): verification steps
+    # with drafts, draft tokens, accepted drafts, and accepted drafts per position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: list[int] = []

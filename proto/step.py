@@ -52,6 +52,10 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc
     # Requests the worker must forget before this step (finished, aborted, preempted).
     finished_req_ids: list[str] = []
     grammar_bitmask: GrammarBitmask | None = None
+    # Speculative decoding: the draft tokens scheduled for a request this step (its
+    # num_scheduled_tokens counts them: 1 + k for a decode). The worker verifies them and
+    # returns the accepted ones plus one more token in `StepResult.sampled_token_ids`.
+    spec_token_ids: dict[str, list[int]] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:

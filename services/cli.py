@@ -42,7 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from kvflow.services.bench import guided, host_time, latency, serve, startup, throughput
+    from kvflow.services.bench import (
+        guided,
+        host_time,
+        latency,
+        serve,
+        spec_decode,
+        startup,
+        throughput,
+    )
 
     tp = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
     throughput.add_args(tp)
@@ -67,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     startup.add_args(up)
     add_engine_args(up)
     up.set_defaults(handler=startup.run)
+    spec = bench_sub.add_parser("spec-decode", help="single-stream tok/s with speculation")
+    spec_decode.add_args(spec)
+    add_engine_args(spec)
+    spec.set_defaults(handler=spec_decode.run)
     _add_kernel_bench(bench_sub)
     return parser
 

@@ -34,7 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 flag,
                 dest=f.name,
-                type=_scalar_type(kind),
+                type=f.metadata.get("parse") or _scalar_type(kind),
                 choices=choices,
                 default=None,
                 help=f"{help_text} (default: {f.default})",

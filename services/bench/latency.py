@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvflow.services.bench.throughput import random_token_prompts
+from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters
 
 PERCENTAGES = (10, 25, 50, 75, 90, 99)  # vLLM's
 
@@ -35,6 +36,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--output-json", default=None, help="write the latencies as JSON")
     parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def acceptance_summary(counters: SpecDecodeCounters) -> dict[str, float]:
+    """vLLM's figures: mean acceptance length = 1 + accepted / drafts (tokens per
+    verification step), and the acceptance rate of draft tokens."""
+    drafts, drafted = max(counters.num_drafts, 1), max(counters.num_draft_tokens, 1)
+    return {
+        "mean_acceptance_length": round(1 + counters.num_accepted_tokens / drafts, 3),
+        "acceptance_rate": round(counters.num_accepted_tokens / drafted, 3),
+    }
 
 
 def latency_stats(latencies: Sequence[float]) -> dict[str, Any]:
@@ -94,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     for percentage, value in stats["percentiles"].items():
         print(f"{percentage}% percentile latency: {value} seconds")
     print("\n".join(roofline_lines(stats["roofline"])))
+    speculator = llm.engine.scheduler.speculator
+    if speculator is not None:
+        stats["spec_decode"] = acceptance_summary(speculator.counters)
+        print(f"Mean acceptance length: {stats['spec_decode']['mean_acceptance_length']}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(stats, f, indent=4)

@@ -189,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
         run_setup = dataclasses.replace(setup, request_rate=bench_run.rate)
         _report(args, bench_run, run_setup, count_tokens, sweep)
 
+    before = spec_decode_counts(base_url)
     runs = asyncio.run(_run_rates(base_url + args.endpoint, payloads, requests, args, report))
+    _report_acceptance(before, spec_decode_counts(base_url))
     if args.plot:
         _plot(runs, args.plot, count_tokens)
     return 0
@@ -216,6 +218,37 @@ def _report(
         document = result_json(metrics, setup, outputs, duration, names, bool(goodput))
         path.write_text(json.dumps(document))
         print(f"Result saved to {path}")
+
+
+def spec_decode_counts(base_url: str) -> tuple[float, float, float] | None:
+    """(drafts, draft tokens, accepted tokens) from the server's /metrics (kvflow: or
+    vllm: names); None when it exports none (no speculative decoding)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.split(":", 1)[-1]
+            totals[name] = totals.get(name, 0.0) + sample.value
+    names = [f"spec_decode_num_{n}_total" for n in ("drafts", "draft_tokens", "accepted_tokens")]
+    if names[0] not in totals:
+        return None
+    return (totals[names[0]], totals.get(names[1], 0.0), totals.get(names[2], 0.0))
+
+
+def _report_acceptance(
+    before: tuple[float, float, float] | None, after: tuple[float, float, float] | None
+) -> None:
+    """vLLM's mean acceptance length (1 + accepted / drafts) over the whole benchmark."""
+    if before is None or after is None or after[0] <= before[0]:
+        return
+    drafts, drafted, accepted = (a - b for a, b in zip(after, before))
+    print(f"Mean acceptance length: {1 + accepted / drafts:.2f}")
+    print(f"Draft acceptance rate: {accepted / max(drafted, 1):.3f}")
 
 
 def resolve_model(args: argparse.Namespace, base_url: str) -> tuple[str, str]:

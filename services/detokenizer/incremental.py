@@ -215,6 +215,10 @@ class IncrementalDetokenizer:
             return DetokenizerUpdate(text)
         return self._emit(text, final=False)
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return self._stop is not None
+
     def flush(self) -> DetokenizerUpdate:
         """The request ended without a stop string: release held-back text and any
         incomplete trailing bytes (as U+FFFD)."""

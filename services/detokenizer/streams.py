@@ -17,10 +17,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
 from kvflow.services.detokenizer.incremental import (
+    DetokenizerUpdate,
     IncrementalDetokenizer,
     convert_ids_to_token_strings,
 )
@@ -102,14 +105,13 @@ class DetokenizerStreams:
     def _convert(
         self, delta: TokenDelta, stream: _Stream
     ) -> tuple[RequestOutputDelta, AbortRequests | None]:
-        stream.num_output_tokens += len(delta.new_token_ids)
         finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
         abort = None
         text = ""
         if stream.detokenizer is not None:
             # The scheduler finishes with "stop" only on an EOS or stop token id.
             stop_terminated = finish_reason == "stop"
-            update = stream.detokenizer.update(delta.new_token_ids, stop_terminated)
+            update, delta = _update_detokenizer(stream.detokenizer, delta, stop_terminated)
             text = update.delta
             if update.stop_reason is not None:
                 # The stop string wins over a length/EOS finish at the same token.
@@ -118,6 +120,7 @@ class DetokenizerStreams:
                 finish_reason, stop_reason = "stop", update.stop_reason
             elif finish_reason is not None:
                 text += stream.detokenizer.flush().delta
+        stream.num_output_tokens += len(delta.new_token_ids)
         out = RequestOutputDelta(
             req_id=delta.req_id,
             text=text,
@@ -151,6 +154,29 @@ class DetokenizerStreams:
             result.append(strings[start : start + len(entry.token_ids)])
             start += len(entry.token_ids)
         return result
+
+
+def _update_detokenizer(
+    detokenizer: IncrementalDetokenizer, delta: TokenDelta, stop_terminated: bool
+) -> tuple[DetokenizerUpdate, TokenDelta]:
+    """Feed a delta's tokens. A delta with several tokens (speculative decoding) and
+    stop strings is fed one token at a time, as decoding without speculation would: a
+    stop string completed by token i ends the output there, and the tokens after it are
+    dropped from the delta (never emitted or counted in usage)."""
+    tokens = delta.new_token_ids
+    if len(tokens) <= 1 or not detokenizer.has_stop_strings:
+        return detokenizer.update(tokens, stop_terminated), delta
+    text = ""
+    for i, token_id in enumerate(tokens):
+        last = i == len(tokens) - 1
+        update = detokenizer.update([token_id], stop_terminated and last)
+        text += update.delta
+        if update.stop_reason is not None:
+            kept = msgspec.structs.replace(
+                delta, new_token_ids=tokens[: i + 1], logprobs=delta.logprobs[: i + 1]
+            )
+            return DetokenizerUpdate(text, update.stop_reason, update.final_text), kept
+    return DetokenizerUpdate(text), delta
 
 
 def _error_delta(delta: TokenDelta, stream: _Stream, error: str) -> RequestOutputDelta:

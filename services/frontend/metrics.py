@@ -50,6 +50,9 @@ _CUMULATIVE = {
     "num_generation_tokens": "generation_tokens",
     "num_worker_restarts": "worker_restarts",
     "num_resumed_requests": "requests_resumed",
+    "spec_decode_num_drafts": "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
 }
 
 
@@ -136,6 +139,21 @@ class FrontendMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
             "generation_tokens", "Number of generation tokens processed."
+        )
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Number of spec decoding drafts."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self.spec_decode_accepted_per_pos = Counter(
+            "kvflow:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*labels, "position"],
+            registry=self.registry,
         )
         self.iteration_tokens = Histogram(
             "kvflow:iteration_tokens_total",
@@ -241,6 +259,11 @@ class FrontendMetrics:
             increment = self._increment(stats.engine, field, getattr(stats, field))
             if increment:
                 counter.inc(increment)
+        for position, value in enumerate(stats.spec_decode_accepted_per_pos):
+            increment = self._increment(stats.engine, f"accepted_per_pos_{position}", value)
+            per_pos = self.spec_decode_accepted_per_pos.labels(*labels, str(position))
+            if increment:
+                per_pos.inc(increment)
         iteration = self.iteration_tokens.labels(*labels)
         for num_tokens in stats.step_tokens:
             iteration.observe(num_tokens)

@@ -88,6 +88,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored: xgrammar decides
+    speculative: bool = True  # kvflow: false opts this request out of speculative decoding
 
     @property
     def include_usage(self) -> bool:
@@ -118,6 +119,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self._structured_outputs(),
+            speculative=self.speculative,
         )
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:

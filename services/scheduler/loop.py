@@ -47,6 +47,7 @@ from kvflow.services.scheduler.block_map import block_map
 from kvflow.services.scheduler.engine_core import EngineCore, StepInFlight
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.recovery import WorkerRecovery
+from kvflow.services.scheduler.spec_decode.speculator import spec_decode_stats
 from kvflow.services.scheduler.step_trace import StepSample, StepTrace
 
 logger = logging.getLogger(__name__)
@@ -369,6 +370,7 @@ class SchedulerLoop:
             recent_steps=self._take_recent_steps(),
             kv_block_map=block_map(self.core.scheduler.kv_cache.block_pool),
             grammar=self.core.grammar_stats(),
+            **spec_decode_stats(stats.spec_decode),
         )
 
     def _take_recent_steps(self) -> list[StepRecord]:

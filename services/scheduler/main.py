@@ -55,6 +55,7 @@ from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.loop import Instruments, Outputs, SchedulerLoop
 from kvflow.services.scheduler.recovery import WORKER_RECOVERY_TIMEOUT_S, WorkerRecovery
 from kvflow.services.scheduler.scheduler import Scheduler
+from kvflow.services.scheduler.spec_decode.speculator import make_speculator
 from kvflow.services.scheduler.step_trace import StepTrace
 from kvflow.tokenizer import load_tokenizer, read_eos_token_ids
 
@@ -147,7 +148,10 @@ def _serve(
     kv_cache = KVCacheManager(
         info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
     )
-    scheduler = Scheduler(config.scheduler, kv_cache, info.max_model_len, info.vocab_size)
+    speculator = make_speculator(config.speculative.speculative_config)
+    scheduler = Scheduler(
+        config.scheduler, kv_cache, info.max_model_len, info.vocab_size, speculator
+    )
     core = EngineCore(
         scheduler,
         limits,

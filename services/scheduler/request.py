@@ -83,6 +83,9 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0  # planned samples whose token is not back yet
+        # Draft tokens of the verification step in flight (None: none in flight); its
+        # num_computed_tokens already counts them, and the result rolls back the rejected.
+        self.num_spec_in_flight: int | None = None
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -12,7 +12,7 @@ The scheduler never touches block internals; `KVCacheManager` does.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvflow.config import SchedulerConfig
 from kvflow.proto.engine import TokenDelta
@@ -27,6 +27,7 @@ from kvflow.services.scheduler.grammar_matcher import build_bitmask
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
+from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class SchedulerSnapshot:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decode: SpecDecodeCounters | None = None  # None: no speculative decoding
 
 
 @dataclass
@@ -53,6 +55,7 @@ class _StepBuilder:
     cached_requests: list[CachedRequestData]
     scheduled: dict[str, int]  # req_id -> tokens, insertion order = batch order
     preempted: list[Request]
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> drafts
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.scheduled[request.request_id] = num_tokens
@@ -66,8 +69,10 @@ class Scheduler:
         kv_cache: KVCacheManager,
         max_model_len: int,
         vocab_size: int = 0,  # the logits' width: guided decoding's bitmask rows
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
+        self.speculator = speculator
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -123,7 +128,11 @@ class Scheduler:
         for req_id, num_tokens in step.scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_planned_tokens:
+            drafts = step.spec_tokens.get(req_id)
+            if drafts is not None:  # verifies its drafts, then samples one more token
+                request.num_spec_in_flight = len(drafts)
+                request.num_output_placeholders += 1
+            elif request.num_computed_tokens == request.num_planned_tokens:
                 request.num_output_placeholders += 1  # this step samples for it
                 sampling.append(request)
         self._step_id += 1
@@ -135,11 +144,14 @@ class Scheduler:
             num_scheduled_tokens=list(step.scheduled.values()),
             finished_req_ids=self._worker_forget,
             grammar_bitmask=build_bitmask(sampling, self.vocab_size),
+            spec_token_ids=step.spec_tokens,
         )
         self._worker_forget = []
         return plan
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
+        if request.num_spec_in_flight is not None:
+            return 0  # its accepted tokens, hence its next position, are not known yet
         num_new = request.num_planned_tokens - request.num_computed_tokens
         # Decoding on a token still in flight: only if that sample may be followed.
         placeholder = num_new == 1 and request.num_output_placeholders > 0
@@ -160,7 +172,15 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new, step)
+            speculates = num_new == 1 and self._speculates(request)
+            if speculates and request.num_output_placeholders > 0:
+                index += 1  # drafts need every token known: wait for the one in flight
+                continue
+            new_block_ids = self._allocate_drafts(request, step) if speculates else None
+            if new_block_ids is None:
+                new_block_ids = self._allocate_or_preempt(request, num_new, step)
+            else:
+                num_new += len(step.spec_tokens[request.request_id])
             if new_block_ids is None:
                 break  # the request itself was preempted: nothing further fits
             step.cached_requests.append(
@@ -168,6 +188,40 @@ class Scheduler:
             )
             step.add(request, num_new)
             index = self.running.index(request) + 1  # victims may have been removed
+
+    def _speculates(self, request: Request) -> bool:
+        """Whether this decode of `request` should come with drafts (once per decode
+        scheduled: the speculator's off-switches count these). Guided requests decode
+        without drafts: verifying them would need a grammar mask per draft position."""
+        params = request.sampling_params
+        if self.speculator is None or not params.speculative or params.structured_outputs:
+            return False
+        return self.speculator.wants(request.request_id, len(self.running))
+
+    def _allocate_drafts(self, request: Request, step: _StepBuilder) -> list[int] | None:
+        """For a decode whose tokens are all known: propose drafts and make room for
+        1 + k tokens. None (nothing changed) when it does not speculate this step or
+        the room is not there (then it decodes plainly rather than preempting others).
+        The drafts never reach past max_tokens or the context, even if all are accepted
+        and a bonus token follows."""
+        assert self.speculator is not None
+        max_drafts = min(
+            step.budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        drafts = self.speculator.propose(
+            request.request_id,
+            request.all_token_ids,
+            request.num_prompt_tokens,
+            max_drafts,
+        )
+        if not drafts:
+            return None
+        new_block_ids = self.kv_cache.allocate_slots(request, 1 + len(drafts))
+        if new_block_ids is not None:
+            step.spec_tokens[request.request_id] = drafts
+        return new_block_ids
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, step: _StepBuilder
@@ -191,6 +245,7 @@ class Scheduler:
         planned = request.request_id in step.scheduled
         if planned:  # already planned this step: take it back
             step.budget += step.scheduled.pop(request.request_id)
+            step.spec_tokens.pop(request.request_id, None)
             step.cached_requests = [
                 c for c in step.cached_requests if c.req_id != request.request_id
             ]
@@ -199,6 +254,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # the in-flight samples are dropped
+        request.num_spec_in_flight = None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._worker_forget.append(request.request_id)
@@ -257,6 +313,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if request.num_spec_in_flight is not None:
+                self._roll_back_rejected(request, len(result.sampled_token_ids[index]))
             new_token_ids = []
             for token_id in result.sampled_token_ids[index]:
                 request.append_output_token(token_id)
@@ -271,6 +329,19 @@ class Scheduler:
                 self.running.remove(request)
                 self._release(request)
         return deltas
+
+    def _roll_back_rejected(self, request: Request, num_emitted: int) -> None:
+        """A verification step computed KV for the last token and k drafts; the accepted
+        ones (num_emitted - 1) stay, the rejected positions count as not computed, and
+        the next step writes over them. Their blocks stay with the request for that
+        (freed with it), and were never hashed: hashes cover known tokens only."""
+        num_drafts = request.num_spec_in_flight
+        assert num_drafts is not None
+        num_accepted = num_emitted - 1
+        request.num_computed_tokens -= num_drafts - num_accepted
+        request.num_spec_in_flight = None
+        assert self.speculator is not None
+        self.speculator.on_verified(request.request_id, num_drafts, num_accepted)
 
     def _collect_prompt_logprobs(self, req_id: str, start: int, chunk: list[TokenLogprobs]) -> None:
         # Indexed by position so a chunk recomputed after preemption overwrites itself.
@@ -305,6 +376,10 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Free a finished request's blocks and tell the worker to forget it."""
+        if self.speculator is not None:
+            self.speculator.finish(
+                request.request_id, request.all_token_ids, request.num_prompt_tokens
+            )
         self.kv_cache.free(request.request_id)
         self.requests.pop(request.request_id, None)
         self._scheduled_time.pop(request.request_id, None)
@@ -336,6 +411,7 @@ class Scheduler:
             prefix_cache_queries=self.kv_cache.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decode=None if self.speculator is None else self.speculator.counters,
         )
 
 

@@ -1,0 +1,149 @@
+"""`kvflow bench spec-decode`: single-stream output tok/s with and without speculative
+decoding, in one run, on a committed copy-heavy dataset (data/spec_decode_copy.json:
+code edits and quote-then-extend prompts) or on random prompts (nothing to copy).
+
+Each configuration loads the engine afresh and runs every prompt alone (batch 1,
+greedy), after a warm-up request. Reported per configuration: output tok/s, the ratio
+to no speculation, the acceptance rate (accepted / drafted tokens) and the mean
+acceptance length (1 + accepted / drafts: tokens per verification step).
+
+`--measure-cost` times the other side of the trade: every step drafts k tokens that are
+(almost surely) rejected, so tok/s against no speculation gives c(k), the cost of a
+verification step relative to a plain decode step. Speculation pays when the expected
+tokens per step beat it: 1 + a * k > c(k) for acceptance rate a, i.e. a > (c(k) - 1) / k,
+the break-even rate the `min_acceptance_rate` off-switch is set from (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from importlib import resources
+from typing import Any
+
+DATASET = "spec_decode_copy.json"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", choices=["copy", "random"], default="copy")
+    parser.add_argument("--methods", default="ngram,suffix", help="comma-separated methods")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-random-prompts", type=int, default=4)
+    parser.add_argument("--measure-cost", action="store_true", help="time rejected drafts")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@dataclass
+class SpecResult:
+    name: str
+    output_tokens: int
+    elapsed_s: float
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    def summary(self, baseline: float) -> dict[str, Any]:
+        drafted = max(self.draft_tokens, 1)
+        return {
+            **asdict(self),
+            "output_tokens_per_s": round(self.tokens_per_s, 2),
+            "speedup": round(self.tokens_per_s / baseline, 3),
+            "acceptance_rate": round(self.accepted_tokens / drafted, 3),
+            "mean_acceptance_length": round(1 + self.accepted_tokens / max(self.drafts, 1), 3),
+        }
+
+
+class _AlwaysPropose:
+    """Drafts k copies of a token that is never the model's choice in practice."""
+
+    def propose(self, req_id: str, token_ids: Sequence[int], num_prompt: int, k: int) -> list[int]:
+        return [(token_ids[-1] + 7919) % 49152] * k
+
+    def finish(self, req_id: str, token_ids: Sequence[int], num_prompt: int) -> None:
+        pass
+
+
+def _prompts(llm: Any, args: argparse.Namespace) -> list[Any]:
+    if args.dataset == "copy" and not args.measure_cost:
+        from kvflow.tokenizer import apply_chat_template
+
+        text = resources.files("kvflow.services.bench").joinpath("data", DATASET).read_text()
+        entries = json.loads(text)["prompts"]
+        return [apply_chat_template(llm.tokenizer, e["messages"], True) for e in entries]
+    from kvflow.services.bench.throughput import random_token_prompts
+
+    special = list(llm.tokenizer.all_special_ids)
+    return random_token_prompts(args.num_random_prompts, 64, llm.engine.vocab_size, special, 0)
+
+
+def _run_one(name: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> SpecResult:
+    from kvflow.llm import LLM
+    from kvflow.sampling_params import SamplingParams
+    from kvflow.services.cli_args import engine_options
+
+    options = engine_options(args)
+    options["speculative_config"] = spec
+    llm = LLM(**options)
+    speculator = llm.engine.scheduler.speculator
+    if args.measure_cost and speculator is not None:
+        speculator.proposer = _AlwaysPropose()
+    prompts = _prompts(llm, args)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    before = _counters(llm)
+    start, tokens = time.perf_counter(), 0
+    for prompt in prompts:
+        tokens += len(llm.generate([prompt], params)[0].token_ids)
+    elapsed = time.perf_counter() - start
+    after = _counters(llm)
+    drafts, drafted, accepted = (a - b for a, b in zip(after, before))
+    return SpecResult(name, tokens, elapsed, drafts, drafted, accepted)
+
+
+def _counters(llm: Any) -> tuple[int, int, int]:
+    speculator = llm.engine.scheduler.speculator
+    if speculator is None:
+        return (0, 0, 0)
+    c = speculator.counters
+    return (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
+
+
+def _configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
+    user = getattr(args, "speculative_config", None)
+    if user is not None:
+        return [("none", None), (user.method, json.loads(user.to_json()))]
+    k = args.num_speculative_tokens
+    configs: list[tuple[str, dict[str, Any] | None]] = [("none", None)]
+    for method in args.methods.split(","):
+        spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
+        if args.measure_cost:
+            spec["min_acceptance_rate"] = 0.0  # keep drafting: the cost is what is measured
+        configs.append((method, spec))
+    return configs
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.measure_cost:
+        args.methods = args.methods.split(",")[0]
+    results = [_run_one(name, spec, args) for name, spec in _configs(args)]
+    baseline = results[0].tokens_per_s
+    summaries = [r.summary(baseline) for r in results]
+    if args.json:
+        print(json.dumps({"dataset": args.dataset, "results": summaries}))
+        return 0
+    print(f"dataset: {args.dataset}" + (" (every draft rejected)" if args.measure_cost else ""))
+    print(f"{'config':<8} {'tok/s':>8} {'x none':>7} {'accept':>7} {'mean len':>9}")
+    for s in summaries:
+        print(
+            f"{s['name']:<8} {s['output_tokens_per_s']:>8.2f} {s['speedup']:>7.3f} "
+            f"{s['acceptance_rate']:>7.3f} {s['mean_acceptance_length']:>9.3f}"
+        )
+    return 0
