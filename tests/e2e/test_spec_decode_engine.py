@@ -8,6 +8,7 @@ Every case also checks that drafts were accepted, so an inert speculator cannot 
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +179,19 @@ def test_logprobs_of_accepted_tokens_equal_plain_decoding(model: Path) -> None:
             for token_id, logprob in w.items():
                 assert g[token_id].rank == logprob.rank
                 assert g[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-3)
+
+
+def test_guided_requests_beside_speculating_ones(model: Path, baseline: list[list[int]]) -> None:
+    """A guided request in a speculating batch keeps to its grammar (it decodes without
+    drafts), and the plain requests beside it still speculate and keep their tokens."""
+    from kvflow.sampling_params import StructuredOutputsParams
+
+    llm = make_llm(model, NGRAM)
+    digits = greedy(
+        max_tokens=12, structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}")
+    )
+    guided, *plain = llm.generate([PROMPTS[1], *PROMPTS], [digits] + [greedy()] * len(PROMPTS))
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", guided.outputs[0].text), guided.outputs[0].text
+    assert [o.outputs[0].token_ids for o in plain] == baseline
+    assert accepted(llm) > 0
+    assert_no_blocks_held(llm)
