@@ -3,8 +3,9 @@ missing one anyway, but the wheel the images install would not have it."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).parents[2]
 
