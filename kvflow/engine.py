@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.config import EngineConfig
+from kvflow.errors import ConfigError
 from kvflow.metrics.roofline import ModelShape, RooflineMeter
 from kvflow.model_limits import read_model_limits
 from kvflow.outputs import RequestOutput
@@ -48,6 +49,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from kvflow.gpu_worker.model_files import resolve_model_dir
 
+        if config.parallel.world_size != 1:  # never run on one process what asked for more
+            raise ConfigError(
+                "tensor/pipeline parallelism is not available yet: tensor_parallel_size and "
+                "pipeline_parallel_size must be 1"
+            )
         self.config = config
         self.model_dir: Path = resolve_model_dir(config.model.model)
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -107,3 +107,11 @@ def test_policy_orders_admission(tiny_model_dir: Path, policy: str, order: list[
     while engine.has_unfinished_requests():
         finished += [output.request_id for output in engine.step() if output.finished]
     assert finished == order
+
+
+@pytest.mark.parametrize("option", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_parallel_sizes_above_one_are_refused_not_ignored(
+    tiny_model_dir: Path, option: str
+) -> None:
+    with pytest.raises(ConfigError, match=option):
+        LLM(str(tiny_model_dir), **BASE, num_blocks=32, **{option: 2})
