@@ -128,6 +128,8 @@ class InputBatch:
             self.add(new)
         for cached in plan.cached_requests:
             self._update(cached)
+        for req_id, forced in plan.forced_token_ids.items():  # before drafts: they go after
+            self.append_accepted(np.array([self.slot_of[req_id]]), [forced])
         self.num_drafts[:] = 0
         for req_id, drafts in plan.spec_token_ids.items():
             self._put_drafts(self.slot_of[req_id], drafts)
@@ -318,7 +320,8 @@ class InputBatch:
 
     def append_accepted(self, slots: np.ndarray, token_ids: list[list[int]]) -> None:
         """Speculative steps: write each slot's emitted tokens (1..k+1) into its row and
-        count them for penalties; the drafts past them are simply overwritten later."""
+        count them for penalties; the drafts past them are simply overwritten later.
+        Also a plan's grammar-forced tokens (jump-forward), which count the same way."""
         counts = self.sampling.penalties.counts
         for slot, tokens in zip(slots.tolist(), token_ids):
             start = int(self.num_tokens[slot])

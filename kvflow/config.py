@@ -80,6 +80,11 @@ class SchedulerConfig:
     grammar_compile_timeout: float = _opt(
         30.0, "seconds a guided request's grammar may take to compile before it fails"
     )
+    grammar_jump_forward: bool = _opt(
+        True,
+        "append a guided request's grammar-forced tokens without a model step "
+        "(exact: only where the grammar allows a single token)",
+    )
 
     @property
     def max_steps_in_flight(self) -> int:

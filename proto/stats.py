@@ -41,6 +41,7 @@ class GrammarStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     cache_misses: int = 0
     compile_timeouts: int = 0
     requests_by_kind: dict[str, int] = {}  # json | regex | choice | grammar | json_object
+    jump_forward_tokens: int = 0  # tokens appended without a model step (grammar-forced)
 
 
 class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):

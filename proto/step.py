@@ -56,6 +56,10 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc
     # num_scheduled_tokens counts them: 1 + k for a decode). The worker verifies them and
     # returns the accepted ones plus one more token in `StepResult.sampled_token_ids`.
     spec_token_ids: dict[str, list[int]] = {}
+    # Guided decoding's jump-forward: tokens the scheduler appended to a request without
+    # a model step (its grammar allowed nothing else). The worker appends them to the
+    # request's known tokens before this step; a later step computes their KV.
+    forced_token_ids: dict[str, list[int]] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:

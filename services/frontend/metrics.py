@@ -184,6 +184,10 @@ class FrontendMetrics:
         self.grammar_compile_timeouts = counter(
             "grammar_compile_timeouts", "Guided requests failed: their grammar compiled too long."
         )
+        self.grammar_jump_forward_tokens = counter(
+            "grammar_jump_forward_tokens",
+            "Guided-output tokens the grammar forced, appended without a model step.",
+        )
         self.guided_requests = Counter(
             "kvflow:guided_requests",
             "Guided requests by kind (json, json_object, regex, choice, grammar).",
@@ -278,6 +282,7 @@ class FrontendMetrics:
             ("cache_hits", self.grammar_cache_hits),
             ("cache_misses", self.grammar_cache_misses),
             ("compile_timeouts", self.grammar_compile_timeouts),
+            ("jump_forward_tokens", self.grammar_jump_forward_tokens),
         ):
             counter.labels(*labels).inc(
                 self._increment(engine, f"grammar_{field}", getattr(stats, field))

@@ -187,6 +187,7 @@ class EngineCore:
             cache_misses=stats.cache_misses,
             compile_timeouts=stats.timeouts,
             requests_by_kind=dict(stats.requests_by_kind),
+            jump_forward_tokens=self.scheduler.num_jump_forward_tokens,
         )
 
     def _grammar_error(self, pending: PendingGrammar, now: float) -> str | None:

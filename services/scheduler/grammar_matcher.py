@@ -41,12 +41,19 @@ class RequestGrammar:
         self.compiled = compiled
         self.matcher = xgr.GrammarMatcher(compiled)  # xgrammar >= 0.2 can always roll back
         self.num_accepted = 0
+        # The next token's mask, filled once per matcher state: jump-forward fills it to
+        # look for a forced token, and the next plan's bitmask reuses it.
+        self._row: np.ndarray | None = None  # [1, words] int32
+        self._row_restricts = False
+        self._row_valid = False
+        self._words = (compiled.tokenizer_info.vocab_size + 31) // 32  # logits' width
 
     def accept(self, token_id: int) -> bool:
         """Advance on a sampled token; False if the grammar does not allow it."""
         if not self.matcher.accept_token(token_id):
             return False
         self.num_accepted += 1
+        self._row_valid = False
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -54,22 +61,46 @@ class RequestGrammar:
         assert 0 <= num_tokens <= self.num_accepted, num_tokens
         self.matcher.rollback(num_tokens)
         self.num_accepted -= num_tokens
+        self._row_valid = False
 
     def replay(self, token_ids: list[int]) -> bool:
         """Start over and accept `token_ids`; False if they do not fit the grammar."""
         self.matcher.reset()
         self.num_accepted = 0
+        self._row_valid = False
         return all(self.accept(t) for t in token_ids)
+
+    def next_row(self) -> tuple[np.ndarray, bool]:
+        """The next token's mask [1, words] and whether it restricts anything (filled
+        once per matcher state)."""
+        if self._row is None:
+            self._row = np.empty((1, self._words), dtype=np.int32)
+        if not self._row_valid:
+            self._row.fill(-1)
+            self._row_restricts = bool(self.matcher.fill_next_token_bitmask(self._row, 0))
+            self._row_valid = True
+        return self._row, self._row_restricts
+
+    def forced_token(self) -> int | None:
+        """The one token the grammar allows next, if exactly one is allowed (a stop token
+        included); None when there is a choice or the grammar has terminated."""
+        if self.matcher.is_terminated():
+            return None
+        row, restricts = self.next_row()
+        if not restricts:
+            return None
+        words = np.flatnonzero(row[0])
+        if len(words) != 1:
+            return None
+        word = int(row[0, words[0]]) & 0xFFFFFFFF
+        if word & (word - 1):  # more than one bit set
+            return None
+        return int(words[0]) * 32 + word.bit_length() - 1
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and accepted a stop token: nothing more may follow."""
         return bool(self.matcher.is_terminated())
-
-    def fill(self, bitmask: np.ndarray, row: int) -> bool:
-        """Write the next token's mask into bitmask[row]; False when every token is
-        allowed (the row need not be applied)."""
-        return bool(self.matcher.fill_next_token_bitmask(bitmask, row))
 
 
 def build_bitmask(requests: list[Request], vocab_size: int) -> GrammarBitmask | None:
@@ -79,11 +110,14 @@ def build_bitmask(requests: list[Request], vocab_size: int) -> GrammarBitmask | 
     if not guided:
         return None
     words = (vocab_size + 31) // 32
-    bitmask = np.full((len(guided), words), -1, dtype=np.int32)  # [rows, words]
+    bitmask = np.empty((len(guided), words), dtype=np.int32)  # [rows, words]
     req_ids: list[str] = []
     for request in guided:
         assert request.grammar is not None
-        if request.grammar.fill(bitmask, len(req_ids)):
+        row, restricts = request.grammar.next_row()
+        assert row.shape[1] == words, (row.shape, words)
+        if restricts:
+            bitmask[len(req_ids)] = row[0]
             req_ids.append(request.request_id)
     if not req_ids:
         return None

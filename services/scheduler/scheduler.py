@@ -24,6 +24,7 @@ from kvflow.proto.step import (
     TokenLogprobs,
 )
 from kvflow.services.scheduler.grammar_matcher import build_bitmask
+from kvflow.services.scheduler.jump_forward import jump_forward
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
@@ -82,6 +83,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._step_id = 0
         self._worker_forget: list[str] = []  # finished/preempted since the last plan
+        self._worker_forced: dict[str, list[int]] = {}  # jump-forward since the last plan
+        self.num_jump_forward_tokens = 0
         self._scheduled_time: dict[str, float] = {}
         self._first_token_time: dict[str, float] = {}
         # Prompt logprobs arrive chunk by chunk; sent whole with the first token.
@@ -145,8 +148,10 @@ class Scheduler:
             finished_req_ids=self._worker_forget,
             grammar_bitmask=build_bitmask(sampling, self.vocab_size),
             spec_token_ids=step.spec_tokens,
+            forced_token_ids=self._worker_forced,
         )
         self._worker_forget = []
+        self._worker_forced = {}
         return plan
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -251,6 +256,7 @@ class Scheduler:
             ]
         # A planned victim's KV of this step is never written: its hashes must go too.
         self.kv_cache.free(request.request_id, step_discarded=planned)
+        self._worker_forced.pop(request.request_id, None)  # it resumes with all its tokens
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # the in-flight samples are dropped
@@ -324,11 +330,20 @@ class Scheduler:
                 if request.check_stop(self.max_model_len):
                     break
             logprobs = result.logprobs[index][: len(new_token_ids)] if result.logprobs else []
+            if self.config.grammar_jump_forward and request.grammar is not None:
+                new_token_ids += self._jump_forward(request)
             deltas.append(self._make_delta(request, new_token_ids, logprobs, result, now))
             if request.is_finished:
                 self.running.remove(request)
                 self._release(request)
         return deltas
+
+    def _jump_forward(self, request: Request) -> list[int]:
+        forced = jump_forward(request, self.max_model_len)
+        if forced and not request.is_finished:  # a finished request's KV is not needed
+            self._worker_forced.setdefault(request.request_id, []).extend(forced)
+        self.num_jump_forward_tokens += len(forced)
+        return forced
 
     def _roll_back_rejected(self, request: Request, num_emitted: int) -> None:
         """A verification step computed KV for the last token and k drafts; the accepted
@@ -385,6 +400,7 @@ class Scheduler:
         self._scheduled_time.pop(request.request_id, None)
         self._first_token_time.pop(request.request_id, None)
         self._prompt_logprobs.pop(request.request_id, None)
+        self._worker_forced.pop(request.request_id, None)
         self._worker_forget.append(request.request_id)
 
     def preempt_all(self) -> int:
@@ -399,6 +415,7 @@ class Scheduler:
             request.num_output_placeholders = 0  # the in-flight samples are lost
             self.waiting.push_front(request)
         self._worker_forget = []  # the new worker knows no request
+        self._worker_forced = {}  # nor their tokens: each resumes with all of them
         reset = self.kv_cache.reset_prefix_cache()
         assert reset, "a block is still held after every request was preempted"
         return len(running)

@@ -64,6 +64,8 @@ class MaskWorker:
             self.computed[new.req_id] = new.num_computed_tokens
         for cached in plan.cached_requests:
             self.computed[cached.req_id] = cached.num_computed_tokens
+        for req_id, forced in plan.forced_token_ids.items():  # jump-forward
+            self.tokens[req_id] += forced
         masks = _mask_rows(plan)
         self.rows_seen.append(list(masks))
         req_ids, sampled = [], []
@@ -153,6 +155,8 @@ def test_guided_outputs_fit_their_grammar(tokenizer: Any, depth: int, num_blocks
         assert re.fullmatch(REGEX, text) if req_id.startswith("re") else text in choices
     if num_blocks == 9:
         assert core.scheduler.num_preemptions > 0
+    # Each finished grammar forced at least its stop token (jump-forward, on by default).
+    assert core.scheduler.num_jump_forward_tokens >= 6
     # Only guided requests ever have a mask row.
     assert all(r[:2] in ("re", "ch") for rows in worker.rows_seen for r in rows)
 
@@ -228,3 +232,19 @@ def test_matcher_rollback_and_replay(tokenizer: Any) -> None:
     assert grammar.num_accepted == 0
     assert grammar.replay(ids) and grammar.num_accepted == len(ids)
     assert grammar.accept(tokenizer.eos_token_id) and grammar.is_terminated
+
+
+def test_forced_token_only_where_one_token_is_allowed(tokenizer: Any) -> None:
+    compiled = compiler_for(tokenizer).submit(StructuredOutputsParams(choice=["alpha"]))
+    grammar = RequestGrammar(compiled.result(timeout=60))
+    forced = []
+    while (token := grammar.forced_token()) is not None:
+        assert grammar.accept(token)
+        forced.append(token)
+    # "alpha" may be spelled several ways ("al"+"pha", "alpha"...): nothing forced yet.
+    assert forced == [] and not grammar.is_terminated
+    assert all(grammar.accept(t) for t in tokenizer.encode("alpha", add_special_tokens=False))
+    assert grammar.forced_token() == tokenizer.eos_token_id  # only the stop token is left
+    row, restricts = grammar.next_row()
+    assert restricts and np.count_nonzero(row) == 1
+    assert grammar.accept(tokenizer.eos_token_id) and grammar.forced_token() is None

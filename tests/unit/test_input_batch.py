@@ -120,6 +120,24 @@ def test_async_step_computes_at_the_token_the_worker_sampled() -> None:
     assert batch.prepare_inputs(second).input_ids.tolist() == [33]
 
 
+def test_forced_tokens_are_computed_after_the_sample_and_sampled_after() -> None:
+    """Jump-forward: the plan's forced tokens follow the worker's own last sample; the
+    step computes sample + forced as one chunk and samples after the last of them."""
+    batch = new_batch()
+    first = plan({"a": 2}, new=[new_data("a", [5, 6], [1], SP(frequency_penalty=1.0))])
+    batch.apply_plan(first)
+    inputs = batch.prepare_inputs(first)
+    batch.append_sampled(inputs.sample_slots, torch.tensor([33]), _metadata(batch, [0]))
+    second = plan({"a": 3}, cached=[CachedRequestData("a", [2], 2)])
+    second.forced_token_ids = {"a": [34, 34]}
+    batch.apply_plan(second)
+    inputs = batch.prepare_inputs(second)
+    assert inputs.input_ids.tolist() == [33, 34, 34] and inputs.positions.tolist() == [2, 3, 4]
+    assert inputs.sample_req_ids == ["a"] and inputs.metadata.logits_indices.tolist() == [2]
+    counts = batch.sampling.penalties.counts
+    assert counts is not None and counts[0, 34] == 2  # forced tokens are outputs too
+
+
 # ---- slots ------------------------------------------------------------------------------
 
 
