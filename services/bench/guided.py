@@ -16,6 +16,8 @@ import json
 import time
 from typing import Any
 
+from kvflow.services.bench import guided_goals
+
 # Records of a string and an integer; 200 of them are more than any run's max_tokens,
 # so the output never completes early and every step is guided.
 SCHEMA = {
@@ -35,6 +37,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    guided_goals.add_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
                 "guided_over_plain": round(guided / plain, 3),
             }
         )
+    if args.goals:
+        report["goals"] = guided_goals.measure(llm, args)
     _print(report, args.json)
     return 0
 
@@ -120,3 +125,5 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
             f"{row['batch']:>5} {row['plain_tok_s']:>12.1f} {row['guided_tok_s']:>13.1f} "
             f"{row['guided_over_plain']:>13.3f}"
         )
+    if "goals" in report:
+        guided_goals.print_goals(report["goals"])
