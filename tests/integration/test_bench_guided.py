@@ -13,6 +13,7 @@ def test_guided_bench_reports_both_rates(tiny_model_dir: Path) -> None:
     command = [str(KVFLOW), "bench", "guided", "--model", str(tiny_model_dir)]
     command += ["--dtype", "float32", "--device", "cpu", "--num-blocks", "64"]
     command += ["--batch-sizes", "1", "3", "--output-len", "12", "--repeats", "1", "--json"]
+    command += ["--goals", "--goals-batch", "3", "--goals-max-tokens", "16"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -22,3 +23,10 @@ def test_guided_bench_reports_both_rates(tiny_model_dir: Path) -> None:
         assert row["plain_tok_s"] > 0 and row["guided_tok_s"] > 0
         ratio = row["guided_tok_s"] / row["plain_tok_s"]  # the rates are rounded to 0.1
         assert abs(row["guided_over_plain"] - ratio) < 0.01 + 0.1 / row["plain_tok_s"]
+    goals = report["goals"]
+    assert goals["valid"]["requests"] == 3
+    assert goals["valid"]["valid"] + goals["valid"]["cut_by_max_tokens"] <= 3
+    assert goals["cached_ttft"]["plain_ms"] > 0 and goals["cached_ttft"]["guided_cached_ms"] > 0
+    jump = goals["jump_forward"]
+    assert jump["identical"] and 0 <= jump["tokens_jumped"] <= jump["output_tokens"]
+    assert jump["steps_on"] <= jump["steps_off"]

@@ -142,6 +142,8 @@ def test_grammar_metrics_count_compiles_and_hits(server: Server, client: Any) ->
                and 'kind="regex"' in x]  # fmt: skip
     assert float(line.split()[-1]) >= 2
     assert _metric(server, "kvflow:grammar_cache_misses_total", default=0.0) >= 1
+    # Each ended on its stop token, forced by the finished regex: jumped, not sampled.
+    assert _metric(server, "kvflow:grammar_jump_forward_tokens_total", default=0.0) >= 2
 
 
 @pytest.mark.parametrize(
@@ -178,6 +180,56 @@ def test_tool_choice_required_gives_valid_calls(client: Any, parallel: bool) -> 
         assert calls and (parallel or len(calls) == 1)
         for call in calls:
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.slow
+def test_fifty_two_tool_calls_validate_required_and_named_streaming_and_not(
+    client: Any,
+) -> None:
+    """13 cases each of tool_choice required / named x streaming / not, concurrently, at
+    temperature 1.0: every call's arguments validate against its function's schema."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    cases = list(itertools.product(["required", "named"], [False, True], range(13)))
+
+    def one(case: tuple[str, bool, int]) -> list[tuple[str, str]]:
+        kind, stream, seed = case
+        response = chat(
+            client, messages=ASK, tools=[WEATHER, TIME], seed=seed, max_tokens=160,
+            tool_choice="required" if kind == "required" else named, stream=stream,
+            parallel_tool_calls=False,
+        )  # fmt: skip
+        calls = _streamed_calls(response) if stream else _whole_calls(response)
+        assert len(calls) == 1, case
+        if kind == "named":
+            assert [name for name, _ in calls] == ["get_time"], case
+        return calls
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, cases))
+    assert len(results) == 52
+    for calls in results:
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def _whole_calls(response: Any) -> list[tuple[str, str]]:
+    choice = response.choices[0]
+    assert choice.finish_reason in ("tool_calls", "stop"), choice  # never "length"
+    return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+
+
+def _streamed_calls(stream: Any) -> list[tuple[str, str]]:
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, ["", ""])
+                entry[0] += call.function.name or ""
+                entry[1] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish in ("tool_calls", "stop"), finish
+    return [(name, arguments) for name, arguments in calls.values()]
 
 
 def test_named_tool_choice_streams_deltas_that_reassemble(client: Any) -> None:

@@ -43,6 +43,7 @@ MESSAGES = [
         scheduled_req_ids=["r0", "r1"],
         num_scheduled_tokens=[1, 3],
         finished_req_ids=["r9"],
+        forced_token_ids={"r0": [5, 6]},
     ),
     StepResult(
         step_id=3,
