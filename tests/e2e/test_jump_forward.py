@@ -5,6 +5,8 @@ where forced spans are common) with and without steps in flight."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,8 @@ from kvflow import LLM, SamplingParams
 from kvflow.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
+
+CORPUS = Path(__file__).parent.parent / "data" / "json_schema_corpus.json"
 
 PERSON = {
     "type": "object",
@@ -100,3 +104,21 @@ def test_greedy_outputs_identical_and_fewer_steps(without: Run, async_scheduling
     assert without.steps_alone == without.num_tokens_alone
     if not async_scheduling:  # steps in flight count differently: compare like with like
         assert run.steps_alone < without.steps_alone
+
+
+def test_schema_corpus_greedy_outputs_identical() -> None:
+    """Every 8th schema of the corpus (tests/data/, the ones expected to compile), in one
+    batch, jump-forward on vs off: the same tokens, and some were jumped."""
+    corpus = json.loads(CORPUS.read_text())
+    schemas = [e["schema"] for e in corpus if e["expect"] == "valid"][::8]
+    params = [_params({"json": schema}) for schema in schemas]
+    prompts = [f"Reply with JSON #{i}:" for i in range(len(schemas))]
+    tokens, jumped = [], []
+    for jump_forward in (False, True):
+        llm = LLM(dtype="float32", num_blocks=256, num_threads=1, grammar_jump_forward=jump_forward)
+        outputs = llm.generate(prompts, params)
+        tokens.append([list(o.outputs[0].token_ids) for o in outputs])
+        jumped.append(llm.engine.core.scheduler.num_jump_forward_tokens)
+    assert len(schemas) >= 20
+    assert tokens[0] == tokens[1]
+    assert jumped[0] == 0 and jumped[1] > 0
