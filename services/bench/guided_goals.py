@@ -97,7 +97,8 @@ def _cached_ttft(llm: Any, repeats: int = 15) -> dict[str, float]:
     plain = SamplingParams(max_tokens=1, temperature=0.0)
     guided = _params(1, 0.0)
     llm.chat(prompt, guided)  # compiled and cached
-    plain_s, guided_s = [], []
+    plain_s: list[float] = []
+    guided_s: list[float] = []
     for _ in range(repeats):
         for params, times in ((plain, plain_s), (guided, guided_s)):
             start = time.perf_counter()
