@@ -248,3 +248,26 @@ def test_forced_token_only_where_one_token_is_allowed(tokenizer: Any) -> None:
     row, restricts = grammar.next_row()
     assert restricts and np.count_nonzero(row) == 1
     assert grammar.accept(tokenizer.eos_token_id) and grammar.forced_token() is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "jumps"),
+    [({}, True), ({"logprobs": 2}, False), ({"min_tokens": 5}, False)],
+)
+def test_jump_forward_skips_logprobs_and_owed_min_tokens(
+    tokenizer: Any, overrides: dict[str, Any], jumps: bool
+) -> None:
+    from kvflow.services.scheduler.jump_forward import jump_forward
+    from kvflow.services.scheduler.request import Request
+
+    constraint = StructuredOutputsParams(choice=["alpha"])
+    params = SamplingParams(max_tokens=8, structured_outputs=constraint, **overrides)
+    eos = frozenset({tokenizer.eos_token_id})
+    request = Request("r", [1, 2], params, eos_token_ids=eos, max_tokens=8)
+    request.grammar = RequestGrammar(compiler_for(tokenizer).submit(constraint).result(60))
+    for token in tokenizer.encode("alpha", add_special_tokens=False):
+        assert request.grammar.accept(token)
+        request.append_output_token(token)
+    forced = jump_forward(request, MAX_MODEL_LEN)
+    assert forced == ([tokenizer.eos_token_id] if jumps else [])
+    assert request.is_finished == jumps
