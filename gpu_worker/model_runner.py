@@ -20,11 +20,13 @@ from kvflow.gpu_worker.denormals import flush_denormals_on_cpu
 from kvflow.gpu_worker.grammar_bitmask import apply_grammar_bitmask
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from kvflow.gpu_worker.kv_connector.connector import KVConnectorWorker, make_connector_worker
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
 from kvflow.gpu_worker.rejection_sampler import DraftBatch, RejectionSampler
 from kvflow.gpu_worker.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from kvflow.gpu_worker.spec_metadata import verification_metadata
 from kvflow.kernels.cpu.native_build import load_all as load_native_kernels
+from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.proto.step import StepPlan, StepResult, TokenLogprobs
 
 if TYPE_CHECKING:  # imports Triton: only loaded where graphs are captured
@@ -44,6 +46,9 @@ class RunnerConfig:
     eos_token_ids: frozenset[int]
     max_num_seqs: int  # slots of the persistent batch
     max_model_len: int  # tokens per slot
+    # Disaggregated prefill/decode: the KV connector and its layout namespace.
+    kv_transfer: KVTransferConfig | None = None
+    kv_namespace: str = ""
 
 
 class ModelRunner:
@@ -70,6 +75,7 @@ class ModelRunner:
         # Verifies draft tokens; shares the unseeded requests' generator.
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.num_blocks = 0
+        self.kv_connector: KVConnectorWorker | None = None
         self.decode_graphs: DecodeGraphs | None = None
 
     def determine_num_blocks(self) -> int:
@@ -92,6 +98,8 @@ class ModelRunner:
         for layer, cache in zip(self.model.attention_layers(), caches):
             layer.kv_cache = cache
         self.num_blocks = num_blocks
+        config = self.config
+        self.kv_connector = make_connector_worker(config.kv_transfer, config.kv_namespace, caches)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode CUDA graphs (after the KV cache is bound); returns the seconds
@@ -136,6 +144,9 @@ class ModelRunner:
         if not plan.scheduled_req_ids:
             return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
         inputs = self.batch.prepare_inputs(plan)
+        connector = self.kv_connector if plan.kv_connector is not None else None
+        if connector is not None:
+            connector.start_load_kv(plan.kv_connector)  # type: ignore[arg-type]
         graphs = self.decode_graphs
         with forward_context(inputs.metadata):
             if graphs is not None and graphs.can_run(inputs):
@@ -152,6 +163,8 @@ class ModelRunner:
         else:
             result = self._sample(inputs, logits[:num_sampled])
         self._add_prompt_logprobs(inputs, logits[num_sampled:], result)
+        if connector is not None:
+            connector.wait_for_save(plan.kv_connector)  # type: ignore[arg-type]
         result.step_id = plan.step_id
         result.execute_time_s = time.perf_counter() - start
         return result

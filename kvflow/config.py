@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvflow.errors import ConfigError
+from kvflow.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
 from kvflow.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -150,6 +151,19 @@ class SpeculativeOptions:
 
 
 @dataclass(frozen=True)
+class KVTransferOptions:
+    kv_transfer_config: KVTransferConfig | None = field(
+        default=None,
+        metadata={
+            "help": "disaggregated prefill/decode as JSON, e.g. "
+            '\'{"kv_role": "kv_producer", "kv_connector": "shared-storage", '
+            '"kv_connector_extra_config": {"storage_path": "/tmp/kv"}}\'',
+            "parse": parse_kv_transfer_config,
+        },
+    )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -157,6 +171,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
+    kv_transfer: KVTransferOptions = field(default_factory=KVTransferOptions)
 
     @classmethod
     def create(cls, **options: Any) -> EngineConfig:
@@ -180,6 +195,9 @@ class EngineConfig:
         spec = by_section["speculative"].get("speculative_config")
         if spec is not None:  # JSON text or a dict (LLM(speculative_config={...}))
             by_section["speculative"]["speculative_config"] = SpeculativeConfig.parse(spec)
+        kv_transfer = by_section["kv_transfer"].get("kv_transfer_config")
+        if kv_transfer is not None:  # JSON text or a dict (LLM(kv_transfer_config={...}))
+            by_section["kv_transfer"]["kv_transfer_config"] = KVTransferConfig.parse(kv_transfer)
         by_section["model"]["dtype"] = resolve_dtype(
             by_section["model"].get("dtype", "auto"), device
         )
@@ -193,6 +211,7 @@ _SECTION_TYPES: dict[str, type] = {
     "parallel": ParallelConfig,
     "device": DeviceConfig,
     "speculative": SpeculativeOptions,
+    "kv_transfer": KVTransferOptions,
 }
 
 

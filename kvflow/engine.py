@@ -22,6 +22,7 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError
+from kvflow.kv_transfer_config import engine_kv_namespace
 from kvflow.metrics.roofline import ModelShape, RooflineMeter
 from kvflow.model_limits import read_model_limits
 from kvflow.outputs import RequestOutput
@@ -31,6 +32,7 @@ from kvflow.proto.step import StepResult
 from kvflow.request_outputs import RequestOutputs
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
 from kvflow.services.detokenizer.streams import DetokenizerStreams
+from kvflow.services.kv_transfer.connector import make_connector_scheduler
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
 from kvflow.services.scheduler.grammar_compiler import grammar_compiler
@@ -80,6 +82,11 @@ class LLMEngine:
                 self.max_model_len,
                 self.vocab_size,
                 make_speculator(config.speculative.speculative_config),
+                make_connector_scheduler(
+                    config.kv_transfer.kv_transfer_config,
+                    config.cache.block_size,
+                    engine_kv_namespace(config),
+                ),
             ),
             limits,
             config.scheduler.max_steps_in_flight,
@@ -108,6 +115,8 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 max_num_seqs=config.scheduler.max_num_seqs,
                 max_model_len=self.max_model_len,
+                kv_transfer=config.kv_transfer.kv_transfer_config,
+                kv_namespace=engine_kv_namespace(config),
             )
         )
         runner.initialize_kv_cache(runner.determine_num_blocks())

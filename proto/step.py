@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvflow.proto.kv_transfer import KVConnectorMeta
 from kvflow.sampling_params import SamplingParams
 
 
@@ -56,6 +57,8 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc
     # num_scheduled_tokens counts them: 1 + k for a decode). The worker verifies them and
     # returns the accepted ones plus one more token in `StepResult.sampled_token_ids`.
     spec_token_ids: dict[str, list[int]] = {}
+    # Disaggregated prefill/decode: KV blocks to load before / save after this step.
+    kv_connector: KVConnectorMeta | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

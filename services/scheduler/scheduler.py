@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvflow.config import SchedulerConfig
 from kvflow.proto.engine import TokenDelta
+from kvflow.proto.kv_transfer import KVConnectorMeta
 from kvflow.proto.step import (
     CachedRequestData,
     NewRequestData,
@@ -23,6 +24,7 @@ from kvflow.proto.step import (
     StepResult,
     TokenLogprobs,
 )
+from kvflow.services.kv_transfer.connector import KVConnectorScheduler, PromptDone
 from kvflow.services.scheduler.grammar_matcher import build_bitmask
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus
@@ -70,9 +72,11 @@ class Scheduler:
         max_model_len: int,
         vocab_size: int = 0,  # the logits' width: guided decoding's bitmask rows
         speculator: Speculator | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.config = config
         self.speculator = speculator
+        self.kv_connector = kv_connector  # disaggregated prefill/decode (services/kv_transfer)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -125,8 +129,15 @@ class Scheduler:
         if not step.preempted:  # admitting new work while preempting would thrash
             self._schedule_waiting(step, now)
         sampling = []
+        prompts_done = []
         for req_id, num_tokens in step.scheduled.items():
             request = self.requests[req_id]
+            if (
+                request.num_computed_tokens
+                < request.num_prompt_tokens
+                <= (request.num_computed_tokens + num_tokens)
+            ):
+                prompts_done.append(request)
             request.num_computed_tokens += num_tokens
             drafts = step.spec_tokens.get(req_id)
             if drafts is not None:  # verifies its drafts, then samples one more token
@@ -145,9 +156,17 @@ class Scheduler:
             finished_req_ids=self._worker_forget,
             grammar_bitmask=build_bitmask(sampling, self.vocab_size),
             spec_token_ids=step.spec_tokens,
+            kv_connector=self._connector_meta(prompts_done),
         )
         self._worker_forget = []
         return plan
+
+    def _connector_meta(self, prompts_done: list[Request]) -> KVConnectorMeta | None:
+        if self.kv_connector is None:
+            return None
+        get_block_ids = self.kv_cache.get_block_ids
+        done = [PromptDone(r, get_block_ids(r.request_id)) for r in prompts_done]
+        return self.kv_connector.build_meta(done)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if request.num_spec_in_flight is not None:
@@ -276,11 +295,18 @@ class Scheduler:
             computed = ComputedBlocks([], 0)
             if request.sampling_params.prompt_logprobs is None:  # those need every position
                 computed = self.kv_cache.get_computed_blocks(request)
-            request.num_computed_tokens = computed.num_computed_tokens
+            num_local = computed.num_computed_tokens
+            num_external = self._num_external_tokens(request, num_local)
+            request.num_computed_tokens = num_local + num_external
             num_new = self._num_new_tokens(request, step.budget)
-            if self.kv_cache.allocate_slots(request, num_new, computed) is None:
+            # allocate_slots counts a new request's KV from its local hit alone.
+            request.num_computed_tokens = num_local
+            if self.kv_cache.allocate_slots(request, num_external + num_new, computed) is None:
                 request.num_computed_tokens = 0
                 break
+            if num_external:
+                request.num_computed_tokens += num_external
+                self._on_external_alloc(request, num_local, num_external)
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = computed.num_computed_tokens
@@ -289,6 +315,17 @@ class Scheduler:
             self.running.append(request)
             step.new_requests.append(self._new_request_data(request))
             step.add(request, num_new)
+
+    def _num_external_tokens(self, request: Request, num_local: int) -> int:
+        """Prompt tokens past the local hit whose KV a connector loads from outside."""
+        if self.kv_connector is None:
+            return 0
+        return self.kv_connector.get_num_new_matched_tokens(request, num_local)
+
+    def _on_external_alloc(self, request: Request, num_local: int, num_external: int) -> None:
+        assert self.kv_connector is not None
+        block_ids = self.kv_cache.get_block_ids(request.request_id)
+        self.kv_connector.update_state_after_alloc(request, block_ids, num_local, num_external)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -381,6 +418,8 @@ class Scheduler:
                 request.request_id, request.all_token_ids, request.num_prompt_tokens
             )
         self.kv_cache.free(request.request_id)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(request)
         self.requests.pop(request.request_id, None)
         self._scheduled_time.pop(request.request_id, None)
         self._first_token_time.pop(request.request_id, None)

@@ -1,0 +1,78 @@
+"""The scheduler side of a KV connector: which prompt KV comes from outside, which goes out.
+
+The scheduler calls it at three points of a step (scheduler.py), and never sees a byte::
+
+    _schedule_waiting:  local prefix hit ─▶ get_num_new_matched_tokens ─▶ allocate_slots
+                                                                       └▶ update_state_after_alloc
+    schedule (end):     build_meta ─▶ StepPlan.kv_connector ─▶ the worker side loads
+                                                               before, saves after the forward
+    a request leaves:   request_finished
+
+Loads here are synchronous with the step that needs them: the worker loads the blocks
+before that step's forward pass, so a request never waits in a state of its own and
+blocks nobody. (A transport with real latency, instance to instance, would park the
+request until its blocks arrive; that connector is not built yet.)
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from kvflow.kv_transfer_config import KVTransferConfig
+from kvflow.proto.kv_transfer import KVConnectorMeta
+from kvflow.services.scheduler.request import Request
+
+
+@dataclass
+class KVTransferCounters:
+    """Cumulative, for the engine's stats (kvflow:kv_transfer_* metrics)."""
+
+    num_loaded_requests: int = 0
+    num_loaded_tokens: int = 0  # prompt tokens whose KV came from outside
+    num_saved_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class PromptDone:
+    """A request whose prompt this step completes, and its blocks (position order)."""
+
+    request: Request
+    block_ids: list[int]
+
+
+class KVConnectorScheduler(abc.ABC):
+    def __init__(self, config: KVTransferConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.counters = KVTransferCounters()
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> int:
+        """Tokens past the local prefix-cache hit whose KV can be loaded from outside
+        (0 if none); the request then allocates blocks for them too."""
+
+    @abc.abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_local: int, num_external: int
+    ) -> None:
+        """The request got its blocks: remember which of them the load fills."""
+
+    @abc.abstractmethod
+    def build_meta(self, prompts_done: list[PromptDone]) -> KVConnectorMeta | None:
+        """This step's loads and saves (None when there are none)."""
+
+    @abc.abstractmethod
+    def request_finished(self, request: Request) -> None:
+        """The request left (finished or aborted): drop what is kept for it."""
+
+
+def make_connector_scheduler(
+    config: KVTransferConfig | None, block_size: int, namespace: str
+) -> KVConnectorScheduler | None:
+    if config is None:
+        return None
+    from kvflow.services.kv_transfer.shared_storage import SharedStorageScheduler
+
+    assert config.kv_connector == "shared-storage", config.kv_connector
+    return SharedStorageScheduler(config, block_size, namespace)
