@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 
 from kvflow.config import EngineConfig
+from kvflow.kv_transfer_config import engine_kv_namespace
 from kvflow.metrics.device_peaks import DevicePeaks, resolve_peaks
 from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.model_limits import read_model_limits
@@ -155,6 +156,8 @@ def _build_runner(
                 eos_token_ids=eos_token_ids,
                 max_num_seqs=config.scheduler.max_num_seqs,
                 max_model_len=max_model_len,
+                kv_transfer=config.kv_transfer.kv_transfer_config,
+                kv_namespace=engine_kv_namespace(config),
             )
         )
     with phases.measure("roofline_calibration"):

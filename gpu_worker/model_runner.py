@@ -165,6 +165,7 @@ class ModelRunner:
         self._add_prompt_logprobs(inputs, logits[num_sampled:], result)
         if connector is not None:
             connector.wait_for_save(plan.kv_connector)  # type: ignore[arg-type]
+            result.kv_transfer = connector.take_stats()
         result.step_id = plan.step_id
         result.execute_time_s = time.perf_counter() - start
         return result

@@ -24,3 +24,29 @@ class KVConnectorMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     loads: list[KVBlockTransfer] = []
     # Saved after the forward pass: prompts that this step completed.
     saves: list[KVBlockTransfer] = []
+
+
+class KVTransferStepStats(msgspec.Struct, array_like=True, gc=False):
+    """Worker -> scheduler, in a StepResult: what this step's connector moved."""
+
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+    load_s: float = 0.0
+    save_s: float = 0.0
+
+
+class KVTransferStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Scheduler -> frontends, in SchedulerStats: cumulative counts, plus the transfer
+    times since the last stats message (the frontend's histogram observes those)."""
+
+    num_loaded_requests: int = 0
+    num_loaded_tokens: int = 0  # prompt tokens whose KV came from outside
+    num_saved_blocks: int = 0
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+    num_load_failures: int = 0
+    # Prompt tokens this engine computed itself: on a decode instance that loads every
+    # prompt, one per request (the last prompt token, whose logits it samples from).
+    num_computed_prompt_tokens: int = 0
+    load_seconds: list[float] = []
+    save_seconds: list[float] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvflow.proto.kv_transfer import KVConnectorMeta
+from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStepStats
 from kvflow.sampling_params import SamplingParams
 
 
@@ -82,6 +82,7 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, 
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
     prompt_logprobs_start: dict[str, int] = {}
     execute_time_s: float = 0.0
+    kv_transfer: KVTransferStepStats | None = None  # with a KV connector: what it moved
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):

@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parsers(sub)  # serve + each process role alone (scheduler, worker, ...)
 
+    from kvflow.services.proxy.main import add_proxy_parser
+
+    add_proxy_parser(sub)  # disaggregated prefill/decode front
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from kvflow.services.bench import (

@@ -14,26 +14,15 @@ from __future__ import annotations
 
 import abc
 import time
-from dataclasses import dataclass
 
 import torch
 
 from kvflow.kv_transfer_config import KVTransferConfig
-from kvflow.proto.kv_transfer import KVConnectorMeta
+from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStepStats
 
 
 class KVLoadError(RuntimeError):
     pass
-
-
-@dataclass
-class KVTransferStats:
-    """Since the last take(): what moved and how long it took."""
-
-    bytes_loaded: int = 0
-    bytes_saved: int = 0
-    load_seconds: float = 0.0
-    save_seconds: float = 0.0
 
 
 class KVConnectorWorker(abc.ABC):
@@ -42,22 +31,23 @@ class KVConnectorWorker(abc.ABC):
         first = caches[0]
         self.block_shape = [len(caches), 2, *first.shape[2:]]
         self.dtype = first.dtype
-        self.stats = KVTransferStats()
+        self.stats = KVTransferStepStats()
 
     def start_load_kv(self, meta: KVConnectorMeta) -> None:
         if meta.loads:
             start = time.perf_counter()
             self.stats.bytes_loaded += self._load(meta)
-            self.stats.load_seconds += time.perf_counter() - start
+            self.stats.load_s += time.perf_counter() - start
 
     def wait_for_save(self, meta: KVConnectorMeta) -> None:
         if meta.saves:
             start = time.perf_counter()
             self.stats.bytes_saved += self._save(meta)
-            self.stats.save_seconds += time.perf_counter() - start
+            self.stats.save_s += time.perf_counter() - start
 
-    def take_stats(self) -> KVTransferStats:
-        stats, self.stats = self.stats, KVTransferStats()
+    def take_stats(self) -> KVTransferStepStats:
+        """What moved since the last call (the step's StepResult carries it)."""
+        stats, self.stats = self.stats, KVTransferStepStats()
         return stats
 
     @abc.abstractmethod

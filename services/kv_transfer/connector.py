@@ -19,18 +19,11 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import msgspec
+
 from kvflow.kv_transfer_config import KVTransferConfig
-from kvflow.proto.kv_transfer import KVConnectorMeta
+from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStats, KVTransferStepStats
 from kvflow.services.scheduler.request import Request
-
-
-@dataclass
-class KVTransferCounters:
-    """Cumulative, for the engine's stats (kvflow:kv_transfer_* metrics)."""
-
-    num_loaded_requests: int = 0
-    num_loaded_tokens: int = 0  # prompt tokens whose KV came from outside
-    num_saved_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,7 +38,24 @@ class KVConnectorScheduler(abc.ABC):
     def __init__(self, config: KVTransferConfig, block_size: int) -> None:
         self.config = config
         self.block_size = block_size
-        self.counters = KVTransferCounters()
+        self.counters = KVTransferStats()  # cumulative, for the kvflow:kv_* metrics
+
+    def on_step_result(self, stats: KVTransferStepStats) -> None:
+        """Count what the worker side moved in one step."""
+        counters = self.counters
+        counters.bytes_loaded += stats.bytes_loaded
+        counters.bytes_saved += stats.bytes_saved
+        if stats.bytes_loaded:
+            counters.load_seconds.append(stats.load_s)
+        if stats.bytes_saved:
+            counters.save_seconds.append(stats.save_s)
+
+    def take_stats(self) -> KVTransferStats:
+        """The cumulative counts, with the transfer times since the last call."""
+        counters = self.counters
+        stats = msgspec.structs.replace(counters)
+        counters.load_seconds, counters.save_seconds = [], []
+        return stats
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> int:

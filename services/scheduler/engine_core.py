@@ -259,6 +259,9 @@ class EngineCore:
         if len(step.live) < len(result.req_ids):
             result = _only_live(result, step.live)
         deltas = self.scheduler.update_from_output(step.plan, result, now=now)
+        connector = self.scheduler.kv_connector
+        if connector is not None and result.kv_transfer is not None:
+            connector.on_step_result(result.kv_transfer)
         self.counters.on_step(step.plan, deltas)
         for delta in deltas:
             if delta.finish_reason is None:
@@ -327,4 +330,5 @@ def _only_live(result: StepResult, live: set[str]) -> StepResult:
         prompt_logprobs={k: v for k, v in result.prompt_logprobs.items() if k in live},
         prompt_logprobs_start={k: v for k, v in result.prompt_logprobs_start.items() if k in live},
         execute_time_s=result.execute_time_s,
+        kv_transfer=result.kv_transfer,
     )

@@ -129,15 +129,11 @@ class Scheduler:
         if not step.preempted:  # admitting new work while preempting would thrash
             self._schedule_waiting(step, now)
         sampling = []
-        prompts_done = []
+        prompts_done: list[Request] = []
         for req_id, num_tokens in step.scheduled.items():
             request = self.requests[req_id]
-            if (
-                request.num_computed_tokens
-                < request.num_prompt_tokens
-                <= (request.num_computed_tokens + num_tokens)
-            ):
-                prompts_done.append(request)
+            if self.kv_connector is not None:
+                self._count_prompt_work(request, num_tokens, prompts_done)
             request.num_computed_tokens += num_tokens
             drafts = step.spec_tokens.get(req_id)
             if drafts is not None:  # verifies its drafts, then samples one more token
@@ -160,6 +156,19 @@ class Scheduler:
         )
         self._worker_forget = []
         return plan
+
+    def _count_prompt_work(
+        self, request: Request, num_tokens: int, prompts_done: list[Request]
+    ) -> None:
+        """Before a scheduled chunk is counted as computed: the prompt tokens it computes
+        (a decode instance's metric) and whether it completes the prompt (a save)."""
+        assert self.kv_connector is not None
+        num_prompt_left = request.num_prompt_tokens - request.num_computed_tokens
+        if num_prompt_left > 0:
+            counters = self.kv_connector.counters
+            counters.num_computed_prompt_tokens += min(num_prompt_left, num_tokens)
+            if num_prompt_left <= num_tokens:
+                prompts_done.append(request)
 
     def _connector_meta(self, prompts_done: list[Request]) -> KVConnectorMeta | None:
         if self.kv_connector is None:

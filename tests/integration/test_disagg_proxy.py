@@ -1,0 +1,144 @@
+"""Disaggregated prefill/decode over HTTP: a producer and a consumer `kvflow serve` with
+the shared-storage connector behind `kvflow proxy`. Greedy answers through the proxy
+equal the offline colocated engine's; the decode instance computes one prompt token
+per sample (the last, which it samples from), from its own metrics; a dead prefill
+instance costs time, never the answer, and no instance holds a block afterwards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serve_harness import (
+    KVFLOW,
+    MODEL_NAME,
+    Server,
+    free_port,
+    metric_values,
+    sse_events,
+    start_server,
+    stop_server,
+    wait_for,
+)
+
+from kvflow import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+ENGINE = ["--num-threads", "1", "--block-size", "8"]
+LONG = "Once upon a time in a land far away there lived a careful engineer. " * 4
+CASES: list[tuple[str, dict[str, Any]]] = [
+    (LONG, {"max_tokens": 10, "temperature": 0.0}),
+    ("Hi", {"max_tokens": 6, "temperature": 0.0, "n": 2}),
+    (LONG + "And then", {"max_tokens": 12, "temperature": 0.0, "stop": ["e"]}),
+]
+
+
+def _kv(role: str, path: Path) -> str:
+    return json.dumps(
+        {
+            "kv_role": role,
+            "kv_connector": "shared-storage",
+            "kv_connector_extra_config": {"storage_path": str(path)},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def disagg(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, Server, str]]:
+    logs = tmp_path_factory.mktemp("disagg")
+    storage = logs / "kv"
+    prefill = start_server(
+        tiny_model_dir, logs, *ENGINE, "--kv-transfer-config", _kv("kv_producer", storage)
+    )
+    decode = start_server(
+        tiny_model_dir, logs, *ENGINE, "--kv-transfer-config", _kv("kv_consumer", storage)
+    )
+    port = free_port()
+    command = [str(KVFLOW), "proxy", "--prefill", prefill.base_url, "--decode", decode.base_url]
+    with open(logs / "proxy.log", "wb") as log:
+        proxy = subprocess.Popen([*command, "--port", str(port)], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        assert wait_for(up, 60.0), (logs / "proxy.log").read_text()
+        yield prefill, decode, url
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=10)
+        for server in (prefill, decode):
+            if server.process.poll() is None:
+                stop_server(server)
+
+
+def _offline(model: Path) -> list[list[str]]:
+    llm = LLM(str(model), dtype="float32", device="cpu", num_threads=1, num_blocks=64)
+    outputs = llm.generate([p for p, _ in CASES], [SamplingParams(**k) for _, k in CASES])
+    return [[c.text for c in o.outputs] for o in outputs]
+
+
+def _completions(url: str) -> list[list[str]]:
+    texts = []
+    for prompt, kwargs in CASES:
+        body = {"model": MODEL_NAME, "prompt": prompt, **kwargs}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=120.0)
+        assert answer.status_code == 200, answer.text
+        choices = sorted(answer.json()["choices"], key=lambda c: c["index"])
+        texts.append([c["text"] for c in choices])
+    return texts
+
+
+def test_proxy_answers_equal_colocated(
+    disagg: tuple[Server, Server, str], tiny_model_dir: Path
+) -> None:
+    prefill, decode, url = disagg
+    expected = _offline(tiny_model_dir)
+    assert _completions(url) == expected
+
+    # Streamed: the decode instance's SSE arrives through the proxy as it is produced.
+    prompt, kwargs = CASES[0]
+    body = {"model": MODEL_NAME, "prompt": prompt, "stream": True, **kwargs}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120.0) as response:
+        events = list(sse_events(response))
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == expected[0][0]
+
+    samples = sum(k.get("n", 1) for _, k in CASES) + 1  # + the streamed one
+    computed = "kvflow:kv_transfer_computed_prompt_tokens_total"
+    # Stats arrive every 0.5 s: wait until the generation counter has caught up.
+    wait_for(lambda: metric_values(decode.base_url).get(computed, 0) >= samples, 5.0)
+    decoded = metric_values(decode.base_url)
+    # One prompt token per sample: "Hi" is one token (nothing to load, the same count).
+    assert decoded[computed] == samples
+    assert decoded["kvflow:kv_transfer_loaded_bytes_total"] > 0
+    assert metric_values(prefill.base_url)["kvflow:kv_transfer_saved_bytes_total"] > 0
+
+
+def test_dead_prefill_instance_costs_time_not_the_answer(
+    disagg: tuple[Server, Server, str], tiny_model_dir: Path
+) -> None:
+    prefill, decode, url = disagg
+    stop_server(prefill)
+    prompt = "A prompt that no instance has seen before, long enough for two blocks."
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    answer = httpx.post(url + "/v1/completions", json=body, timeout=120.0)
+    assert answer.status_code == 200, answer.text
+    llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu", num_threads=1, num_blocks=64)
+    expected = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))
+    assert answer.json()["choices"][0]["text"] == expected[0].outputs[0].text
+    assert httpx.get(url + "/health").json()["prefill_failures"] == 1
+    # Idle: no block held (kv_cache_usage counts blocks referenced by a request).
+    assert wait_for(lambda: metric_values(decode.base_url)["kvflow:kv_cache_usage_perc"] == 0, 5.0)
