@@ -158,6 +158,7 @@ def _build_runner(
                 max_model_len=max_model_len,
                 kv_transfer=config.kv_transfer.kv_transfer_config,
                 kv_namespace=engine_kv_namespace(config),
+                kv_load_timeout=config.kv_transfer.kv_load_timeout,
             )
         )
     with phases.measure("roofline_calibration"):

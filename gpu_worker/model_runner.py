@@ -34,6 +34,9 @@ if TYPE_CHECKING:  # imports Triton: only loaded where graphs are captured
 
 logger = logging.getLogger(__name__)
 
+# An empty step (requests only waiting for KV pulls) waits this long for one to end,
+# so that the scheduler's polling for them does not spin a core.
+_IDLE_LOAD_WAIT_S = 0.005
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -49,6 +52,7 @@ class RunnerConfig:
     # Disaggregated prefill/decode: the KV connector and its layout namespace.
     kv_transfer: KVTransferConfig | None = None
     kv_namespace: str = ""
+    kv_load_timeout: float = 30.0
 
 
 class ModelRunner:
@@ -99,7 +103,9 @@ class ModelRunner:
             layer.kv_cache = cache
         self.num_blocks = num_blocks
         config = self.config
-        self.kv_connector = make_connector_worker(config.kv_transfer, config.kv_namespace, caches)
+        self.kv_connector = make_connector_worker(
+            config.kv_transfer, config.kv_namespace, caches, config.kv_load_timeout
+        )
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode CUDA graphs (after the KV cache is bound); returns the seconds
@@ -141,12 +147,16 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         self.batch.apply_plan(plan)
+        connector = self.kv_connector
+        if connector is not None and plan.kv_connector is not None:
+            connector.start_load_kv(plan.kv_connector)
         if not plan.scheduled_req_ids:
-            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+            result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+            if connector is not None:  # a step that only waits for background loads
+                connector.wait_for_loads(_IDLE_LOAD_WAIT_S)
+                result.kv_transfer = connector.take_stats()
+            return result
         inputs = self.batch.prepare_inputs(plan)
-        connector = self.kv_connector if plan.kv_connector is not None else None
-        if connector is not None:
-            connector.start_load_kv(plan.kv_connector)  # type: ignore[arg-type]
         graphs = self.decode_graphs
         with forward_context(inputs.metadata):
             if graphs is not None and graphs.can_run(inputs):
@@ -164,7 +174,8 @@ class ModelRunner:
             result = self._sample(inputs, logits[:num_sampled])
         self._add_prompt_logprobs(inputs, logits[num_sampled:], result)
         if connector is not None:
-            connector.wait_for_save(plan.kv_connector)  # type: ignore[arg-type]
+            if plan.kv_connector is not None:
+                connector.wait_for_save(plan.kv_connector)
             result.kv_transfer = connector.take_stats()
         result.step_id = plan.step_id
         result.execute_time_s = time.perf_counter() - start

@@ -161,6 +161,17 @@ class KVTransferOptions:
             "parse": parse_kv_transfer_config,
         },
     )
+    kv_load_failure_policy: Literal["recompute", "fail"] = _opt(
+        "recompute",
+        "a remote KV load that fails or times out: compute the prompt here, or fail the request",
+    )
+    kv_load_timeout: float = _opt(
+        30.0, "seconds a decode instance waits for a prompt's KV from its producer"
+    )
+
+    def __post_init__(self) -> None:
+        if not self.kv_load_timeout > 0:
+            raise ConfigError(f"kv_load_timeout must be > 0, got {self.kv_load_timeout}")
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,7 @@ class LLMEngine:
                     config.kv_transfer.kv_transfer_config,
                     config.cache.block_size,
                     engine_kv_namespace(config),
+                    config.kv_transfer.kv_load_failure_policy,
                 ),
             ),
             limits,
@@ -117,6 +118,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 kv_transfer=config.kv_transfer.kv_transfer_config,
                 kv_namespace=engine_kv_namespace(config),
+                kv_load_timeout=config.kv_transfer.kv_load_timeout,
             )
         )
         runner.initialize_kv_cache(runner.determine_num_blocks())

@@ -9,8 +9,10 @@ The JSON shape is vLLM's, so a deployment script reads the same::
 - kv_consumer: a decode instance; loads KV from outside instead of computing it.
 - kv_both: both (with shared storage, a disk prefix cache shared by every instance).
 
-Connectors: `shared-storage` (files in a directory, keyed by the block-hash chain).
-`zmq` (instance-to-instance frames) is refused with a ConfigError until it exists.
+Connectors: `shared-storage` (files in a directory, keyed by the block-hash chain) and
+`zmq` (a consumer pulls the blocks from the producer that `kv_transfer_params` names:
+`{"kv_role": "kv_producer", "kv_connector": "zmq", "kv_connector_extra_config":
+{"kv_port": 8200}}`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+import msgspec
+
 from kvflow.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -29,8 +33,8 @@ if TYPE_CHECKING:
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-CONNECTORS = ("shared-storage",)
-_PLANNED = ("zmq",)  # named in the design, not built yet: a clear refusal, never a stub
+CONNECTORS = ("shared-storage", "zmq")
+_PLANNED: tuple[str, ...] = ()  # named in the design, not built yet: refused clearly
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,22 @@ class KVTransferConfig:
             raise ConfigError(
                 "the shared-storage connector needs kv_connector_extra_config.storage_path"
             )
+        if self.kv_connector == "zmq" and self.is_producer and not self.kv_port:
+            raise ConfigError("a zmq producer needs kv_connector_extra_config.kv_port")
+
+    @property
+    def kv_host(self) -> str:
+        """The zmq producer's bind address (loopback unless set)."""
+        return str(self.kv_connector_extra_config.get("kv_host", "127.0.0.1"))
+
+    @property
+    def kv_port(self) -> int:
+        return int(self.kv_connector_extra_config.get("kv_port", 0))
+
+    @property
+    def kv_buffer_bytes(self) -> int:
+        """Most bytes a zmq producer keeps for consumers to pull (oldest dropped)."""
+        return int(self.kv_connector_extra_config.get("kv_buffer_bytes", 1 << 30))
 
     @property
     def is_producer(self) -> bool:
@@ -83,6 +103,14 @@ class KVTransferConfig:
         if not isinstance(options.get("kv_connector_extra_config", {}), dict):
             raise ConfigError("kv_connector_extra_config must be a JSON object")
         return cls(**options)
+
+
+class KVTransferParams(msgspec.Struct, omit_defaults=True):
+    """Per request (vLLM's `kv_transfer_params` body field): where its KV comes from.
+    Unknown keys that vLLM clients send are ignored."""
+
+    remote_address: str | None = None  # "tcp://host:port" of the zmq producer
+    do_remote_decode: bool = False  # a proxy's prefill request: its KV is for elsewhere
 
 
 def parse_kv_transfer_config(text: str) -> KVTransferConfig:

@@ -17,6 +17,7 @@ class KVBlockTransfer(msgspec.Struct, array_like=True, gc=False):
     req_id: str
     block_ids: list[int]  # local block ids, position order
     keys: list[str]  # one per block id
+    remote: str = ""  # zmq: the producer to pull from ("tcp://host:port")
 
 
 class KVConnectorMeta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -33,6 +34,9 @@ class KVTransferStepStats(msgspec.Struct, array_like=True, gc=False):
     bytes_saved: int = 0
     load_s: float = 0.0
     save_s: float = 0.0
+    # Asynchronous loads (zmq) that ended since the last step: the request ids.
+    finished_loading: list[str] = []
+    failed_loading: list[str] = []
 
 
 class KVTransferStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -50,3 +54,20 @@ class KVTransferStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     num_computed_prompt_tokens: int = 0
     load_seconds: list[float] = []
     save_seconds: list[float] = []
+
+
+class KVPull(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Consumer -> producer (zmq connector): send me these blocks of this request."""
+
+    req_id: str
+    keys: list[str]
+
+
+class KVBlocksHeader(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Producer -> consumer, the first frame of the answer to a KVPull; one raw frame per
+    found block follows, each `shape` of `dtype` in C order (every layer's K and V)."""
+
+    req_id: str
+    keys: list[str]  # the blocks that follow, in order (the ones the producer holds)
+    dtype: str
+    shape: list[int]  # [num_layers, 2, block_size, kv_heads, head_dim]

@@ -45,6 +45,11 @@ class KVConnectorWorker(abc.ABC):
             self.stats.bytes_saved += self._save(meta)
             self.stats.save_s += time.perf_counter() - start
 
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """An empty step: wait up to `timeout_s` for a background load to end (none by
+        default: synchronous connectors finish theirs within the step)."""
+        return None
+
     def take_stats(self) -> KVTransferStepStats:
         """What moved since the last call (the step's StepResult carries it)."""
         stats, self.stats = self.stats, KVTransferStepStats()
@@ -60,11 +65,17 @@ class KVConnectorWorker(abc.ABC):
 
 
 def make_connector_worker(
-    config: KVTransferConfig | None, namespace: str, caches: list[torch.Tensor]
+    config: KVTransferConfig | None,
+    namespace: str,
+    caches: list[torch.Tensor],
+    load_timeout_s: float = 30.0,
 ) -> KVConnectorWorker | None:
     if config is None:
         return None
+    if config.kv_connector == "zmq":
+        from kvflow.gpu_worker.kv_connector.zmq_connector import ZmqWorker
+
+        return ZmqWorker(config, caches, load_timeout_s)
     from kvflow.gpu_worker.kv_connector.shared_storage import SharedStorageWorker
 
-    assert config.kv_connector == "shared-storage", config.kv_connector
     return SharedStorageWorker(config.storage_path, namespace, caches)

@@ -23,6 +23,7 @@ import msgspec
 
 from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStats, KVTransferStepStats
+from kvflow.services.kv_transfer.block_keys import prompt_block_keys
 from kvflow.services.scheduler.request import Request
 
 
@@ -35,10 +36,18 @@ class PromptDone:
 
 
 class KVConnectorScheduler(abc.ABC):
-    def __init__(self, config: KVTransferConfig, block_size: int) -> None:
+    # True: the worker loads in the background and reports when done (remote_loads.py);
+    # False: it loads before the forward of the step that first computes the request.
+    load_is_async = False
+
+    def __init__(
+        self, config: KVTransferConfig, block_size: int, failure_policy: str = "recompute"
+    ) -> None:
         self.config = config
         self.block_size = block_size
+        self.failure_policy = failure_policy
         self.counters = KVTransferStats()  # cumulative, for the kvflow:kv_* metrics
+        self._keys: dict[str, list[str]] = {}  # req_id -> its prompt's block keys
 
     def on_step_result(self, stats: KVTransferStepStats) -> None:
         """Count what the worker side moved in one step."""
@@ -72,17 +81,32 @@ class KVConnectorScheduler(abc.ABC):
     def build_meta(self, prompts_done: list[PromptDone]) -> KVConnectorMeta | None:
         """This step's loads and saves (None when there are none)."""
 
-    @abc.abstractmethod
     def request_finished(self, request: Request) -> None:
         """The request left (finished or aborted): drop what is kept for it."""
+        self._keys.pop(request.request_id, None)
+
+    def prompt_keys(self, request: Request) -> list[str]:
+        """The transfer keys of the request's prompt blocks (block_keys.py), cached."""
+        keys = self._keys.get(request.request_id)
+        if keys is None:
+            prompt = request.all_token_ids[: request.num_prompt_tokens]
+            keys = prompt_block_keys(prompt, self.block_size, request.cache_salt)
+            self._keys[request.request_id] = keys
+        return keys
 
 
 def make_connector_scheduler(
-    config: KVTransferConfig | None, block_size: int, namespace: str
+    config: KVTransferConfig | None,
+    block_size: int,
+    namespace: str,
+    failure_policy: str = "recompute",
 ) -> KVConnectorScheduler | None:
     if config is None:
         return None
+    if config.kv_connector == "zmq":
+        from kvflow.services.kv_transfer.zmq_connector import ZmqScheduler
+
+        return ZmqScheduler(config, block_size, failure_policy)
     from kvflow.services.kv_transfer.shared_storage import SharedStorageScheduler
 
-    assert config.kv_connector == "shared-storage", config.kv_connector
     return SharedStorageScheduler(config, block_size, namespace)

@@ -17,7 +17,6 @@ import os
 
 from kvflow.kv_transfer_config import KVTransferConfig, block_file_path
 from kvflow.proto.kv_transfer import KVBlockTransfer, KVConnectorMeta
-from kvflow.services.kv_transfer.block_keys import prompt_block_keys
 from kvflow.services.kv_transfer.connector import KVConnectorScheduler, PromptDone
 from kvflow.services.scheduler.request import Request
 
@@ -26,13 +25,12 @@ class SharedStorageScheduler(KVConnectorScheduler):
     def __init__(self, config: KVTransferConfig, block_size: int, namespace: str) -> None:
         super().__init__(config, block_size)
         self.namespace = namespace
-        self._keys: dict[str, list[str]] = {}  # req_id -> its prompt's block keys
         self._loads: list[KVBlockTransfer] = []  # for the step being planned
 
     def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> int:
         if not self.config.is_consumer or request.sampling_params.prompt_logprobs is not None:
             return 0  # prompt logprobs need the logits of every prompt position
-        keys = self._prompt_keys(request)
+        keys = self.prompt_keys(request)
         first = num_local_computed // self.block_size
         found = first
         while found < len(keys) and self._exists(keys[found]):
@@ -48,7 +46,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
             return
         first = num_local // self.block_size
         end = -(-(num_local + num_external) // self.block_size)
-        keys = self._prompt_keys(request)
+        keys = self.prompt_keys(request)
         self._loads.append(
             KVBlockTransfer(request.request_id, block_ids[first:end], keys[first:end])
         )
@@ -62,15 +60,12 @@ class SharedStorageScheduler(KVConnectorScheduler):
             return None
         return KVConnectorMeta(loads=loads, saves=saves)
 
-    def request_finished(self, request: Request) -> None:
-        self._keys.pop(request.request_id, None)
-
     def _saves(self, prompts_done: list[PromptDone]) -> list[KVBlockTransfer]:
         """The prompts this step completes: each block not yet on disk."""
         saves = []
         for done in prompts_done:
             request, block_ids = done.request, done.block_ids
-            keys = self._prompt_keys(request)
+            keys = self.prompt_keys(request)
             todo = [i for i, key in enumerate(keys) if not self._exists(key)]
             if todo:
                 saves.append(
@@ -80,14 +75,6 @@ class SharedStorageScheduler(KVConnectorScheduler):
                 )
                 self.counters.num_saved_blocks += len(todo)
         return saves
-
-    def _prompt_keys(self, request: Request) -> list[str]:
-        keys = self._keys.get(request.request_id)
-        if keys is None:
-            prompt = request.all_token_ids[: request.num_prompt_tokens]
-            keys = prompt_block_keys(prompt, self.block_size, request.cache_salt)
-            self._keys[request.request_id] = keys
-        return keys
 
     def _exists(self, key: str) -> bool:
         return os.path.exists(block_file_path(self.config.storage_path, self.namespace, key))

@@ -155,6 +155,7 @@ def _serve(
         config.kv_transfer.kv_transfer_config,
         config.cache.block_size,
         engine_kv_namespace(config),
+        config.kv_transfer.kv_load_failure_policy,
     )
     scheduler = Scheduler(
         config.scheduler, kv_cache, info.max_model_len, info.vocab_size, speculator, kv_connector

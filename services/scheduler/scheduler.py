@@ -25,6 +25,7 @@ from kvflow.proto.step import (
     TokenLogprobs,
 )
 from kvflow.services.kv_transfer.connector import KVConnectorScheduler, PromptDone
+from kvflow.services.kv_transfer.remote_loads import RemoteKVLoads
 from kvflow.services.scheduler.grammar_matcher import build_bitmask
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus
@@ -77,6 +78,9 @@ class Scheduler:
         self.config = config
         self.speculator = speculator
         self.kv_connector = kv_connector  # disaggregated prefill/decode (services/kv_transfer)
+        self.remote_loads: RemoteKVLoads | None = None  # connectors that load asynchronously
+        if kv_connector is not None and kv_connector.load_is_async:
+            self.remote_loads = RemoteKVLoads(kv_cache, kv_connector.failure_policy)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -105,17 +109,35 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # already finished: aborts race with completion
+            parked = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif parked:
+                assert self.remote_loads is not None
+                self.remote_loads.abandon(request)  # its blocks: when the pull ends
             elif not request.is_finished:
                 self.waiting.remove(request)
             request.status = status
-            self._release(request)
+            self._release(request, keep_blocks=parked)
             finished.append(request)
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.remote_loads and self.remote_loads.loading)
+
+    def on_kv_loads(self, finished: list[str], failed: list[str]) -> list[Request]:
+        """Asynchronous loads that ended: ready requests go first in the queue, failed
+        ones recompute or fail (returned: they need a final delta)."""
+        if self.remote_loads is None or not (finished or failed):
+            return []
+        outcomes = self.remote_loads.on_outcomes(finished, failed)
+        if self.kv_connector is not None:
+            self.kv_connector.counters.num_load_failures = self.remote_loads.num_failures
+        for request in reversed(outcomes.ready + outcomes.recompute):
+            self.waiting.push_front(request)
+        for request in outcomes.failed:
+            self._release(request)
+        return outcomes.failed
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -301,34 +323,60 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
-            computed = ComputedBlocks([], 0)
-            if request.sampling_params.prompt_logprobs is None:  # those need every position
-                computed = self.kv_cache.get_computed_blocks(request)
-            num_local = computed.num_computed_tokens
-            num_external = self._num_external_tokens(request, num_local)
-            request.num_computed_tokens = num_local + num_external
-            num_new = self._num_new_tokens(request, step.budget)
-            # allocate_slots counts a new request's KV from its local hit alone.
-            request.num_computed_tokens = num_local
-            if self.kv_cache.allocate_slots(request, num_external + num_new, computed) is None:
-                request.num_computed_tokens = 0
+            admitted = self._allocate_waiting(request, step.budget)
+            if admitted is None:
                 break
-            if num_external:
-                request.num_computed_tokens += num_external
-                self._on_external_alloc(request, num_local, num_external)
+            num_new, parked = admitted
             self.waiting.pop()
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = computed.num_computed_tokens
             self._scheduled_time.setdefault(request.request_id, now)
+            if parked:  # its KV arrives in the background: no step until it has
+                assert self.remote_loads is not None
+                self.remote_loads.park(request)
+                continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.new_requests.append(self._new_request_data(request))
             step.add(request, num_new)
 
+    def _allocate_waiting(self, request: Request, budget: int) -> tuple[int, bool] | None:
+        """Blocks for a waiting request's next chunk (after its prefix-cache hit and
+        what a KV connector loads): (tokens to compute, parked for an asynchronous
+        load), or None (nothing changed) when it cannot start now."""
+        remote = self.remote_loads
+        if remote is not None and remote.take_loaded(request):  # holds its loaded blocks
+            num_new = self._num_new_tokens(request, budget)
+            if self.kv_cache.allocate_slots(request, num_new) is None:
+                remote.put_back_loaded(request)
+                return None
+            return num_new, False
+        computed = ComputedBlocks([], 0)
+        if request.sampling_params.prompt_logprobs is None:  # those need every position
+            computed = self.kv_cache.get_computed_blocks(request)
+        if remote is not None and remote.blocks_pending(computed.block_ids):
+            return None  # its prefix is still arriving for another request
+        num_local = computed.num_computed_tokens
+        num_external = self._num_external_tokens(request, num_local)
+        parked = num_external > 0 and remote is not None
+        request.num_computed_tokens = num_local + num_external
+        num_new = 0 if parked else self._num_new_tokens(request, budget)
+        # allocate_slots counts a new request's KV from its local hit alone.
+        request.num_computed_tokens = num_local
+        if self.kv_cache.allocate_slots(request, num_external + num_new, computed) is None:
+            request.num_computed_tokens = 0
+            return None
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_local
+        if num_external:
+            request.num_computed_tokens += num_external
+            self._on_external_alloc(request, num_local, num_external)
+        return num_new, parked
+
     def _num_external_tokens(self, request: Request, num_local: int) -> int:
         """Prompt tokens past the local hit whose KV a connector loads from outside."""
         if self.kv_connector is None:
             return 0
+        if self.remote_loads is not None and not self.remote_loads.may_load(request):
+            return 0  # its load failed once: computed here (kv_load_failure_policy)
         return self.kv_connector.get_num_new_matched_tokens(request, num_local)
 
     def _on_external_alloc(self, request: Request, num_local: int, num_external: int) -> None:
@@ -420,15 +468,18 @@ class Scheduler:
             prompt_logprobs=self._prompt_logprobs.pop(request.request_id, []) if first else [],
         )
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, keep_blocks: bool = False) -> None:
         """Free a finished request's blocks and tell the worker to forget it."""
         if self.speculator is not None:
             self.speculator.finish(
                 request.request_id, request.all_token_ids, request.num_prompt_tokens
             )
-        self.kv_cache.free(request.request_id)
+        if not keep_blocks:
+            self.kv_cache.free(request.request_id)
         if self.kv_connector is not None:
             self.kv_connector.request_finished(request)
+        if self.remote_loads is not None:
+            self.remote_loads.forget(request)
         self.requests.pop(request.request_id, None)
         self._scheduled_time.pop(request.request_id, None)
         self._first_token_time.pop(request.request_id, None)
@@ -447,6 +498,9 @@ class Scheduler:
             request.num_output_placeholders = 0  # the in-flight samples are lost
             self.waiting.push_front(request)
         self._worker_forget = []  # the new worker knows no request
+        if self.remote_loads is not None:
+            for request in reversed(self.remote_loads.drop_all()):
+                self.waiting.push_front(request)
         reset = self.kv_cache.reset_prefix_cache()
         assert reset, "a block is still held after every request was preempted"
         return len(running)

@@ -103,8 +103,8 @@ def test_disk_prefix_cache_across_instances(tiny_model_dir: Path, tmp_path: Path
 
 
 def test_config_refusals() -> None:
-    with pytest.raises(ConfigError, match="not available yet"):
-        LLM(kv_transfer_config={"kv_role": "kv_consumer", "kv_connector": "zmq"})
+    with pytest.raises(ConfigError, match="kv_port"):
+        LLM(kv_transfer_config={"kv_role": "kv_producer", "kv_connector": "zmq"})
     with pytest.raises(ConfigError, match="storage_path"):
         LLM(kv_transfer_config={"kv_role": "kv_consumer", "kv_connector": "shared-storage"})
     with pytest.raises(ConfigError, match="kv_role"):
