@@ -54,6 +54,7 @@ class KVTransferStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     num_computed_prompt_tokens: int = 0
     load_seconds: list[float] = []
     save_seconds: list[float] = []
+    num_waiting_for_remote_kv: int = 0  # a gauge: requests parked for their KV now
 
 
 class KVPull(msgspec.Struct, tag=True, array_like=True, gc=False):

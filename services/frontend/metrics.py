@@ -221,6 +221,12 @@ class FrontendMetrics:
             field: Counter(f"kvflow:{name}", doc, labels, registry=self.registry)
             for field, (name, doc) in _KV_TRANSFER_COUNTERS.items()
         }
+        self.num_requests_waiting_for_remote_kv = Gauge(
+            "kvflow:num_requests_waiting_for_remote_kv",
+            "Requests whose prompt KV is being pulled from a prefill instance.",
+            labels,
+            registry=self.registry,
+        )
         self.kv_transfer_seconds = Histogram(
             "kvflow:kv_transfer_seconds",
             "Histogram of the time one step spent moving KV, by direction (load, save).",
@@ -235,6 +241,7 @@ class FrontendMetrics:
         for field, counter in self.kv_transfer_counters.items():
             increment = self._increment(engine, f"kv_{field}", getattr(stats, field))
             counter.labels(*labels).inc(increment)
+        self.num_requests_waiting_for_remote_kv.labels(*labels).set(stats.num_waiting_for_remote_kv)
         for direction, seconds in (("load", stats.load_seconds), ("save", stats.save_seconds)):
             histogram = self.kv_transfer_seconds.labels(*labels, direction)
             for value in seconds:

@@ -6,8 +6,9 @@
     client ◀──────── decode's status, headers and body (SSE streamed as it comes) ──┘
 
 A prefill that fails (instance down, error status) is logged and the request still
-goes to decode: the decode instance loads only KV that exists and computes the rest
-itself, so the client gets its answer, just later. Usage and timings are the decode
+goes to decode: with shared storage the decode instance loads only blocks that exist
+and computes the rest; with zmq its pull fails after --kv-load-timeout and its
+--kv-load-failure-policy decides (recompute: the answer, later; fail: an error). Usage and timings are the decode
 instance's, which counts the whole prompt as its own (as one server would).
 """
 
@@ -25,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvflow.services.proxy.pairing import InstancePools, prefill_request
+from kvflow.services.proxy.pairing import InstancePools, decode_request, prefill_request
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +46,14 @@ def build_app(pools: InstancePools, timeout_s: float = 600.0) -> Starlette:
     async def forward(request: Request) -> Response:
         body: dict[str, Any] = await request.json()
         counters.requests += 1
-        prefill_url, decode_url = pools.pick()
+        prefill_url, kv_address, decode_url = pools.pick()
         headers = _auth(request)
         await _prefill(client, prefill_url + request.url.path, body, headers, counters)
         upstream = client.build_request(
-            "POST", decode_url + request.url.path, json=body, headers=headers
+            "POST",
+            decode_url + request.url.path,
+            json=decode_request(body, kv_address),
+            headers=headers,
         )
         response = await client.send(upstream, stream=True)
         return StreamingResponse(

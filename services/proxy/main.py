@@ -21,6 +21,12 @@ def add_proxy_parser(subparsers: Any) -> None:
     proxy.add_argument(
         "--decode", action="append", required=True, help="a decode instance's base URL (repeat)"
     )
+    proxy.add_argument(
+        "--prefill-kv-address",
+        action="append",
+        default=[],
+        help="zmq connector: each prefill instance's KV address tcp://host:port (same order)",
+    )
     proxy.add_argument("--host", default="127.0.0.1", help="address to bind")
     proxy.add_argument("--port", type=int, default=8000, help="port to bind")
     proxy.add_argument(
@@ -31,7 +37,9 @@ def add_proxy_parser(subparsers: Any) -> None:
 
 def run_proxy(args: argparse.Namespace) -> int:
     pools = InstancePools(
-        [u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode]
+        [u.rstrip("/") for u in args.prefill],
+        [u.rstrip("/") for u in args.decode],
+        args.prefill_kv_address,
     )
     app = build_app(pools, args.timeout)
     print(f"kvflow proxy: http://{args.host}:{args.port}", flush=True)

@@ -56,18 +56,31 @@ class InstancePools:
 
     prefill_urls: list[str]
     decode_urls: list[str]
+    # zmq connector: each prefill instance's KV address ("tcp://host:port"), same order;
+    # empty with shared storage (the decode instance finds blocks by their keys).
+    prefill_kv_addresses: list[str] = field(default_factory=list)
     _prefill: Router = field(init=False)
     _decode: Router = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
             raise ValueError("the proxy needs at least one prefill and one decode instance")
+        if self.prefill_kv_addresses and len(self.prefill_kv_addresses) != len(self.prefill_urls):
+            raise ValueError("give one --prefill-kv-address per --prefill instance, or none")
         config = RoutingConfig(policy="round-robin")
         self._prefill = Router(config, len(self.prefill_urls))
         self._decode = Router(config, len(self.decode_urls))
 
-    def pick(self) -> tuple[str, str]:
-        """(prefill url, decode url) for the next request."""
+    def pick(self) -> tuple[str, str, str]:
+        """(prefill url, its KV address or "", decode url) for the next request."""
         prefill = self._prefill.route([]).engine
         decode = self._decode.route([]).engine
-        return self.prefill_urls[prefill], self.decode_urls[decode]
+        kv_address = self.prefill_kv_addresses[prefill] if self.prefill_kv_addresses else ""
+        return self.prefill_urls[prefill], kv_address, self.decode_urls[decode]
+
+
+def decode_request(body: dict[str, Any], kv_address: str) -> dict[str, Any]:
+    """The decode instance's request: the client's, naming where its prompt KV is."""
+    if not kv_address:
+        return body
+    return {**body, "kv_transfer_params": {"remote_address": kv_address}}

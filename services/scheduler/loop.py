@@ -343,7 +343,6 @@ class SchedulerLoop:
         counters = self.core.counters
         step_tokens = counters.take_step_tokens()
         instruments = self.instruments
-        kv_connector = self.core.scheduler.kv_connector
         return SchedulerStats(
             timestamp=time.time(),
             engine=self.engine_id,
@@ -371,7 +370,7 @@ class SchedulerLoop:
             recent_steps=self._take_recent_steps(),
             kv_block_map=block_map(self.core.scheduler.kv_cache.block_pool),
             grammar=self.core.grammar_stats(),
-            kv_transfer=kv_connector.take_stats() if kv_connector is not None else None,
+            kv_transfer=self.core.scheduler.kv_transfer_stats(),
             **spec_decode_stats(stats.spec_decode),
         )
 

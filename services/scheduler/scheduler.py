@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvflow.config import SchedulerConfig
 from kvflow.proto.engine import TokenDelta
-from kvflow.proto.kv_transfer import KVConnectorMeta
+from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStats
 from kvflow.proto.step import (
     CachedRequestData,
     NewRequestData,
@@ -124,6 +124,14 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.remote_loads and self.remote_loads.loading)
+
+    def kv_transfer_stats(self) -> KVTransferStats | None:
+        """The connector's counts for the stats message (None without a connector)."""
+        if self.kv_connector is None:
+            return None
+        stats = self.kv_connector.take_stats()
+        stats.num_waiting_for_remote_kv = len(self.remote_loads) if self.remote_loads else 0
+        return stats
 
     def on_kv_loads(self, finished: list[str], failed: list[str]) -> list[Request]:
         """Asynchronous loads that ended: ready requests go first in the queue, failed

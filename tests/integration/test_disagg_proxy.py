@@ -39,30 +39,34 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def _kv(role: str, path: Path) -> str:
-    return json.dumps(
-        {
-            "kv_role": role,
-            "kv_connector": "shared-storage",
-            "kv_connector_extra_config": {"storage_path": str(path)},
-        }
-    )
+def _kv(connector: str, role: str, extra: dict[str, Any]) -> list[str]:
+    config = {"kv_role": role, "kv_connector": connector, "kv_connector_extra_config": extra}
+    return ["--kv-transfer-config", json.dumps(config)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["shared-storage", "zmq"])
 def disagg(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Server, Server, str]]:
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Server, Server, str, str]]:
     logs = tmp_path_factory.mktemp("disagg")
-    storage = logs / "kv"
-    prefill = start_server(
-        tiny_model_dir, logs, *ENGINE, "--kv-transfer-config", _kv("kv_producer", storage)
-    )
-    decode = start_server(
-        tiny_model_dir, logs, *ENGINE, "--kv-transfer-config", _kv("kv_consumer", storage)
-    )
+    connector = request.param
+    proxy_args: list[str] = []
+    if connector == "zmq":
+        kv_port = free_port()
+        producer = _kv(connector, "kv_producer", {"kv_port": kv_port})
+        consumer = [*_kv(connector, "kv_consumer", {}), "--kv-load-timeout", "2"]
+        proxy_args = ["--prefill-kv-address", f"tcp://127.0.0.1:{kv_port}"]
+    else:
+        storage = {"storage_path": str(logs / "kv")}
+        producer = _kv(connector, "kv_producer", storage)
+        consumer = _kv(connector, "kv_consumer", storage)
+    prefill = start_server(tiny_model_dir, logs, *ENGINE, *producer)
+    decode = start_server(tiny_model_dir, logs, *ENGINE, *consumer)
     port = free_port()
     command = [str(KVFLOW), "proxy", "--prefill", prefill.base_url, "--decode", decode.base_url]
+    command += proxy_args
     with open(logs / "proxy.log", "wb") as log:
         proxy = subprocess.Popen([*command, "--port", str(port)], stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
@@ -75,7 +79,7 @@ def disagg(
 
     try:
         assert wait_for(up, 60.0), (logs / "proxy.log").read_text()
-        yield prefill, decode, url
+        yield prefill, decode, url, connector
     finally:
         proxy.terminate()
         proxy.wait(timeout=10)
@@ -102,9 +106,9 @@ def _completions(url: str) -> list[list[str]]:
 
 
 def test_proxy_answers_equal_colocated(
-    disagg: tuple[Server, Server, str], tiny_model_dir: Path
+    disagg: tuple[Server, Server, str, str], tiny_model_dir: Path
 ) -> None:
-    prefill, decode, url = disagg
+    prefill, decode, url, _ = disagg
     expected = _offline(tiny_model_dir)
     assert _completions(url) == expected
 
@@ -128,9 +132,9 @@ def test_proxy_answers_equal_colocated(
 
 
 def test_dead_prefill_instance_costs_time_not_the_answer(
-    disagg: tuple[Server, Server, str], tiny_model_dir: Path
+    disagg: tuple[Server, Server, str, str], tiny_model_dir: Path
 ) -> None:
-    prefill, decode, url = disagg
+    prefill, decode, url, connector = disagg
     stop_server(prefill)
     prompt = "A prompt that no instance has seen before, long enough for two blocks."
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
@@ -140,5 +144,9 @@ def test_dead_prefill_instance_costs_time_not_the_answer(
     expected = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))
     assert answer.json()["choices"][0]["text"] == expected[0].outputs[0].text
     assert httpx.get(url + "/health").json()["prefill_failures"] == 1
+    # zmq: the decode instance's pull from the dead producer failed, then it recomputed.
+    failures = "kvflow:kv_load_failures_total"
+    wanted = 1 if connector == "zmq" else 0
+    assert wait_for(lambda: metric_values(decode.base_url)[failures] == wanted, 5.0)
     # Idle: no block held (kv_cache_usage counts blocks referenced by a request).
     assert wait_for(lambda: metric_values(decode.base_url)["kvflow:kv_cache_usage_perc"] == 0, 5.0)
