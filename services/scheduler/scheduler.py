@@ -123,14 +123,17 @@ class Scheduler:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self.remote_loads and self.remote_loads.loading)
+        # An aborted request still loading counts: steps must go on to hear the pull end.
+        loading = self.remote_loads is not None and bool(self.remote_loads.loading)
+        return bool(self.requests) or loading
 
     def kv_transfer_stats(self) -> KVTransferStats | None:
         """The connector's counts for the stats message (None without a connector)."""
         if self.kv_connector is None:
             return None
         stats = self.kv_connector.take_stats()
-        stats.num_waiting_for_remote_kv = len(self.remote_loads) if self.remote_loads else 0
+        if self.remote_loads is not None:
+            stats.num_waiting_for_remote_kv = len(self.remote_loads)
         return stats
 
     def on_kv_loads(self, finished: list[str], failed: list[str]) -> list[Request]:
