@@ -108,7 +108,7 @@ def test_frontend_waits_for_a_serving_engine() -> None:
 
 def test_prometheus_scrapes_the_frontend() -> None:
     config = yaml.safe_load((REPO / "docker" / "prometheus.yml").read_text())
-    (job,) = config["scrape_configs"]
+    job = {j["job_name"]: j for j in config["scrape_configs"]}["kvflow"]
     assert job["metrics_path"] == "/metrics"
     assert job["static_configs"][0]["targets"] == ["frontend:8000"]
     assert "8000" in compose_services()["frontend"]["command"]
