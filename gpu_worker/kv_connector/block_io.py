@@ -32,6 +32,22 @@ def gather_block(caches: list[torch.Tensor], block_id: int) -> torch.Tensor:
     return torch.stack([cache[:, block_id] for cache in caches]).cpu()
 
 
+def gather_blocks(caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """`[n, num_layers, 2, block_size, kv_heads, head_dim]` on the host: one indexed
+    copy per layer (not one per block and layer), each block contiguous."""
+    index = torch.tensor(block_ids, device=caches[0].device)
+    layers = [cache.index_select(1, index).transpose(0, 1) for cache in caches]
+    return torch.stack(layers, dim=1).cpu()
+
+
+def scatter_blocks(caches: list[torch.Tensor], block_ids: list[int], blocks: torch.Tensor) -> None:
+    """The inverse of gather_blocks: `blocks` [n, num_layers, 2, ...] into the cache."""
+    index = torch.tensor(block_ids, device=caches[0].device)
+    for layer, cache in enumerate(caches):
+        source = blocks[:, layer].transpose(0, 1).to(cache.device, non_blocking=True)
+        cache.index_copy_(1, index, source)
+
+
 def scatter_block(caches: list[torch.Tensor], block_id: int, block: torch.Tensor) -> None:
     for layer, cache in enumerate(caches):
         cache[:, block_id].copy_(block[layer], non_blocking=True)

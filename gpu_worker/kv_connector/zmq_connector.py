@@ -34,7 +34,7 @@ import msgspec
 import torch
 import zmq
 
-from kvflow.gpu_worker.kv_connector.block_io import gather_block, scatter_block
+from kvflow.gpu_worker.kv_connector.block_io import gather_blocks, scatter_blocks
 from kvflow.gpu_worker.kv_connector.connector import KVConnectorWorker
 from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.proto.kv_transfer import (
@@ -110,11 +110,11 @@ class ZmqWorker(KVConnectorWorker):
     def _save(self, meta: KVConnectorMeta) -> int:
         num_bytes = 0
         for transfer in meta.saves:
-            for block_id, key in zip(transfer.block_ids, transfer.keys):
-                block = gather_block(self.caches, block_id).contiguous()
-                payload = block.view(torch.uint8).numpy().tobytes()
+            blocks = gather_blocks(self.caches, transfer.block_ids)  # the one copy out
+            for index, key in enumerate(transfer.keys):
+                payload = blocks[index].view(torch.uint8).numpy()  # sent as is: zero-copy
                 self._buffer.put(key, payload)
-                num_bytes += len(payload)
+                num_bytes += payload.nbytes
         return num_bytes
 
     # ---- producer: the server thread ------------------------------------------------
@@ -173,14 +173,16 @@ class ZmqWorker(KVConnectorWorker):
             raise ValueError(
                 f"blocks of {header.shape} {header.dtype}, this cache holds {self.block_shape} {self.dtype_name}"
             )
-        num_bytes = 0
-        for block_id, frame in zip(transfer.block_ids, frames):
+        # One staging copy joins the frames, then one indexed copy per layer writes
+        # them (per-block, per-layer copies cost more in call overhead than in bytes).
+        staging = torch.empty([len(frames), *self.block_shape], dtype=self.dtype)
+        flat = staging.view(len(frames), -1).view(torch.uint8)
+        for index, frame in enumerate(frames):
             with warnings.catch_warnings():  # read-only frame: only ever copied from
                 warnings.simplefilter("ignore", UserWarning)
-                flat = torch.frombuffer(frame.buffer, dtype=torch.uint8)
-            scatter_block(self.caches, block_id, flat.view(self.dtype).reshape(self.block_shape))
-            num_bytes += len(frame.buffer)
-        return num_bytes
+                flat[index].copy_(torch.frombuffer(frame.buffer, dtype=torch.uint8))
+        scatter_blocks(self.caches, transfer.block_ids, staging)
+        return staging.numel() * staging.element_size()
 
     def _record(self, req_id: str, num_bytes: int | None, seconds: float) -> None:
         with self._lock:
@@ -198,21 +200,21 @@ class _BlockBuffer:
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._blocks: OrderedDict[str, bytes] = OrderedDict()
+        self._blocks: OrderedDict[str, Any] = OrderedDict()  # key -> uint8 numpy array
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, key: str, payload: bytes) -> None:
+    def put(self, key: str, payload: Any) -> None:
         with self._lock:
             old = self._blocks.pop(key, None)
-            self._bytes -= len(old) if old is not None else 0
+            self._bytes -= old.nbytes if old is not None else 0
             self._blocks[key] = payload
-            self._bytes += len(payload)
+            self._bytes += payload.nbytes
             while self._bytes > self.max_bytes and len(self._blocks) > 1:
                 _, dropped = self._blocks.popitem(last=False)
-                self._bytes -= len(dropped)
+                self._bytes -= dropped.nbytes
 
-    def take_run(self, keys: list[str]) -> tuple[list[str], list[bytes]]:
+    def take_run(self, keys: list[str]) -> tuple[list[str], list[Any]]:
         """The leading run of `keys` held here, and their payloads (kept: another
         request with the same prefix may pull them too)."""
         found, frames = [], []

@@ -15,7 +15,9 @@ from kvflow.gpu_worker.kv_connector.block_io import (
     decode_block,
     encode_block,
     gather_block,
+    gather_blocks,
     scatter_block,
+    scatter_blocks,
 )
 from kvflow.kv_transfer_config import KVTransferConfig, block_file_path
 from kvflow.sampling_params import SamplingParams
@@ -53,6 +55,18 @@ def test_block_round_trip_and_layout_check(dtype: torch.dtype) -> None:
         decode_block(data, [3, 2, BLOCK, 2, 4], dtype)
     with pytest.raises(ValueError, match="bytes"):
         decode_block(data[:-2], shape, dtype)
+
+
+def test_batched_gather_and_scatter_match_the_per_block_ones() -> None:
+    caches = [torch.randn(2, 6, BLOCK, 2, 3) for _ in range(3)]
+    blocks = gather_blocks(caches, [4, 1])
+    assert torch.equal(blocks[0], gather_block(caches, 4))
+    assert torch.equal(blocks[1], gather_block(caches, 1))
+    targets = [torch.zeros_like(c) for c in caches]
+    scatter_blocks(targets, [0, 5], blocks)
+    for source, target in zip(caches, targets):
+        assert torch.equal(target[:, 0], source[:, 4]) and torch.equal(target[:, 5], source[:, 1])
+        assert not target[:, 1:5].any()
 
 
 def test_config_parse() -> None:
