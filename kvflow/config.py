@@ -184,6 +184,17 @@ class EngineConfig:
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     kv_transfer: KVTransferOptions = field(default_factory=KVTransferOptions)
 
+    def __post_init__(self) -> None:
+        kv = self.kv_transfer.kv_transfer_config
+        parallel = self.parallel
+        if kv is not None and (parallel.world_size > 1 or parallel.data_parallel_size > 1):
+            # Each rank holds a shard of every block, and each engine would bind the
+            # same KV port: transfers per rank and per engine are not built yet.
+            raise ConfigError(
+                "kv_transfer_config works with one engine of one rank for now "
+                "(tensor, pipeline and data parallel sizes 1); run one instance per engine"
+            )
+
     @classmethod
     def create(cls, **options: Any) -> EngineConfig:
         """Build from flat options (`block_size=32`, ...); unknown keys are errors."""

@@ -149,3 +149,15 @@ def test_consumer_loads_only_an_unbroken_run_after_the_local_hit(tmp_path: Path)
     plan = scheduler.schedule()
     assert plan.new_requests[0].num_computed_tokens == 9
     assert plan.kv_connector is not None and plan.kv_connector.loads[0].keys == [keys[2]]
+
+
+def test_parallel_engines_are_refused_with_a_connector() -> None:
+    from kvflow.config import EngineConfig
+
+    kv = {"kv_role": "kv_consumer", "kv_connector": "zmq"}
+    for option in ({"data_parallel_size": 2}, {"tensor_parallel_size": 2}):
+        with pytest.raises(ConfigError, match="one engine of one rank"):
+            EngineConfig.create(device="cpu", dtype="float32", kv_transfer_config=kv, **option)
+    config = EngineConfig.create(device="cpu", dtype="float32", kv_transfer_config=kv)
+    assert config.kv_transfer.kv_transfer_config is not None
+    assert config.kv_transfer.kv_load_failure_policy == "recompute"
