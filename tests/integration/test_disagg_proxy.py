@@ -150,3 +150,32 @@ def test_dead_prefill_instance_costs_time_not_the_answer(
     assert wait_for(lambda: metric_values(decode.base_url)[failures] == wanted, 5.0)
     # Idle: no block held (kv_cache_usage counts blocks referenced by a request).
     assert wait_for(lambda: metric_values(decode.base_url)["kvflow:kv_cache_usage_perc"] == 0, 5.0)
+
+
+def test_fail_policy_answers_an_error_and_frees_the_blocks(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    consumer = _kv("zmq", "kv_consumer", {})
+    policy = ["--kv-load-failure-policy", "fail", "--kv-load-timeout", "0.5"]
+    decode = start_server(tiny_model_dir, tmp_path, *ENGINE, *consumer, *policy)
+    try:
+        nobody = f"tcp://127.0.0.1:{free_port()}"  # a producer that is not there
+        body = {"model": MODEL_NAME, "prompt": LONG, "max_tokens": 4, "temperature": 0.0}
+        body["kv_transfer_params"] = {"remote_address": nobody}
+        answer = httpx.post(decode.base_url + "/v1/completions", json=body, timeout=60.0)
+        assert answer.status_code == 500, answer.text
+        assert "could not be loaded" in answer.json()["error"]["message"]
+        # Without kv_transfer_params the same instance computes the prompt itself.
+        del body["kv_transfer_params"]
+        assert httpx.post(decode.base_url + "/v1/completions", json=body, timeout=60.0).is_success
+
+        def settled() -> bool:
+            values = metric_values(decode.base_url)
+            return (
+                values["kvflow:kv_load_failures_total"] == 1
+                and values["kvflow:kv_cache_usage_perc"] == 0
+            )
+
+        assert wait_for(settled, 5.0), metric_values(decode.base_url)
+    finally:
+        stop_server(decode)
