@@ -120,7 +120,16 @@ def test_proxy_answers_equal_colocated(
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == expected[0][0]
 
-    samples = sum(k.get("n", 1) for _, k in CASES) + 1  # + the streamed one
+    # Chat: the proxy forwards the route as is; the template is applied on both sides.
+    messages = [{"role": "user", "content": "Tell me about rivers."}]
+    chat = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8, "temperature": 0.0}
+    answer = httpx.post(url + "/v1/chat/completions", json=chat, timeout=120.0)
+    assert answer.status_code == 200, answer.text
+    llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu", num_threads=1, num_blocks=64)
+    offline = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0.0))
+    assert answer.json()["choices"][0]["message"]["content"] == offline[0].outputs[0].text
+
+    samples = sum(k.get("n", 1) for _, k in CASES) + 2  # + the streamed one and the chat
     computed = "kvflow:kv_transfer_computed_prompt_tokens_total"
     # Stats arrive every 0.5 s: wait until the generation counter has caught up.
     wait_for(lambda: metric_values(decode.base_url).get(computed, 0) >= samples, 5.0)
