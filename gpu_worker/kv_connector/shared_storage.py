@@ -7,6 +7,7 @@ producers saving the same block both succeed with identical content.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -39,6 +40,7 @@ class SharedStorageWorker(KVConnectorWorker):
                         data = f.read()
                     block = decode_block(data, self.block_shape, self.dtype)
                 except (OSError, ValueError) as exc:
+                    _quarantine(path)
                     raise KVLoadError(f"request {transfer.req_id}: block {path}: {exc}") from exc
                 scatter_block(self.caches, block_id, block)
                 num_bytes += len(data)
@@ -62,3 +64,11 @@ class SharedStorageWorker(KVConnectorWorker):
 
     def _path(self, key: str) -> str:
         return block_file_path(self.storage_path, self.namespace, key)
+
+
+def _quarantine(path: str) -> None:
+    """Move a block file that failed to load out of the lookup's way: the step fails
+    (the worker restarts and its requests resume by recompute), and the retry then
+    finds no file and computes the block instead of failing again on it."""
+    with contextlib.suppress(OSError):  # already gone: the retry will not find it either
+        os.replace(path, f"{path}.bad")

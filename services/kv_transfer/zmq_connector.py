@@ -17,6 +17,7 @@ pull falls back by kv_load_failure_policy.
 
 from __future__ import annotations
 
+from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.proto.kv_transfer import KVBlockTransfer, KVConnectorMeta
 from kvflow.services.kv_transfer.connector import KVConnectorScheduler, PromptDone
 from kvflow.services.scheduler.request import Request
@@ -25,8 +26,10 @@ from kvflow.services.scheduler.request import Request
 class ZmqScheduler(KVConnectorScheduler):
     load_is_async = True
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self, config: KVTransferConfig, block_size: int, failure_policy: str = "recompute"
+    ) -> None:
+        super().__init__(config, block_size, failure_policy)
         self._loads: list[KVBlockTransfer] = []
 
     def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> int:

@@ -161,3 +161,19 @@ def test_parallel_engines_are_refused_with_a_connector() -> None:
     config = EngineConfig.create(device="cpu", dtype="float32", kv_transfer_config=kv)
     assert config.kv_transfer.kv_transfer_config is not None
     assert config.kv_transfer.kv_load_failure_policy == "recompute"
+
+
+def test_a_bad_block_file_fails_the_load_once(tmp_path: Path) -> None:
+    from kvflow.gpu_worker.kv_connector.connector import KVLoadError
+    from kvflow.gpu_worker.kv_connector.shared_storage import SharedStorageWorker
+    from kvflow.proto.kv_transfer import KVBlockTransfer, KVConnectorMeta
+
+    caches = [torch.zeros(2, 4, BLOCK, 2, 3) for _ in range(2)]
+    worker = SharedStorageWorker(str(tmp_path), "ns", caches)
+    path = Path(block_file_path(str(tmp_path), "ns", "ab" * 32))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\x00\x00\x00\x00 not a block")
+    meta = KVConnectorMeta(loads=[KVBlockTransfer("r", [1], ["ab" * 32])])
+    with pytest.raises(KVLoadError, match="request r"):
+        worker.start_load_kv(meta)
+    assert not path.exists()  # moved aside: the retry's lookup computes the block instead
