@@ -189,6 +189,14 @@ class LLMEngine:
             self.roofline.record(step.batch, result.execute_time_s)
         return self.outputs.apply(self._detokenize(failed + deltas))
 
+    def recover_from_failed_step(self) -> None:
+        """A step raised (a bug, an interrupt): the results of the steps in flight will
+        never be applied. Drop them and the runner's batch; every request goes back to
+        waiting and recomputes from its tokens, so the engine can step again."""
+        self._results.clear()
+        self.core.drop_worker_state()
+        self.runner.drop_all_requests()
+
     def _detokenize(self, deltas: list[TokenDelta]) -> list[RequestOutputDelta]:
         if not deltas:
             return []
