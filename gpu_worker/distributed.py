@@ -6,10 +6,11 @@
              └─ min_over_ranks(num_blocks): every rank sizes its KV cache alike
 
 The rendezvous is TCP (torch's TCPStore, served by rank 0 at the address), so the same
-code spans containers and hosts. Every collective, the rendezvous included, waits at
-most `timeout_s`: a rank that hangs turns into an error on its peers instead of a
-stalled engine (a rank that *dies* is noticed sooner: its peers' sockets close, and the
-launcher sees the process exit).
+code spans containers and hosts. Every collective of a step waits at most `timeout_s`,
+the rendezvous and the start-up agreement at most `startup_timeout_s` (ranks finish
+loading at their own pace): a rank that hangs turns into an error on its peers instead
+of a stalled engine. A rank that *dies* is noticed sooner: its peers' sockets close,
+and the launcher sees the process exit.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from kvflow.gpu_worker.parallel_state import TPGroup, get_tp_group, tensor_paral
 
 logger = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT_S = 60.0
+COLLECTIVE_TIMEOUT_S = 60.0  # a step's collectives
+STARTUP_TIMEOUT_S = 600.0  # the rendezvous and start-up agreement: ranks load at their pace
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class RankInit:
     world_size: int
     rank: int
     timeout_s: float = COLLECTIVE_TIMEOUT_S
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
 
 
 def free_tcp_address(host: str = "127.0.0.1") -> str:
@@ -81,13 +84,19 @@ def rank_group(init: RankInit | None, device: str) -> Iterator[TPGroup]:
         init_method=init.init_method,
         rank=init.rank,
         world_size=init.world_size,
-        timeout=timedelta(seconds=init.timeout_s),
+        timeout=timedelta(seconds=init.startup_timeout_s),
     )
     logger.info(
         "rank %d of %d joined %s (%s)", init.rank, init.world_size, init.init_method, backend
     )
     try:
-        with tensor_parallel(init.world_size, init.rank) as group:
+        # The layers' collectives run on a group of their own with the short timeout;
+        # the default group (long timeout) serves start-up, when ranks finish loading
+        # their shards at different times.
+        steps = dist.new_group(
+            list(range(init.world_size)), timeout=timedelta(seconds=init.timeout_s)
+        )
+        with tensor_parallel(init.world_size, init.rank, steps) as group:
             yield group
     finally:
         dist.destroy_process_group()
@@ -98,5 +107,5 @@ def min_over_ranks(value: int, group: TPGroup, device: str) -> int:
     if group.size == 1:
         return value
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group.group)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)  # start-up: the default group's timeout
     return int(tensor.item())

@@ -91,3 +91,26 @@ def test_tp2_greedy_equals_tp1(
     assert want[1][0][2] == "stop"  # the stop string cut the output
     assert len(want[0]) == 2  # n = 2
     assert got_hits == want_hits > 0  # the second batch hit the first one's prefix
+
+
+def test_a_model_that_does_not_split_fails_naming_the_rank(
+    tmp_path: Path, embedded_model_dir: Path
+) -> None:
+    """3 query heads over 2 ranks: start-up fails with the rank and the reason, and no
+    worker process is left behind."""
+    import multiprocessing
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from kvflow.errors import KvflowError
+
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=3, num_key_value_heads=3, max_position_embeddings=128,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(KvflowError, match=r"worker rank \d failed to start: .*3 is not divisible"):
+        LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)  # type: ignore[arg-type]
+    assert multiprocessing.active_children() == []
