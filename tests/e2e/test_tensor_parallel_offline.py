@@ -114,3 +114,26 @@ def test_a_model_that_does_not_split_fails_naming_the_rank(
     with pytest.raises(KvflowError, match=r"worker rank \d failed to start: .*3 is not divisible"):
         LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)  # type: ignore[arg-type]
     assert multiprocessing.active_children() == []
+
+
+def test_a_killed_rank_fails_generate_fast_and_leaves_no_process(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    from kvflow.errors import EngineDeadError
+
+    llm = LLM(str(tiny_model_dir("llama")), tensor_parallel_size=2, **ENGINE)  # type: ignore[arg-type]
+    try:
+        rank1 = llm.engine.runner._children.children[1].process
+        os.kill(rank1.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="worker rank"):
+            llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=50))
+        assert time.monotonic() - start < 10.0
+    finally:
+        llm.close()
+    assert multiprocessing.active_children() == []
