@@ -167,6 +167,8 @@ def _build_runner(
                 device=dataclasses.replace(
                     config.device,
                     num_threads=threads_per_rank(world_size, config.device.num_threads),
+                    # Collectives inside captured graphs are not verified yet: eager.
+                    enforce_eager=config.device.enforce_eager or world_size > 1,
                 ),
                 eos_token_ids=eos_token_ids,
                 max_num_seqs=config.scheduler.max_num_seqs,
