@@ -6,6 +6,7 @@ process shell (and the offline engine) only feed it plans.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -62,9 +63,10 @@ class ModelRunner:
             config.model_dir, self.dtype, self.device, config.device.attention_backend
         )
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.kv_spec = KVCacheSpec.from_hf_config(
-            self.hf_config, config.cache.block_size, self.dtype
-        )
+        spec = KVCacheSpec.from_hf_config(self.hf_config, config.cache.block_size, self.dtype)
+        # This rank's KV heads (a shard, or one replica when heads are fewer than ranks).
+        local_kv_heads = self.model.attention_layers()[0].num_kv_heads
+        self.kv_spec = dataclasses.replace(spec, num_kv_heads=local_kv_heads)
         limits = BatchLimits(config.max_num_seqs, config.max_model_len, config.cache.block_size)
         self.batch = InputBatch(limits, self.vocab_size, set(config.eos_token_ids), self.device)
         # Unseeded requests share one generator, seeded from the engine's seed.

@@ -45,6 +45,10 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); also done at exit."""
+        self.engine.close()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
