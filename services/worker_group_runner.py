@@ -92,6 +92,8 @@ class WorkerGroupRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step on every rank; rank 0's result."""
+        if self._closed:
+            raise EngineDeadError("the engine's workers were stopped")
         self._plans.send(plan)
         while True:
             message = self._recv(None)
@@ -116,6 +118,11 @@ class WorkerGroupRunner:
                 raise EngineDeadError(f"the engine died: {child.exit_description()}")
         if deadline is not None and time.monotonic() > deadline:
             raise EngineDeadError(f"workers did not answer within {STARTUP_TIMEOUT_S:g} s")
+
+    def drop_all_requests(self) -> None:
+        """After a failed step the ranks' batches cannot be brought back in step with
+        each other: the workers stop, and the engine is dead from here on."""
+        self.close()
 
     def close(self) -> None:
         """Shutdown to every rank, then SIGTERM/SIGKILL whoever is still there."""
