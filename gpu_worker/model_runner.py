@@ -6,6 +6,8 @@ process shell (and the offline engine) only feed it plans.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvflow.config import CacheConfig, DeviceConfig, ModelConfig
+from kvflow.errors import ConfigError
 from kvflow.gpu_worker.attn_metadata import forward_context
 from kvflow.gpu_worker.denormals import flush_denormals_on_cpu
 from kvflow.gpu_worker.grammar_bitmask import apply_grammar_bitmask
@@ -69,9 +72,10 @@ class ModelRunner:
             config.model_dir, self.dtype, self.device, config.device.attention_backend
         )
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.kv_spec = KVCacheSpec.from_hf_config(
-            self.hf_config, config.cache.block_size, self.dtype
-        )
+        spec = KVCacheSpec.from_hf_config(self.hf_config, config.cache.block_size, self.dtype)
+        # This rank's KV heads (a shard, or one replica when heads are fewer than ranks).
+        local_kv_heads = self.model.attention_layers()[0].num_kv_heads
+        self.kv_spec = dataclasses.replace(spec, num_kv_heads=local_kv_heads)
         limits = BatchLimits(config.max_num_seqs, config.max_model_len, config.cache.block_size)
         self.batch = InputBatch(limits, self.vocab_size, set(config.eos_token_ids), self.device)
         # Unseeded requests share one generator, seeded from the engine's seed.
@@ -88,13 +92,14 @@ class ModelRunner:
         if cache.num_blocks is not None:
             return cache.num_blocks
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cache.gpu_memory_utilization) * total
+            budget = _cuda_kv_budget(self.device, cache.gpu_memory_utilization, self.model)
+            option = "--gpu-memory-utilization"
         else:
             budget = cache.kv_cache_memory * (1 << 30)
+            option = "--kv-cache-memory"
         num_blocks = int(budget // self.kv_spec.bytes_per_block)
         if num_blocks < 1:
-            raise ValueError("KV cache memory too small for one block; raise --kv-cache-memory")
+            raise ConfigError(f"KV cache memory too small for one block; raise {option}")
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -273,3 +278,19 @@ def _rows_to_token_logprobs(tensors: LogprobsTensors, num_rows: int, k: int) -> 
         TokenLogprobs(token_ids[i][: k + 1], logprobs[i][: k + 1], int(ranks[i]))
         for i in range(num_rows)
     ]
+
+
+def _cuda_kv_budget(device: torch.device, utilization: float, model: torch.nn.Module) -> float:
+    """Bytes for this engine's KV cache: `utilization` of the device is its share for
+    weights + KV (so engines can share a device, as vLLM's instances do), within what is
+    free less a reserve for the step's activations."""
+    # An engine dropped earlier in this process (an LLM in a script or a test) may still
+    # hold its cache until the garbage collector runs; its memory counts as free here.
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return min(utilization * total - weights, free - _CUDA_ACTIVATION_RESERVE)
+
+
+_CUDA_ACTIVATION_RESERVE = 1 << 30  # a 2048-token step of a 1B-class model needs well under 1 GiB

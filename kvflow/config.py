@@ -44,7 +44,9 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = _opt(16, "tokens per KV block")
     kv_cache_memory: float = _opt(2.0, "GiB of KV cache on CPU")
-    gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory for weights + KV")
+    gpu_memory_utilization: float = _opt(
+        0.9, "fraction of GPU memory this engine takes for weights + KV"
+    )
     num_blocks: int | None = _opt(None, "override the number of KV blocks (tests)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
 
@@ -262,6 +264,9 @@ def resolve_attention_backend(backend: str, device: str) -> str:
         return "triton" if device == "cuda" else "cpu"
     if backend not in ("torch", "cpu", "triton"):
         raise ConfigError(f"attention_backend must be cpu, torch or triton, got {backend!r}")
+    if backend == "cpu" and device != "cpu":
+        # Its kernels are native CPU code reading host memory.
+        raise ConfigError("attention_backend cpu runs on device cpu only")
     return backend
 
 

@@ -48,6 +48,7 @@ from kvflow.services.launcher import (
     make_frontend_config,
 )
 from kvflow.services.scheduler.main import SchedulerOptions
+from kvflow.services.worker_group import worker_rank_args
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +90,9 @@ class EngineGroup:
         ack = f"ipc://{self.directory}/launcher{self.generation}"
         children = self.children = ChildProcesses(self.context, ack)
         e, addresses = self.index, self.addresses
-        for rank in range(self.config.parallel.world_size):
+        for rank, args in enumerate(worker_rank_args(self.config, addresses, self.model_dir)):
             target = functools.partial(_named, f"kvflow-e{e}-w{rank}", run_worker)
-            children.start("worker", rank, target, self.config, addresses, rank, self.model_dir)
+            children.start("worker", rank, target, *args)
         scheduler = functools.partial(_named, f"kvflow-e{e}-sched", run_scheduler, engine_id=str(e))
         args = (self.config, addresses, self.model_dir, self.scheduler_options)
         children.start("scheduler", 0, scheduler, *args)

@@ -42,6 +42,7 @@ from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.lifecycle import StopFlag
 from kvflow.services.children import ChildProcesses, RestartPolicy
+from kvflow.services.worker_group import check_parallelism, restart_policy, worker_rank_args
 
 if TYPE_CHECKING:
     from kvflow.services.frontend.config import FrontendConfig
@@ -95,7 +96,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         trace_file=str(Path(options.trace_file).absolute()) if options.trace_file else None,
         startup_phases=phases.seconds,
     )
-    supervisor = Supervisor(children, options.restart)
+    supervisor = Supervisor(children, restart_policy(config, options.restart))
     try:
         _start_children(children, config, addresses, model_dir, scheduler_options)
         _serve_when_ready(
@@ -163,8 +164,7 @@ def _resolve_model(config: EngineConfig) -> Path:
     """Once, here: a GGUF is converted before any child could race to convert it."""
     from kvflow.gpu_worker.model_files import resolve_model_dir
 
-    if config.parallel.world_size != 1:
-        raise KvflowError("tensor/pipeline parallelism is not supported yet (world size 1)")
+    check_parallelism(config.parallel)  # a ConfigError is a KvflowError: reported, exit 1
     try:
         return resolve_model_dir(config.model.model)
     except KvflowError:
@@ -266,8 +266,8 @@ def _start_children(
     from kvflow.services.scheduler.main import run_scheduler
 
     # The slowest to start goes first.
-    for rank in range(config.parallel.world_size):
-        children.start("worker", rank, run_worker, config, addresses, rank, model_dir)
+    for rank, args in enumerate(worker_rank_args(config, addresses, model_dir)):
+        children.start("worker", rank, run_worker, *args)
     children.start("scheduler", 0, run_scheduler, config, addresses, model_dir, scheduler_options)
     children.start("detokenizer", 0, run_detokenizer, addresses, model_dir)
 

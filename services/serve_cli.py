@@ -56,6 +56,12 @@ def add_serve_parsers(subparsers: Any) -> None:
             parser.add_argument("--launcher-address", help="where to ack ProcessReady")
         if role == "worker":
             parser.add_argument("--rank", type=int, default=0, help="this worker's rank")
+            parser.add_argument(
+                "--distributed-init-method",
+                default=os.environ.get("KVFLOW_DIST_INIT_METHOD"),
+                help="tcp://host:port of rank 0's rendezvous (tensor parallelism; "
+                "env KVFLOW_DIST_INIT_METHOD)",
+            )
         if role == "scheduler":
             _add_trace_arg(parser)
             parser.add_argument(
@@ -196,11 +202,22 @@ def _run_worker(args: argparse.Namespace) -> int:
     from kvflow.gpu_worker.main import run_worker
 
     config = _config(args)
+    world_size = config.parallel.world_size
+    rank_init = None
+    if world_size > 1:  # the ranks of one group meet at one address, across hosts too
+        from kvflow.gpu_worker.distributed import RankInit
+        from kvflow.services.worker_group import check_parallelism
+
+        check_parallelism(config.parallel)
+        if not args.distributed_init_method:
+            raise SystemExit("kvflow worker: tensor parallelism needs --distributed-init-method")
+        rank_init = RankInit(args.distributed_init_method, world_size, args.rank)
     return run_worker(
         config,
         resolve_addresses(args),
         args.rank,
         _model_dir(config),
+        rank_init,
         launcher_address=args.launcher_address,
     )
 
