@@ -27,10 +27,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -75,10 +75,12 @@ class EngineGroup:
     death: str | None = None  # set by the supervisor, read by the frontend's watchdog
     restarts: int = 0
     generation: int = 0
+    tcp: ServiceAddresses | None = None  # reachable from other hosts (Ray, headless)
 
     @property
     def addresses(self) -> ServiceAddresses:
-        return ServiceAddresses.ipc(str(self.directory))
+        """ipc sockets in `directory` when the frontend is on this host, else `tcp`."""
+        return self.tcp or ServiceAddresses.ipc(str(self.directory))
 
     def start(self) -> None:
         from kvflow.gpu_worker.main import run_worker
@@ -209,10 +211,20 @@ def start_engines(groups: list[EngineGroup], options: ServeOptions, stop: StopFl
         group.children.wait_ready(options.startup_timeout_s, stop)
 
 
+class RoutedEngine(Protocol):
+    """What the frontend needs of an engine, wherever it runs."""
+
+    @property
+    def addresses(self) -> ServiceAddresses: ...
+
+    @property
+    def death(self) -> str | None: ...
+
+
 def _run_frontend(
     config: EngineConfig,
     options: ServeOptions,
-    groups: list[EngineGroup],
+    groups: Sequence[RoutedEngine],
     model_dir: Path,
     tokenizer: Any,
     start: float,
@@ -241,5 +253,5 @@ def _run_frontend(
     logger.info("frontend stopped")
 
 
-def _death(group: EngineGroup) -> str | None:
+def _death(group: RoutedEngine) -> str | None:
     return group.death

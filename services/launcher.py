@@ -60,11 +60,17 @@ class ServeOptions:
     trace_file: str | None = None  # the scheduler's step trace (Chrome/Perfetto JSON)
     restart: RestartPolicy = RestartPolicy()  # of a dead worker
     api_server_count: int = 1  # HTTP frontend processes on the port (SO_REUSEPORT)
+    distributed_executor_backend: str = "mp"  # "ray": engines on a Ray cluster's nodes
+    ray_address: str | None = None  # of the running cluster; None: `ray start`'s own
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Run the stack until SIGINT/SIGTERM; 0 after a clean shutdown, 1 on a start error
     or when the engine died for good (see the module docstring)."""
+    if options.distributed_executor_backend == "ray":
+        from kvflow.services.ray_executor import serve_on_ray
+
+        return serve_on_ray(config, options)
     if config.parallel.data_parallel_size > 1 or options.api_server_count > 1:
         from kvflow.services.data_parallel import serve_data_parallel
 

@@ -38,6 +38,7 @@ def add_serve_parsers(subparsers: Any) -> None:
         help="HTTP frontend processes sharing the port (SO_REUSEPORT)",
     )
     _add_trace_arg(serve)
+    _add_executor_args(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=_run_serve)
 
@@ -85,6 +86,23 @@ def _add_restart_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.backoff_s,
         help="seconds before the first worker restart, doubled for each further one",
+    )
+
+
+def _add_executor_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("placement")
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="mp: every process on this host; ray: data-parallel engines on the nodes of a "
+        "running Ray cluster (pip install 'kvflow[ray]')",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster's GCS address HOST:PORT (default: the one `ray start` "
+        "recorded on this host)",
     )
 
 
@@ -172,6 +190,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         trace_file=args.trace_file,
         restart=RestartPolicy(args.max_worker_restarts, args.worker_restart_backoff),
         api_server_count=args.api_server_count,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_address=args.ray_address,
     )
     return serve(_config(args), options)
 
