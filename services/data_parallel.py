@@ -39,6 +39,7 @@ from kvflow.errors import KvflowError
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.lifecycle import StopFlag, set_process_name
 from kvflow.services.children import ChildProcesses
+from kvflow.services.dp_hosts import await_joins
 from kvflow.services.launcher import (
     ServeOptions,
     _launcher_phases,
@@ -168,6 +169,7 @@ def serve_data_parallel(config: EngineConfig, options: ServeOptions) -> int:
     stop = StopFlag().install()
     phases = _launcher_phases()
     try:
+        options.dp_hosts.local_ranks(config.parallel.data_parallel_size)
         model_dir = _resolve_model(config)
     except KvflowError as exc:
         print(f"kvflow serve: {exc}", file=sys.stderr)
@@ -175,18 +177,22 @@ def serve_data_parallel(config: EngineConfig, options: ServeOptions) -> int:
     base = Path(tempfile.mkdtemp(prefix="kvflow-dp-"))
     context = zmq.Context()
     scheduler_options = SchedulerOptions(startup_phases=phases.seconds)
+    size = config.parallel.data_parallel_size
     groups = [
         EngineGroup(i, config, model_dir, base / f"engine{i}", scheduler_options, context)
-        for i in range(config.parallel.data_parallel_size)
+        for i in options.dp_hosts.local_ranks(size)
     ]
     preload = _TokenizerPreload(model_dir)
     supervisor = Supervisor(groups, options, stop)
     try:
         start_engines(groups, options, stop)
         logger.info("%d engines ready in %.1f s", len(groups), time.monotonic() - start)
+        engines: list[RoutedEngine] = [*groups]
+        if len(groups) < size:  # the others join from their hosts (kvflow serve --headless)
+            engines += await_joins(options.dp_hosts, size, context, options.startup_timeout_s, stop)
         if not stop.is_set():
             supervisor.start()
-            _run_frontend(config, options, groups, model_dir, preload.get(), start)
+            _run_frontend(config, options, engines, model_dir, preload.get(), start)
             stop.install()  # the frontend's loop restored the default handlers on exit
         return 0
     except KvflowError as exc:

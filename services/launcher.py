@@ -42,6 +42,7 @@ from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.lifecycle import StopFlag
 from kvflow.services.children import ChildProcesses, RestartPolicy
+from kvflow.services.dp_hosts import DataParallelHosts
 
 if TYPE_CHECKING:
     from kvflow.services.frontend.config import FrontendConfig
@@ -62,6 +63,7 @@ class ServeOptions:
     api_server_count: int = 1  # HTTP frontend processes on the port (SO_REUSEPORT)
     distributed_executor_backend: str = "mp"  # "ray": engines on a Ray cluster's nodes
     ray_address: str | None = None  # of the running cluster; None: `ray start`'s own
+    dp_hosts: DataParallelHosts = DataParallelHosts()  # engines on other hosts (headless)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
@@ -71,6 +73,10 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         from kvflow.services.ray_executor import serve_on_ray
 
         return serve_on_ray(config, options)
+    if options.dp_hosts.headless:
+        from kvflow.services.headless import serve_headless
+
+        return serve_headless(config, options)
     if config.parallel.data_parallel_size > 1 or options.api_server_count > 1:
         from kvflow.services.data_parallel import serve_data_parallel
 

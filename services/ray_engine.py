@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -27,27 +26,13 @@ import msgspec
 import zmq
 
 from kvflow.config import EngineConfig
-from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.lifecycle import StopFlag
 from kvflow.services.data_parallel import EngineGroup, Supervisor
+from kvflow.services.dp_hosts import free_tcp_addresses
 from kvflow.services.launcher import ServeOptions, _resolve_model
 from kvflow.services.scheduler.main import SchedulerOptions
 
 logger = logging.getLogger(__name__)
-
-
-def free_tcp_addresses(host: str) -> ServiceAddresses:
-    """One free port on `host` per channel (held open together, so they differ)."""
-    sockets = [socket.socket() for _ in ServiceAddresses.channels()]
-    try:
-        for sock in sockets:
-            sock.bind((host, 0))
-        ports = [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-    channels = ServiceAddresses.channels()
-    return ServiceAddresses(**{c: f"tcp://{host}:{p}" for c, p in zip(channels, ports)})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,82 @@
+"""`kvflow serve --headless`: engine 1 runs in a second `kvflow serve` process (as it
+would on another host) and joins the frontend's process, which runs engine 0; greedy
+outputs equal one engine's and both engines serve."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from serve_harness import (
+    ENGINE_ARGS,
+    KVFLOW,
+    MODEL_NAME,
+    Server,
+    free_port,
+    group_members,
+    start_server,
+    stop_server,
+)
+
+from kvflow import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+DP = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--block-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def two_hosts(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, subprocess.Popen[bytes]]]:
+    logs = tmp_path_factory.mktemp("headless")
+    rpc = ["--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port())]
+    command = [str(KVFLOW), "--log-level", "info", "serve", "--model", str(tiny_model_dir)]
+    command += ["--headless", *DP, "--data-parallel-start-rank", "1", *rpc, *ENGINE_ARGS]
+    with open(logs / "headless.log", "wb") as log:
+        headless = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        server = start_server(tiny_model_dir, logs, *DP, *rpc)
+    except BaseException:
+        headless.kill()
+        raise
+    yield server, headless
+    code, survivors = stop_server(server)
+    assert survivors == [] and code == 0, server.log_tail()
+    headless.terminate()
+    assert headless.wait(60) == 0, (logs / "headless.log").read_text()[-3000:]
+    assert group_members(headless.pid) == []
+
+
+def _complete(url: str, prompt: list[int]) -> str:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    response = httpx.post(url + "/v1/completions", json=body | {"ignore_eos": True}, timeout=120)
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])
+
+
+def test_a_headless_engine_serves_beside_the_local_one(
+    two_hosts: tuple[Server, subprocess.Popen[bytes]], tiny_model_dir: Path
+) -> None:
+    server, _ = two_hosts
+    prompts = [[100 + (s * 7919 + i * 104729) % 30000 for i in range(20)] for s in range(12)]
+    with ThreadPoolExecutor(12) as pool:
+        texts = list(pool.map(lambda p: _complete(server.base_url, p), prompts))
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_blocks=512, block_size=16)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert texts == [o.outputs[0].text for o in llm.generate(prompts, params)]
+    for rank in (0, 1):  # each engine answers a request sent to it by rank
+        body = {"model": MODEL_NAME, "prompt": prompts[0], "max_tokens": 8, "temperature": 0.0}
+        body |= {"ignore_eos": True, "data_parallel_rank": rank}
+        response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
+        assert response.json()["choices"][0]["text"] == texts[0]
+    metrics = httpx.get(server.base_url + "/metrics").text
+    assert 'kvflow:router_requests_total{engine="1",model_name="tiny",policy="rank"} 1.0' in (
+        metrics
+    ), metrics
