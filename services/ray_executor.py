@@ -35,6 +35,7 @@ from kvflow.errors import ConfigError, KvflowError
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.lifecycle import StopFlag
 from kvflow.services.data_parallel import _run_frontend
+from kvflow.services.dp_hosts import DataParallelHosts
 from kvflow.services.launcher import ServeOptions, _resolve_model, _TokenizerPreload
 from kvflow.services.ray_engine import EngineHost, EngineStart
 
@@ -81,6 +82,13 @@ class RayEngine:
 
 def serve_on_ray(config: EngineConfig, options: ServeOptions) -> int:
     """`serve()` on a Ray cluster; 0 after a clean shutdown, 1 on error."""
+    if options.dp_hosts != DataParallelHosts():
+        print(
+            "kvflow serve: Ray places every engine: no --headless/--data-parallel-* "
+            "host flags with --distributed-executor-backend ray",
+            file=sys.stderr,
+        )
+        return 1
     start = time.monotonic()
     stop = StopFlag().install()
     ray = import_ray()

@@ -77,3 +77,41 @@ def test_engine_bundle_packs_an_engine_on_one_node() -> None:
     config = EngineConfig.create(model="m")
     assert engine_bundle(config, "cpu") == {"CPU": 2.0}  # scheduler+detokenizer, one rank
     assert engine_bundle(config, "cuda") == {"CPU": 1.0, "GPU": 1.0}
+
+
+def test_ray_monitor_takes_a_lost_actor_out_for_good() -> None:
+    from types import SimpleNamespace
+
+    from kvflow.services.ray_executor import RayEngine, _Monitor
+
+    class Lost(Exception):
+        pass
+
+    answers: dict[str, object] = {"a": None, "b": "engine 1: scheduler exited with code 1"}
+
+    def get(ref: object, timeout: float) -> object:
+        if ref == "gone":
+            raise Lost()
+        if ref == "slow":
+            raise TimeoutError()
+        return answers[str(ref)]
+
+    exceptions = SimpleNamespace(GetTimeoutError=TimeoutError, RayError=Lost)
+    fake_ray = SimpleNamespace(get=get, exceptions=exceptions)
+
+    def engine(index: int, ref: str) -> RayEngine:
+        actor = SimpleNamespace(death=SimpleNamespace(remote=lambda: ref))
+        return RayEngine(index, actor, None, free_tcp_addresses("127.0.0.1"))
+
+    engines = [engine(0, "a"), engine(1, "b"), engine(2, "gone"), engine(3, "slow")]
+    monitor = _Monitor(fake_ray, engines)
+    for e in engines:
+        monitor._poll(e)
+    assert engines[0].death is None  # serving
+    assert engines[1].death == answers["b"]  # down, its node restarts it
+    assert engines[1].failure is None
+    assert engines[2].failure is not None and "Ray actor is gone" in engines[2].failure
+    assert engines[3].death is None  # a late answer is no death
+    answers["b"] = None  # restarted on its node: back into routing
+    monitor._poll(engines[1])
+    assert engines[1].death is None
