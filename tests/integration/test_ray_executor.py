@@ -77,6 +77,10 @@ def ray_server(
     code, survivors = stop_server(server)
     assert survivors == [], f"orphans after SIGTERM: {survivors}\n{server.log_tail()}"
     assert code == 0, server.log_tail()
+    # The engines' processes are the actors' children, outside the server's group.
+    actors = {int(pid) for pid in re.findall(r"EngineHost pid=(\d+)", _log(server))}
+    assert len(actors) == 2
+    assert wait_for(lambda: not _alive_under(actors), timeout_s=30.0), _alive_under(actors)
 
 
 def _prompt(seed: int) -> list[int]:
@@ -105,10 +109,27 @@ def _routed(url: str) -> dict[str, float]:
     return totals
 
 
+def _log(server: Server) -> str:
+    return server.log_path.read_text(errors="replace")
+
+
 def _placements(server: Server) -> dict[str, str]:
     """engine -> Ray node id, from the launcher's log."""
-    log = server.log_path.read_text(errors="replace")
-    return dict(re.findall(r"engine (\d+) placed on Ray node (\w+)", log))
+    return dict(re.findall(r"engine (\d+) placed on Ray node (\w+)", _log(server)))
+
+
+def _alive_under(actors: set[int]) -> list[int]:
+    """The actors and their children that still run (zombies excluded)."""
+    alive = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
+        if state != "Z" and (int(entry) in actors or int(ppid) in actors):
+            alive.append(int(entry))
+    return alive
 
 
 def test_two_nodes_serve_what_one_engine_computes(ray_server: Server, tiny_model_dir: Path) -> None:
