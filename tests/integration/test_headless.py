@@ -4,6 +4,8 @@ outputs equal one engine's and both engines serve."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,10 +18,12 @@ from serve_harness import (
     KVFLOW,
     MODEL_NAME,
     Server,
+    child_pid,
     free_port,
     group_members,
     start_server,
     stop_server,
+    wait_for,
 )
 
 from kvflow import LLM, SamplingParams
@@ -51,7 +55,8 @@ def two_hosts(
     assert survivors == [] and code == 0, server.log_tail()
     headless.terminate()
     assert headless.wait(60) == 0, (logs / "headless.log").read_text()[-3000:]
-    assert group_members(headless.pid) == []
+    # Its children die with it (PR_SET_PDEATHSIG), a moment after it exits.
+    assert wait_for(lambda: group_members(headless.pid) == [], 10.0), group_members(headless.pid)
 
 
 def _complete(url: str, prompt: list[int]) -> str:
@@ -80,3 +85,30 @@ def test_a_headless_engine_serves_beside_the_local_one(
     assert 'kvflow:router_requests_total{engine="1",model_name="tiny",policy="rank"} 1.0' in (
         metrics
     ), metrics
+
+
+def test_a_dead_headless_engine_restarts_on_its_host_and_rejoins(
+    two_hosts: tuple[Server, subprocess.Popen[bytes]],
+) -> None:
+    server, headless = two_hosts
+    url = server.base_url
+    scheduler = child_pid(headless.pid, "kvflow-e1-sched")
+    assert scheduler is not None
+    os.kill(scheduler, signal.SIGKILL)
+
+    def health() -> tuple[int, bytes]:
+        response = httpx.get(url + "/health", timeout=5.0)
+        return response.status_code, response.content
+
+    def degraded() -> bool:
+        code, content = health()
+        return code == 200 and content != b""
+
+    # Its silence takes it out of routing; the other engine keeps serving meanwhile.
+    assert wait_for(degraded, 60.0), server.log_tail()
+    assert httpx.get(url + "/health").json()["engines"]["0"] == "ok"
+    # Restarted on its host on the same ports: the frontend's sockets reconnect.
+    assert wait_for(lambda: health() == (200, b""), 240.0), server.log_tail()
+    body = {"model": MODEL_NAME, "prompt": [100, 200, 300], "max_tokens": 4}
+    response = httpx.post(url + "/v1/completions", json=body | {"data_parallel_rank": 1})
+    assert response.status_code == 200, response.text
