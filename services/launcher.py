@@ -42,6 +42,7 @@ from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.lifecycle import StopFlag
 from kvflow.services.children import ChildProcesses, RestartPolicy
+from kvflow.services.dp_hosts import DataParallelHosts
 from kvflow.services.worker_group import check_parallelism, restart_policy, worker_rank_args
 
 if TYPE_CHECKING:
@@ -61,11 +62,22 @@ class ServeOptions:
     trace_file: str | None = None  # the scheduler's step trace (Chrome/Perfetto JSON)
     restart: RestartPolicy = RestartPolicy()  # of a dead worker
     api_server_count: int = 1  # HTTP frontend processes on the port (SO_REUSEPORT)
+    distributed_executor_backend: str = "mp"  # "ray": engines on a Ray cluster's nodes
+    ray_address: str | None = None  # of the running cluster; None: `ray start`'s own
+    dp_hosts: DataParallelHosts = DataParallelHosts()  # engines on other hosts (headless)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Run the stack until SIGINT/SIGTERM; 0 after a clean shutdown, 1 on a start error
     or when the engine died for good (see the module docstring)."""
+    if options.distributed_executor_backend == "ray":
+        from kvflow.services.ray_executor import serve_on_ray
+
+        return serve_on_ray(config, options)
+    if options.dp_hosts.headless:
+        from kvflow.services.headless import serve_headless
+
+        return serve_headless(config, options)
     if config.parallel.data_parallel_size > 1 or options.api_server_count > 1:
         from kvflow.services.data_parallel import serve_data_parallel
 

@@ -20,6 +20,7 @@ from kvflow.config import EngineConfig
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.services.children import RestartPolicy
 from kvflow.services.cli_args import add_engine_args, engine_options
+from kvflow.services.dp_hosts import DataParallelHosts
 from kvflow.services.scheduler.recovery import WORKER_RECOVERY_TIMEOUT_S
 
 
@@ -38,6 +39,8 @@ def add_serve_parsers(subparsers: Any) -> None:
         help="HTTP frontend processes sharing the port (SO_REUSEPORT)",
     )
     _add_trace_arg(serve)
+    _add_executor_args(serve)
+    _add_hosts_args(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=_run_serve)
 
@@ -91,6 +94,62 @@ def _add_restart_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.backoff_s,
         help="seconds before the first worker restart, doubled for each further one",
+    )
+
+
+def _add_executor_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("placement")
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="mp: every process on this host; ray: data-parallel engines on the nodes of a "
+        "running Ray cluster (pip install 'kvflow[ray]')",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster's GCS address HOST:PORT (default: the one `ray start` "
+        "recorded on this host)",
+    )
+
+
+def _add_hosts_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engines on several hosts (without Ray)")
+    group.add_argument(
+        "--headless",
+        action="store_true",
+        help="run engines only, joined to the frontend at --data-parallel-address",
+    )
+    group.add_argument(
+        "--data-parallel-address",
+        default="127.0.0.1",
+        help="the frontend's host, where engines on other hosts join",
+    )
+    group.add_argument(
+        "--data-parallel-rpc-port", type=int, default=None, help="the join port on that host"
+    )
+    group.add_argument(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        help="engines on this host (default: all of --data-parallel-size)",
+    )
+    group.add_argument(
+        "--data-parallel-start-rank",
+        type=int,
+        default=0,
+        help="the first engine index on this host (headless hosts)",
+    )
+
+
+def _dp_hosts(args: argparse.Namespace) -> DataParallelHosts:
+    return DataParallelHosts(
+        address=args.data_parallel_address,
+        rpc_port=args.data_parallel_rpc_port,
+        size_local=args.data_parallel_size_local,
+        start_rank=args.data_parallel_start_rank,
+        headless=args.headless,
     )
 
 
@@ -178,6 +237,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         trace_file=args.trace_file,
         restart=RestartPolicy(args.max_worker_restarts, args.worker_restart_backoff),
         api_server_count=args.api_server_count,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_address=args.ray_address,
+        dp_hosts=_dp_hosts(args),
     )
     return serve(_config(args), options)
 
