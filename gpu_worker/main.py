@@ -19,6 +19,7 @@ missed a heartbeat, and recovers (services/scheduler/recovery.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -29,6 +30,8 @@ from typing import Any
 import zmq
 
 from kvflow.config import EngineConfig
+from kvflow.gpu_worker.distributed import RankInit
+from kvflow.kv_transfer_config import engine_kv_namespace
 from kvflow.metrics.device_peaks import DevicePeaks, resolve_peaks
 from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.model_limits import read_model_limits
@@ -49,10 +52,13 @@ def run_worker(
     addresses: ServiceAddresses,
     rank: int,
     model_dir: Path,
+    rank_init: RankInit | None = None,
     *,
     launcher_address: str | None = None,
 ) -> int:
-    """Run one rank until Shutdown/SIGTERM (0) or an error (ProcessFailed, then 1)."""
+    """Run one rank until Shutdown/SIGTERM (0) or an error (ProcessFailed, then 1).
+    With `rank_init` the rank joins its tensor-parallel group (gpu_worker/distributed.py)
+    before it builds the model."""
 
     incarnation = uuid.uuid4().hex[:12]
 
@@ -68,7 +74,10 @@ def run_worker(
         results = TypedSocket.open(context, zmq.PUSH, addresses.worker_result, bind=False)
         heartbeat = _Heartbeat(context, addresses.worker_result, rank, incarnation)
         try:
-            return _serve(config, rank, model_dir, plans, results, link, stop, incarnation)
+            from kvflow.gpu_worker.distributed import rank_group
+
+            with rank_group(rank_init, config.device.device):
+                return _serve(config, rank, model_dir, plans, results, link, stop, incarnation)
         except Exception as exc:
             # The scheduler hears it on its own channel at once (not after 5 s of silence).
             results.send(ProcessFailed("worker", rank, f"{type(exc).__name__}: {exc}"))
@@ -95,7 +104,8 @@ def _serve(
     age = process_age_s()
     if age is not None:
         phases.add("worker_process_start", age)
-    runner, max_model_len, peaks = _build_runner(config, model_dir, phases)
+    world_size = config.parallel.world_size
+    runner, max_model_len, peaks = _build_runner(config, model_dir, phases, world_size)
     load_s = time.perf_counter() - start
     link.ready(num_blocks=runner.num_blocks, load_s=round(load_s, 3))
     logger.info("worker rank %d ready in %.1f s: %d KV blocks", rank, load_s, runner.num_blocks)
@@ -129,12 +139,16 @@ def _serve(
 
 
 def _build_runner(
-    config: EngineConfig, model_dir: Path, phases: StartupPhases
+    config: EngineConfig, model_dir: Path, phases: StartupPhases, world_size: int = 1
 ) -> tuple[Any, int, DevicePeaks]:
     """The model runner with its KV cache allocated, the context length served and the
-    device's peaks (calibrated, if need be, before the KV cache takes the memory)."""
+    device's peaks (calibrated, if need be, before the KV cache takes the memory).
+    Runs inside the rank's tensor-parallel group: the model built is this rank's shard,
+    and every rank allocates the KV blocks that the most constrained rank can hold."""
     with phases.measure("worker_torch_import"):
+        from kvflow.gpu_worker.distributed import min_over_ranks, threads_per_rank
         from kvflow.gpu_worker.model_runner import ModelRunner, RunnerConfig
+        from kvflow.gpu_worker.parallel_state import get_tp_group
         from kvflow.tokenizer import read_eos_token_ids
 
     with phases.measure("tokenizer_load"):
@@ -151,16 +165,26 @@ def _build_runner(
                 model_dir=model_dir,
                 model=config.model,
                 cache=config.cache,
-                device=config.device,
+                device=dataclasses.replace(
+                    config.device,
+                    num_threads=threads_per_rank(world_size, config.device.num_threads),
+                    # Collectives inside captured graphs are not verified yet: eager.
+                    enforce_eager=config.device.enforce_eager or world_size > 1,
+                ),
                 eos_token_ids=eos_token_ids,
                 max_num_seqs=config.scheduler.max_num_seqs,
                 max_model_len=max_model_len,
+                kv_transfer=config.kv_transfer.kv_transfer_config,
+                kv_namespace=engine_kv_namespace(config),
+                kv_load_timeout=config.kv_transfer.kv_load_timeout,
             )
         )
     with phases.measure("roofline_calibration"):
         peaks = _device_peaks(config)
     with phases.measure("kv_cache_profile"):
-        num_blocks = runner.determine_num_blocks()
+        num_blocks = min_over_ranks(
+            runner.determine_num_blocks(), get_tp_group(), config.device.device
+        )
     with phases.measure("kv_cache_allocate"):
         runner.initialize_kv_cache(num_blocks)
     took = runner.capture_cuda_graphs(config.scheduler.max_num_seqs, max_model_len)

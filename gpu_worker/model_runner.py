@@ -6,6 +6,8 @@ process shell (and the offline engine) only feed it plans.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -15,16 +17,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvflow.config import CacheConfig, DeviceConfig, ModelConfig
+from kvflow.errors import ConfigError
 from kvflow.gpu_worker.attn_metadata import forward_context
 from kvflow.gpu_worker.denormals import flush_denormals_on_cpu
 from kvflow.gpu_worker.grammar_bitmask import apply_grammar_bitmask
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from kvflow.gpu_worker.kv_connector.connector import KVConnectorWorker, make_connector_worker
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
 from kvflow.gpu_worker.rejection_sampler import DraftBatch, RejectionSampler
 from kvflow.gpu_worker.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from kvflow.gpu_worker.spec_metadata import verification_metadata
 from kvflow.kernels.cpu.native_build import load_all as load_native_kernels
+from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.proto.step import StepPlan, StepResult, TokenLogprobs
 
 if TYPE_CHECKING:  # imports Triton: only loaded where graphs are captured
@@ -32,6 +37,9 @@ if TYPE_CHECKING:  # imports Triton: only loaded where graphs are captured
 
 logger = logging.getLogger(__name__)
 
+# An empty step (requests only waiting for KV pulls) waits this long for one to end,
+# so that the scheduler's polling for them does not spin a core.
+_IDLE_LOAD_WAIT_S = 0.005
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,6 +52,10 @@ class RunnerConfig:
     eos_token_ids: frozenset[int]
     max_num_seqs: int  # slots of the persistent batch
     max_model_len: int  # tokens per slot
+    # Disaggregated prefill/decode: the KV connector and its layout namespace.
+    kv_transfer: KVTransferConfig | None = None
+    kv_namespace: str = ""
+    kv_load_timeout: float = 30.0
 
 
 class ModelRunner:
@@ -60,9 +72,10 @@ class ModelRunner:
             config.model_dir, self.dtype, self.device, config.device.attention_backend
         )
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.kv_spec = KVCacheSpec.from_hf_config(
-            self.hf_config, config.cache.block_size, self.dtype
-        )
+        spec = KVCacheSpec.from_hf_config(self.hf_config, config.cache.block_size, self.dtype)
+        # This rank's KV heads (a shard, or one replica when heads are fewer than ranks).
+        local_kv_heads = self.model.attention_layers()[0].num_kv_heads
+        self.kv_spec = dataclasses.replace(spec, num_kv_heads=local_kv_heads)
         limits = BatchLimits(config.max_num_seqs, config.max_model_len, config.cache.block_size)
         self.batch = InputBatch(limits, self.vocab_size, set(config.eos_token_ids), self.device)
         # Unseeded requests share one generator, seeded from the engine's seed.
@@ -70,6 +83,7 @@ class ModelRunner:
         # Verifies draft tokens; shares the unseeded requests' generator.
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.num_blocks = 0
+        self.kv_connector: KVConnectorWorker | None = None
         self.decode_graphs: DecodeGraphs | None = None
 
     def determine_num_blocks(self) -> int:
@@ -78,13 +92,14 @@ class ModelRunner:
         if cache.num_blocks is not None:
             return cache.num_blocks
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cache.gpu_memory_utilization) * total
+            budget = _cuda_kv_budget(self.device, cache.gpu_memory_utilization, self.model)
+            option = "--gpu-memory-utilization"
         else:
             budget = cache.kv_cache_memory * (1 << 30)
+            option = "--kv-cache-memory"
         num_blocks = int(budget // self.kv_spec.bytes_per_block)
         if num_blocks < 1:
-            raise ValueError("KV cache memory too small for one block; raise --kv-cache-memory")
+            raise ConfigError(f"KV cache memory too small for one block; raise {option}")
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -92,6 +107,10 @@ class ModelRunner:
         for layer, cache in zip(self.model.attention_layers(), caches):
             layer.kv_cache = cache
         self.num_blocks = num_blocks
+        config = self.config
+        self.kv_connector = make_connector_worker(
+            config.kv_transfer, config.kv_namespace, caches, config.kv_load_timeout
+        )
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode CUDA graphs (after the KV cache is bound); returns the seconds
@@ -133,8 +152,15 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         self.batch.apply_plan(plan)
+        connector = self.kv_connector
+        if connector is not None and plan.kv_connector is not None:
+            connector.start_load_kv(plan.kv_connector)
         if not plan.scheduled_req_ids:
-            return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+            result = StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+            if connector is not None:  # a step that only waits for background loads
+                connector.wait_for_loads(_IDLE_LOAD_WAIT_S)
+                result.kv_transfer = connector.take_stats()
+            return result
         inputs = self.batch.prepare_inputs(plan)
         graphs = self.decode_graphs
         with forward_context(inputs.metadata):
@@ -152,6 +178,10 @@ class ModelRunner:
         else:
             result = self._sample(inputs, logits[:num_sampled])
         self._add_prompt_logprobs(inputs, logits[num_sampled:], result)
+        if connector is not None:
+            if plan.kv_connector is not None:
+                connector.wait_for_save(plan.kv_connector)
+            result.kv_transfer = connector.take_stats()
         result.step_id = plan.step_id
         result.execute_time_s = time.perf_counter() - start
         return result
@@ -248,3 +278,19 @@ def _rows_to_token_logprobs(tensors: LogprobsTensors, num_rows: int, k: int) -> 
         TokenLogprobs(token_ids[i][: k + 1], logprobs[i][: k + 1], int(ranks[i]))
         for i in range(num_rows)
     ]
+
+
+def _cuda_kv_budget(device: torch.device, utilization: float, model: torch.nn.Module) -> float:
+    """Bytes for this engine's KV cache: `utilization` of the device is its share for
+    weights + KV (so engines can share a device, as vLLM's instances do), within what is
+    free less a reserve for the step's activations."""
+    # An engine dropped earlier in this process (an LLM in a script or a test) may still
+    # hold its cache until the garbage collector runs; its memory counts as free here.
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return min(utilization * total - weights, free - _CUDA_ACTIVATION_RESERVE)
+
+
+_CUDA_ACTIVATION_RESERVE = 1 << 30  # a 2048-token step of a 1B-class model needs well under 1 GiB

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvflow.errors import ConfigError
+from kvflow.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
 from kvflow.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -43,7 +44,9 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = _opt(16, "tokens per KV block")
     kv_cache_memory: float = _opt(2.0, "GiB of KV cache on CPU")
-    gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory for weights + KV")
+    gpu_memory_utilization: float = _opt(
+        0.9, "fraction of GPU memory this engine takes for weights + KV"
+    )
     num_blocks: int | None = _opt(None, "override the number of KV blocks (tests)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
 
@@ -155,6 +158,30 @@ class SpeculativeOptions:
 
 
 @dataclass(frozen=True)
+class KVTransferOptions:
+    kv_transfer_config: KVTransferConfig | None = field(
+        default=None,
+        metadata={
+            "help": "disaggregated prefill/decode as JSON, e.g. "
+            '\'{"kv_role": "kv_producer", "kv_connector": "shared-storage", '
+            '"kv_connector_extra_config": {"storage_path": "/tmp/kv"}}\'',
+            "parse": parse_kv_transfer_config,
+        },
+    )
+    kv_load_failure_policy: Literal["recompute", "fail"] = _opt(
+        "recompute",
+        "a remote KV load that fails or times out: compute the prompt here, or fail the request",
+    )
+    kv_load_timeout: float = _opt(
+        30.0, "seconds a decode instance waits for a prompt's KV from its producer"
+    )
+
+    def __post_init__(self) -> None:
+        if not self.kv_load_timeout > 0:
+            raise ConfigError(f"kv_load_timeout must be > 0, got {self.kv_load_timeout}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -162,6 +189,18 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
+    kv_transfer: KVTransferOptions = field(default_factory=KVTransferOptions)
+
+    def __post_init__(self) -> None:
+        kv = self.kv_transfer.kv_transfer_config
+        parallel = self.parallel
+        if kv is not None and (parallel.world_size > 1 or parallel.data_parallel_size > 1):
+            # Each rank holds a shard of every block, and each engine would bind the
+            # same KV port: transfers per rank and per engine are not built yet.
+            raise ConfigError(
+                "kv_transfer_config works with one engine of one rank for now "
+                "(tensor, pipeline and data parallel sizes 1); run one instance per engine"
+            )
 
     @classmethod
     def create(cls, **options: Any) -> EngineConfig:
@@ -185,6 +224,9 @@ class EngineConfig:
         spec = by_section["speculative"].get("speculative_config")
         if spec is not None:  # JSON text or a dict (LLM(speculative_config={...}))
             by_section["speculative"]["speculative_config"] = SpeculativeConfig.parse(spec)
+        kv_transfer = by_section["kv_transfer"].get("kv_transfer_config")
+        if kv_transfer is not None:  # JSON text or a dict (LLM(kv_transfer_config={...}))
+            by_section["kv_transfer"]["kv_transfer_config"] = KVTransferConfig.parse(kv_transfer)
         by_section["model"]["dtype"] = resolve_dtype(
             by_section["model"].get("dtype", "auto"), device
         )
@@ -198,6 +240,7 @@ _SECTION_TYPES: dict[str, type] = {
     "parallel": ParallelConfig,
     "device": DeviceConfig,
     "speculative": SpeculativeOptions,
+    "kv_transfer": KVTransferOptions,
 }
 
 
@@ -226,6 +269,9 @@ def resolve_attention_backend(backend: str, device: str) -> str:
         return "triton" if device == "cuda" else "cpu"
     if backend not in ("torch", "cpu", "triton"):
         raise ConfigError(f"attention_backend must be cpu, torch or triton, got {backend!r}")
+    if backend == "cpu" and device != "cpu":
+        # Its kernels are native CPU code reading host memory.
+        raise ConfigError("attention_backend cpu runs on device cpu only")
     return backend
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.config import EngineConfig
-from kvflow.errors import ConfigError
+from kvflow.kv_transfer_config import engine_kv_namespace
 from kvflow.metrics.roofline import ModelShape, RooflineMeter
 from kvflow.model_limits import read_model_limits
 from kvflow.outputs import RequestOutput
@@ -31,6 +31,7 @@ from kvflow.proto.step import StepResult
 from kvflow.request_outputs import RequestOutputs
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
 from kvflow.services.detokenizer.streams import DetokenizerStreams
+from kvflow.services.kv_transfer.connector import make_connector_scheduler
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
 from kvflow.services.scheduler.grammar_compiler import grammar_compiler
@@ -48,12 +49,9 @@ OFFLINE_FRONTEND = "offline"  # the detokenizer's routing id of every offline re
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from kvflow.gpu_worker.model_files import resolve_model_dir
+        from kvflow.services.worker_group import check_parallelism
 
-        if config.parallel.world_size != 1:  # never run on one process what asked for more
-            raise ConfigError(
-                "tensor/pipeline parallelism is not available yet: tensor_parallel_size and "
-                "pipeline_parallel_size must be 1"
-            )
+        check_parallelism(config.parallel)  # never run on one process what asked for more
         self.config = config
         self.model_dir: Path = resolve_model_dir(config.model.model)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -80,6 +78,12 @@ class LLMEngine:
                 self.max_model_len,
                 self.vocab_size,
                 make_speculator(config.speculative.speculative_config),
+                make_connector_scheduler(
+                    config.kv_transfer.kv_transfer_config,
+                    config.cache.block_size,
+                    engine_kv_namespace(config),
+                    config.kv_transfer.kv_load_failure_policy,
+                ),
             ),
             limits,
             config.scheduler.max_steps_in_flight,
@@ -96,9 +100,13 @@ class LLMEngine:
         logger.info("engine ready: %d KV blocks of %d tokens", num_blocks, config.cache.block_size)
 
     def _start_runner(self) -> Any:
+        config = self.config
+        if config.parallel.world_size > 1:  # one process per rank, driven over ZeroMQ
+            from kvflow.services.worker_group_runner import WorkerGroupRunner
+
+            return WorkerGroupRunner(config, self.model_dir)
         from kvflow.gpu_worker.model_runner import ModelRunner, RunnerConfig
 
-        config = self.config
         runner = ModelRunner(
             RunnerConfig(
                 model_dir=self.model_dir,
@@ -108,11 +116,20 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 max_num_seqs=config.scheduler.max_num_seqs,
                 max_model_len=self.max_model_len,
+                kv_transfer=config.kv_transfer.kv_transfer_config,
+                kv_namespace=engine_kv_namespace(config),
+                kv_load_timeout=config.kv_transfer.kv_load_timeout,
             )
         )
         runner.initialize_kv_cache(runner.determine_num_blocks())
         runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         return runner
+
+    def close(self) -> None:
+        """Stop the worker processes of a multi-rank engine (a no-op in process)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -188,6 +205,14 @@ class LLMEngine:
         if step.batch.num_tokens:
             self.roofline.record(step.batch, result.execute_time_s)
         return self.outputs.apply(self._detokenize(failed + deltas))
+
+    def recover_from_failed_step(self) -> None:
+        """A step raised (a bug, an interrupt): the results of the steps in flight will
+        never be applied. Drop them and the runner's batch; every request goes back to
+        waiting and recomputes from its tokens, so the engine can step again."""
+        self._results.clear()
+        self.core.drop_worker_state()
+        self.runner.drop_all_requests()
 
     def _detokenize(self, deltas: list[TokenDelta]) -> list[RequestOutputDelta]:
         if not deltas:

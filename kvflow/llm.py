@@ -45,6 +45,10 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); also done at exit."""
+        self.engine.close()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -93,12 +97,20 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm)
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-                    progress.update(1)
-        progress.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        progress.update(1)
+        except BaseException:  # incl. KeyboardInterrupt: the next generate() must work
+            self.engine.recover_from_failed_step()
+            for request_id in request_ids:
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
+            raise
+        finally:
+            progress.close()
         return [finished[request_id] for request_id in request_ids]
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from kvflow.errors import InvalidRequestError
+from kvflow.kv_transfer_config import KVTransferParams
 
 # Upper bound on top-N logprobs per token (OpenAI allows 20 for chat, 5 for completions).
 MAX_LOGPROBS = 20
@@ -83,6 +84,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     speculative: bool = True  # False: never speculate for this request (opt-out)
+    # Disaggregated prefill/decode: where this request's prompt KV comes from.
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def greedy(self) -> bool:

@@ -65,7 +65,11 @@ class ServiceAddresses:
 
 
 def bind_address(address: str) -> str:
-    """A connect address turned into its bind form (`tcp://host:p` -> `tcp://*:p`)."""
+    """A connect address turned into its bind form (`tcp://host:p` -> `tcp://*:p`).
+
+    A loopback host stays as it is: such an address is only reachable from this host,
+    so listening on every interface would expose the port for nothing."""
     if address.startswith("tcp://"):
-        return "tcp://*:" + address.rsplit(":", 1)[1]
+        host, port = address[len("tcp://") :].rsplit(":", 1)
+        return address if host.startswith("127.") else f"tcp://*:{port}"
     return address

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvflow.proto.kv_transfer import KVTransferStats
+
 
 class PhaseTotals(msgspec.Struct, array_like=True, gc=False):
     """Cumulative work of one step phase ("prefill" or "decode", see kvflow.metrics.roofline)."""
@@ -79,6 +81,7 @@ class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tr
     recent_steps: list[StepRecord] = []
     kv_block_map: KVBlockMap | None = None
     grammar: GrammarStats | None = None  # None until a guided request arrives
+    kv_transfer: KVTransferStats | None = None  # None without a KV connector
     # Speculative decoding, cumulative (vLLM's spec_decode_* metrics): verification steps
     # with drafts, draft tokens, accepted drafts, and accepted drafts per position.
     spec_decode_num_drafts: int = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStepStats
 from kvflow.sampling_params import SamplingParams
 
 
@@ -56,6 +57,8 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc
     # num_scheduled_tokens counts them: 1 + k for a decode). The worker verifies them and
     # returns the accepted ones plus one more token in `StepResult.sampled_token_ids`.
     spec_token_ids: dict[str, list[int]] = {}
+    # Disaggregated prefill/decode: KV blocks to load before / save after this step.
+    kv_connector: KVConnectorMeta | None = None
     # Guided decoding's jump-forward: tokens the scheduler appended to a request without
     # a model step (its grammar allowed nothing else). The worker appends them to the
     # request's known tokens before this step; a later step computes their KV.
@@ -83,6 +86,7 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, 
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
     prompt_logprobs_start: dict[str, int] = {}
     execute_time_s: float = 0.0
+    kv_transfer: KVTransferStepStats | None = None  # with a KV connector: what it moved
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):

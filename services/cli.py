@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parsers(sub)  # serve + each process role alone (scheduler, worker, ...)
 
+    from kvflow.services.proxy.main import add_proxy_parser
+
+    add_proxy_parser(sub)  # disaggregated prefill/decode front
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from kvflow.services.bench import (
@@ -79,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     spec_decode.add_args(spec)
     add_engine_args(spec)
     spec.set_defaults(handler=spec_decode.run)
+    from kvflow.services.bench import kv_transfer
+
+    kvt = bench_sub.add_parser("kv-transfer", help="zmq KV connector GB/s vs a memcpy")
+    kv_transfer.add_args(kvt)
+    kvt.set_defaults(handler=kv_transfer.run)
     _add_kernel_bench(bench_sub)
     return parser
 

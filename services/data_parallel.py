@@ -27,10 +27,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -39,6 +39,7 @@ from kvflow.errors import KvflowError
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.lifecycle import StopFlag, set_process_name
 from kvflow.services.children import ChildProcesses
+from kvflow.services.dp_hosts import await_joins
 from kvflow.services.launcher import (
     ServeOptions,
     _launcher_phases,
@@ -48,6 +49,7 @@ from kvflow.services.launcher import (
     make_frontend_config,
 )
 from kvflow.services.scheduler.main import SchedulerOptions
+from kvflow.services.worker_group import worker_rank_args
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +77,12 @@ class EngineGroup:
     death: str | None = None  # set by the supervisor, read by the frontend's watchdog
     restarts: int = 0
     generation: int = 0
+    tcp: ServiceAddresses | None = None  # reachable from other hosts (Ray, headless)
 
     @property
     def addresses(self) -> ServiceAddresses:
-        return ServiceAddresses.ipc(str(self.directory))
+        """ipc sockets in `directory` when the frontend is on this host, else `tcp`."""
+        return self.tcp or ServiceAddresses.ipc(str(self.directory))
 
     def start(self) -> None:
         from kvflow.gpu_worker.main import run_worker
@@ -89,9 +93,9 @@ class EngineGroup:
         ack = f"ipc://{self.directory}/launcher{self.generation}"
         children = self.children = ChildProcesses(self.context, ack)
         e, addresses = self.index, self.addresses
-        for rank in range(self.config.parallel.world_size):
+        for rank, args in enumerate(worker_rank_args(self.config, addresses, self.model_dir)):
             target = functools.partial(_named, f"kvflow-e{e}-w{rank}", run_worker)
-            children.start("worker", rank, target, self.config, addresses, rank, self.model_dir)
+            children.start("worker", rank, target, *args)
         scheduler = functools.partial(_named, f"kvflow-e{e}-sched", run_scheduler, engine_id=str(e))
         args = (self.config, addresses, self.model_dir, self.scheduler_options)
         children.start("scheduler", 0, scheduler, *args)
@@ -166,6 +170,7 @@ def serve_data_parallel(config: EngineConfig, options: ServeOptions) -> int:
     stop = StopFlag().install()
     phases = _launcher_phases()
     try:
+        options.dp_hosts.local_ranks(config.parallel.data_parallel_size)
         model_dir = _resolve_model(config)
     except KvflowError as exc:
         print(f"kvflow serve: {exc}", file=sys.stderr)
@@ -173,18 +178,22 @@ def serve_data_parallel(config: EngineConfig, options: ServeOptions) -> int:
     base = Path(tempfile.mkdtemp(prefix="kvflow-dp-"))
     context = zmq.Context()
     scheduler_options = SchedulerOptions(startup_phases=phases.seconds)
+    size = config.parallel.data_parallel_size
     groups = [
         EngineGroup(i, config, model_dir, base / f"engine{i}", scheduler_options, context)
-        for i in range(config.parallel.data_parallel_size)
+        for i in options.dp_hosts.local_ranks(size)
     ]
     preload = _TokenizerPreload(model_dir)
     supervisor = Supervisor(groups, options, stop)
     try:
         start_engines(groups, options, stop)
         logger.info("%d engines ready in %.1f s", len(groups), time.monotonic() - start)
+        engines: list[RoutedEngine] = [*groups]
+        if len(groups) < size:  # the others join from their hosts (kvflow serve --headless)
+            engines += await_joins(options.dp_hosts, size, context, options.startup_timeout_s, stop)
         if not stop.is_set():
             supervisor.start()
-            _run_frontend(config, options, groups, model_dir, preload.get(), start)
+            _run_frontend(config, options, engines, model_dir, preload.get(), start)
             stop.install()  # the frontend's loop restored the default handlers on exit
         return 0
     except KvflowError as exc:
@@ -209,10 +218,20 @@ def start_engines(groups: list[EngineGroup], options: ServeOptions, stop: StopFl
         group.children.wait_ready(options.startup_timeout_s, stop)
 
 
+class RoutedEngine(Protocol):
+    """What the frontend needs of an engine, wherever it runs."""
+
+    @property
+    def addresses(self) -> ServiceAddresses: ...
+
+    @property
+    def death(self) -> str | None: ...
+
+
 def _run_frontend(
     config: EngineConfig,
     options: ServeOptions,
-    groups: list[EngineGroup],
+    groups: Sequence[RoutedEngine],
     model_dir: Path,
     tokenizer: Any,
     start: float,
@@ -241,5 +260,5 @@ def _run_frontend(
     logger.info("frontend stopped")
 
 
-def _death(group: EngineGroup) -> str | None:
+def _death(group: RoutedEngine) -> str | None:
     return group.death

@@ -42,6 +42,8 @@ from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.lifecycle import StopFlag
 from kvflow.services.children import ChildProcesses, RestartPolicy
+from kvflow.services.dp_hosts import DataParallelHosts
+from kvflow.services.worker_group import check_parallelism, restart_policy, worker_rank_args
 
 if TYPE_CHECKING:
     from kvflow.services.frontend.config import FrontendConfig
@@ -60,11 +62,22 @@ class ServeOptions:
     trace_file: str | None = None  # the scheduler's step trace (Chrome/Perfetto JSON)
     restart: RestartPolicy = RestartPolicy()  # of a dead worker
     api_server_count: int = 1  # HTTP frontend processes on the port (SO_REUSEPORT)
+    distributed_executor_backend: str = "mp"  # "ray": engines on a Ray cluster's nodes
+    ray_address: str | None = None  # of the running cluster; None: `ray start`'s own
+    dp_hosts: DataParallelHosts = DataParallelHosts()  # engines on other hosts (headless)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Run the stack until SIGINT/SIGTERM; 0 after a clean shutdown, 1 on a start error
     or when the engine died for good (see the module docstring)."""
+    if options.distributed_executor_backend == "ray":
+        from kvflow.services.ray_executor import serve_on_ray
+
+        return serve_on_ray(config, options)
+    if options.dp_hosts.headless:
+        from kvflow.services.headless import serve_headless
+
+        return serve_headless(config, options)
     if config.parallel.data_parallel_size > 1 or options.api_server_count > 1:
         from kvflow.services.data_parallel import serve_data_parallel
 
@@ -95,7 +108,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         trace_file=str(Path(options.trace_file).absolute()) if options.trace_file else None,
         startup_phases=phases.seconds,
     )
-    supervisor = Supervisor(children, options.restart)
+    supervisor = Supervisor(children, restart_policy(config, options.restart))
     try:
         _start_children(children, config, addresses, model_dir, scheduler_options)
         _serve_when_ready(
@@ -163,8 +176,7 @@ def _resolve_model(config: EngineConfig) -> Path:
     """Once, here: a GGUF is converted before any child could race to convert it."""
     from kvflow.gpu_worker.model_files import resolve_model_dir
 
-    if config.parallel.world_size != 1:
-        raise KvflowError("tensor/pipeline parallelism is not supported yet (world size 1)")
+    check_parallelism(config.parallel)  # a ConfigError is a KvflowError: reported, exit 1
     try:
         return resolve_model_dir(config.model.model)
     except KvflowError:
@@ -266,8 +278,8 @@ def _start_children(
     from kvflow.services.scheduler.main import run_scheduler
 
     # The slowest to start goes first.
-    for rank in range(config.parallel.world_size):
-        children.start("worker", rank, run_worker, config, addresses, rank, model_dir)
+    for rank, args in enumerate(worker_rank_args(config, addresses, model_dir)):
+        children.start("worker", rank, run_worker, *args)
     children.start("scheduler", 0, run_scheduler, config, addresses, model_dir, scheduler_options)
     children.start("detokenizer", 0, run_detokenizer, addresses, model_dir)
 

@@ -20,6 +20,7 @@ from kvflow.config import EngineConfig
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.services.children import RestartPolicy
 from kvflow.services.cli_args import add_engine_args, engine_options
+from kvflow.services.dp_hosts import DataParallelHosts
 from kvflow.services.scheduler.recovery import WORKER_RECOVERY_TIMEOUT_S
 
 
@@ -38,6 +39,8 @@ def add_serve_parsers(subparsers: Any) -> None:
         help="HTTP frontend processes sharing the port (SO_REUSEPORT)",
     )
     _add_trace_arg(serve)
+    _add_executor_args(serve)
+    _add_hosts_args(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=_run_serve)
 
@@ -56,6 +59,12 @@ def add_serve_parsers(subparsers: Any) -> None:
             parser.add_argument("--launcher-address", help="where to ack ProcessReady")
         if role == "worker":
             parser.add_argument("--rank", type=int, default=0, help="this worker's rank")
+            parser.add_argument(
+                "--distributed-init-method",
+                default=os.environ.get("KVFLOW_DIST_INIT_METHOD"),
+                help="tcp://host:port of rank 0's rendezvous (tensor parallelism; "
+                "env KVFLOW_DIST_INIT_METHOD)",
+            )
         if role == "scheduler":
             _add_trace_arg(parser)
             parser.add_argument(
@@ -85,6 +94,62 @@ def _add_restart_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.backoff_s,
         help="seconds before the first worker restart, doubled for each further one",
+    )
+
+
+def _add_executor_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("placement")
+    group.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="mp: every process on this host; ray: data-parallel engines on the nodes of a "
+        "running Ray cluster (pip install 'kvflow[ray]')",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster's GCS address HOST:PORT (default: the one `ray start` "
+        "recorded on this host)",
+    )
+
+
+def _add_hosts_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engines on several hosts (without Ray)")
+    group.add_argument(
+        "--headless",
+        action="store_true",
+        help="run engines only, joined to the frontend at --data-parallel-address",
+    )
+    group.add_argument(
+        "--data-parallel-address",
+        default="127.0.0.1",
+        help="the frontend's host, where engines on other hosts join",
+    )
+    group.add_argument(
+        "--data-parallel-rpc-port", type=int, default=None, help="the join port on that host"
+    )
+    group.add_argument(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        help="engines on this host (default: all of --data-parallel-size)",
+    )
+    group.add_argument(
+        "--data-parallel-start-rank",
+        type=int,
+        default=0,
+        help="the first engine index on this host (headless hosts)",
+    )
+
+
+def _dp_hosts(args: argparse.Namespace) -> DataParallelHosts:
+    return DataParallelHosts(
+        address=args.data_parallel_address,
+        rpc_port=args.data_parallel_rpc_port,
+        size_local=args.data_parallel_size_local,
+        start_rank=args.data_parallel_start_rank,
+        headless=args.headless,
     )
 
 
@@ -172,6 +237,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         trace_file=args.trace_file,
         restart=RestartPolicy(args.max_worker_restarts, args.worker_restart_backoff),
         api_server_count=args.api_server_count,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_address=args.ray_address,
+        dp_hosts=_dp_hosts(args),
     )
     return serve(_config(args), options)
 
@@ -196,11 +264,22 @@ def _run_worker(args: argparse.Namespace) -> int:
     from kvflow.gpu_worker.main import run_worker
 
     config = _config(args)
+    world_size = config.parallel.world_size
+    rank_init = None
+    if world_size > 1:  # the ranks of one group meet at one address, across hosts too
+        from kvflow.gpu_worker.distributed import RankInit
+        from kvflow.services.worker_group import check_parallelism
+
+        check_parallelism(config.parallel)
+        if not args.distributed_init_method:
+            raise SystemExit("kvflow worker: tensor parallelism needs --distributed-init-method")
+        rank_init = RankInit(args.distributed_init_method, world_size, args.rank)
     return run_worker(
         config,
         resolve_addresses(args),
         args.rank,
         _model_dir(config),
+        rank_init,
         launcher_address=args.launcher_address,
     )
 

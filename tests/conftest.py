@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,22 @@ from kvflow.gpu_worker.model_files import resolve_model_dir
 # a kernel is first decorated, so it must be set before anything imports kvflow.kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# On a GPU machine an engine takes --gpu-memory-utilization (0.9) of the device for its
+# KV cache, so a test holding two engines would run out of memory; tests use a small share.
+TEST_GPU_MEMORY_UTILIZATION = 0.05
+
+
+@pytest.fixture(autouse=True)
+def _small_gpu_share_per_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    if torch.cuda.is_available():
+        from kvflow.config import CacheConfig
+
+        shared = functools.partialmethod(
+            CacheConfig.__init__, gpu_memory_utilization=TEST_GPU_MEMORY_UTILIZATION
+        )
+        monkeypatch.setattr(CacheConfig, "__init__", shared)
+
 
 TINY_COMMON = dict(
     hidden_size=64,

@@ -1,4 +1,5 @@
-"""Gated activation of the Llama MLP (fused natively on CPUs: kernels/cpu/elementwise.cpp)."""
+"""Gated activation of the Llama MLP, fused: natively on CPUs (kernels/cpu/elementwise.cpp),
+in Triton on CUDA (kernels/activation.py)."""
 
 from __future__ import annotations
 
@@ -15,5 +16,9 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if elementwise.applies(x):
             return elementwise.silu_and_mul(x)
+        if x.is_cuda and x.dim() == 2:
+            from kvflow.kernels.activation import silu_and_mul  # Triton: never imported on CPU
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

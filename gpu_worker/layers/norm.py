@@ -3,8 +3,9 @@
 Numerics follow Hugging Face's LlamaRMSNorm so fp32 and bf16 logits match it: the
 variance is taken in float32, the normalised value is cast back to the input dtype and
 only then scaled by the weight; the residual add happens in the activation dtype. On
-CPUs the fused native kernel (kernels/cpu/elementwise.cpp) does the same in one pass;
-these torch ops are its reference and the path everywhere else.
+CPUs the fused native kernel (kernels/cpu/elementwise.cpp) and on CUDA the Triton kernel
+(kernels/rms_norm.py) do the same in one pass; these torch ops are their reference and
+the path everywhere else.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class RMSNorm(nn.Module):
         """[..., hidden] -> [..., hidden], normalised over the last dim."""
         if elementwise.applies(x, self.weight):
             return elementwise.rms_norm(x, self.weight, self.eps)[0]
+        if _triton_applies(x):
+            from kvflow.kernels.rms_norm import rms_norm  # Triton: never imported on CPU
+
+            return rms_norm(x, self.weight, self.eps)
         return self._norm(x)
 
     def add_and_norm(
@@ -41,5 +46,14 @@ class RMSNorm(nn.Module):
             normed, summed = elementwise.rms_norm(x, self.weight, self.eps, residual)
             assert summed is not None
             return normed, summed
+        if _triton_applies(x):
+            from kvflow.kernels.rms_norm import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self._norm(residual), residual
+
+
+def _triton_applies(x: torch.Tensor) -> bool:
+    """The Triton kernel takes [num_tokens, hidden] rows on CUDA (per-head norms are 3-D)."""
+    return x.is_cuda and x.dim() == 2

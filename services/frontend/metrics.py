@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.kv_transfer import KVTransferStats
 from kvflow.proto.stats import GrammarStats, SchedulerStats
 from kvflow.services.frontend.perf_metrics import PerfMetrics
 
@@ -33,6 +34,27 @@ TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5
 TOKEN_LATENCY_BUCKETS += [1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0]
 REQUEST_LATENCY_BUCKETS += [40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+KV_TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+KV_TRANSFER_BUCKETS += [2.5, 5.0, 10.0, 30.0]
+# KVTransferStats cumulative field -> (counter name, help).
+_KV_TRANSFER_COUNTERS = {
+    "num_loaded_requests": (
+        "kv_transfer_loaded_requests",
+        "Requests that loaded KV from a connector.",
+    ),
+    "num_loaded_tokens": (
+        "kv_transfer_loaded_tokens",
+        "Prompt tokens whose KV was loaded, not computed.",
+    ),
+    "num_saved_blocks": ("kv_transfer_saved_blocks", "KV blocks saved by a producer."),
+    "bytes_loaded": ("kv_transfer_loaded_bytes", "KV bytes loaded through the connector."),
+    "bytes_saved": ("kv_transfer_saved_bytes", "KV bytes saved through the connector."),
+    "num_load_failures": ("kv_load_failures", "KV loads that failed."),
+    "num_computed_prompt_tokens": (
+        "kv_transfer_computed_prompt_tokens",
+        "Prompt tokens this engine computed itself (with a KV connector).",
+    ),
+}
 GRAMMAR_COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISHED_REASONS = ("stop", "length", "abort")
@@ -78,6 +100,7 @@ class FrontendMetrics:
         labels = ["model_name", "engine"]
         self._define_engine_metrics(labels)
         self._define_grammar_metrics(labels)
+        self._define_kv_transfer_metrics(labels)
         self.perf = PerfMetrics(self.registry, model_name)  # roofline, peaks, start-up
         self._define_request_metrics(labels, max_model_len)
         self._series = RequestSeries(self, default_engine)
@@ -195,6 +218,39 @@ class FrontendMetrics:
             registry=self.registry,
         )
 
+    def _define_kv_transfer_metrics(self, labels: list[str]) -> None:
+        # Created at the first stats of an engine with a connector: a server without
+        # one exports none of them.
+        self.kv_transfer_counters = {
+            field: Counter(f"kvflow:{name}", doc, labels, registry=self.registry)
+            for field, (name, doc) in _KV_TRANSFER_COUNTERS.items()
+        }
+        self.num_requests_waiting_for_remote_kv = Gauge(
+            "kvflow:num_requests_waiting_for_remote_kv",
+            "Requests whose prompt KV is being pulled from a prefill instance.",
+            labels,
+            registry=self.registry,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "kvflow:kv_transfer_seconds",
+            "Histogram of the time one step spent moving KV, by direction (load, save).",
+            [*labels, "direction"],
+            buckets=KV_TRANSFER_BUCKETS,
+            registry=self.registry,
+        )
+
+    def _observe_kv_transfer(
+        self, labels: tuple[str, str], engine: str, stats: KVTransferStats
+    ) -> None:
+        for field, counter in self.kv_transfer_counters.items():
+            increment = self._increment(engine, f"kv_{field}", getattr(stats, field))
+            counter.labels(*labels).inc(increment)
+        self.num_requests_waiting_for_remote_kv.labels(*labels).set(stats.num_waiting_for_remote_kv)
+        for direction, seconds in (("load", stats.load_seconds), ("save", stats.save_seconds)):
+            histogram = self.kv_transfer_seconds.labels(*labels, direction)
+            for value in seconds:
+                histogram.observe(value)
+
     def _define_request_metrics(self, labels: list[str], max_model_len: int) -> None:
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(f"kvflow:{name}", doc, labels, buckets=buckets, registry=self.registry)
@@ -274,6 +330,8 @@ class FrontendMetrics:
         self.perf.observe(stats, self._increment)
         if stats.grammar is not None:
             self._observe_grammar(labels, stats.engine, stats.grammar)
+        if stats.kv_transfer is not None:
+            self._observe_kv_transfer(labels, stats.engine, stats.kv_transfer)
 
     def _observe_grammar(self, labels: tuple[str, str], engine: str, stats: GrammarStats) -> None:
         for seconds in stats.compile_seconds:

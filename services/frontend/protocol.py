@@ -19,6 +19,7 @@ import msgspec
 from msgspec import Meta
 
 from kvflow.errors import InvalidRequestError
+from kvflow.kv_transfer_config import KVTransferParams
 from kvflow.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from kvflow.services.frontend.json_limits import check_json_limits
 from kvflow.services.frontend.structured_fields import GuidedFields, resolve_structured_outputs
@@ -89,6 +90,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored: xgrammar decides
     speculative: bool = True  # kvflow: false opts this request out of speculative decoding
+    kv_transfer_params: KVTransferParams | None = None  # P/D: where the prompt's KV comes from
 
     @property
     def include_usage(self) -> bool:
@@ -120,6 +122,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self._structured_outputs(),
             speculative=self.speculative,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:

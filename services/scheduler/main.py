@@ -39,6 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvflow.config import EngineConfig
 from kvflow.errors import KvflowError
+from kvflow.kv_transfer_config import engine_kv_namespace
 from kvflow.metrics.roofline import ModelShape, RooflineMeter
 from kvflow.proto.addresses import ServiceAddresses, bind_address
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo, WorkerOutput
@@ -47,6 +48,7 @@ from kvflow.proto.frontend import EngineDead
 from kvflow.proto.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.step import SchedulerHello, Shutdown
+from kvflow.services.kv_transfer.connector import make_connector_scheduler
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
 from kvflow.services.scheduler.grammar_compiler import grammar_compiler
@@ -149,8 +151,14 @@ def _serve(
         info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
     )
     speculator = make_speculator(config.speculative.speculative_config)
+    kv_connector = make_connector_scheduler(
+        config.kv_transfer.kv_transfer_config,
+        config.cache.block_size,
+        engine_kv_namespace(config),
+        config.kv_transfer.kv_load_failure_policy,
+    )
     scheduler = Scheduler(
-        config.scheduler, kv_cache, info.max_model_len, info.vocab_size, speculator
+        config.scheduler, kv_cache, info.max_model_len, info.vocab_size, speculator, kv_connector
     )
     core = EngineCore(
         scheduler,

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_REMOTE_KV = -1  # P/D: its prompt KV is on its way (kv_transfer/remote_loads.py)
     WAITING_FOR_GRAMMAR = 0  # guided: its grammar compiles in the pool (engine_core.py)
     WAITING = 1
     RUNNING = 2

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvflow.config import SchedulerConfig
 from kvflow.proto.engine import TokenDelta
+from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStats
 from kvflow.proto.step import (
     CachedRequestData,
     NewRequestData,
@@ -23,6 +24,8 @@ from kvflow.proto.step import (
     StepResult,
     TokenLogprobs,
 )
+from kvflow.services.kv_transfer.connector import KVConnectorScheduler, PromptDone
+from kvflow.services.kv_transfer.remote_loads import RemoteKVLoads
 from kvflow.services.scheduler.grammar_matcher import build_bitmask
 from kvflow.services.scheduler.jump_forward import jump_forward
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
@@ -71,9 +74,14 @@ class Scheduler:
         max_model_len: int,
         vocab_size: int = 0,  # the logits' width: guided decoding's bitmask rows
         speculator: Speculator | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.config = config
         self.speculator = speculator
+        self.kv_connector = kv_connector  # disaggregated prefill/decode (services/kv_transfer)
+        self.remote_loads: RemoteKVLoads | None = None  # connectors that load asynchronously
+        if kv_connector is not None and kv_connector.load_is_async:
+            self.remote_loads = RemoteKVLoads(kv_cache, kv_connector.failure_policy)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -104,17 +112,46 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # already finished: aborts race with completion
+            parked = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif parked:
+                assert self.remote_loads is not None
+                self.remote_loads.abandon(request)  # its blocks: when the pull ends
             elif not request.is_finished:
                 self.waiting.remove(request)
             request.status = status
-            self._release(request)
+            self._release(request, keep_blocks=parked)
             finished.append(request)
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        # An aborted request still loading counts: steps must go on to hear the pull end.
+        loading = self.remote_loads is not None and bool(self.remote_loads.loading)
+        return bool(self.requests) or loading
+
+    def kv_transfer_stats(self) -> KVTransferStats | None:
+        """The connector's counts for the stats message (None without a connector)."""
+        if self.kv_connector is None:
+            return None
+        stats = self.kv_connector.take_stats()
+        if self.remote_loads is not None:
+            stats.num_waiting_for_remote_kv = len(self.remote_loads)
+        return stats
+
+    def on_kv_loads(self, finished: list[str], failed: list[str]) -> list[Request]:
+        """Asynchronous loads that ended: ready requests go first in the queue, failed
+        ones recompute or fail (returned: they need a final delta)."""
+        if self.remote_loads is None or not (finished or failed):
+            return []
+        outcomes = self.remote_loads.on_outcomes(finished, failed)
+        if self.kv_connector is not None:
+            self.kv_connector.counters.num_load_failures = self.remote_loads.num_failures
+        for request in reversed(outcomes.ready + outcomes.recompute):
+            self.waiting.push_front(request)
+        for request in outcomes.failed:
+            self._release(request)
+        return outcomes.failed
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -128,8 +165,11 @@ class Scheduler:
         if not step.preempted:  # admitting new work while preempting would thrash
             self._schedule_waiting(step, now)
         sampling = []
+        prompts_done: list[Request] = []
         for req_id, num_tokens in step.scheduled.items():
             request = self.requests[req_id]
+            if self.kv_connector is not None:
+                self._count_prompt_work(request, num_tokens, prompts_done)
             request.num_computed_tokens += num_tokens
             drafts = step.spec_tokens.get(req_id)
             if drafts is not None:  # verifies its drafts, then samples one more token
@@ -148,11 +188,32 @@ class Scheduler:
             finished_req_ids=self._worker_forget,
             grammar_bitmask=build_bitmask(sampling, self.vocab_size),
             spec_token_ids=step.spec_tokens,
+            kv_connector=self._connector_meta(prompts_done),
             forced_token_ids=self._worker_forced,
         )
         self._worker_forget = []
         self._worker_forced = {}
         return plan
+
+    def _count_prompt_work(
+        self, request: Request, num_tokens: int, prompts_done: list[Request]
+    ) -> None:
+        """Before a scheduled chunk is counted as computed: the prompt tokens it computes
+        (a decode instance's metric) and whether it completes the prompt (a save)."""
+        assert self.kv_connector is not None
+        num_prompt_left = request.num_prompt_tokens - request.num_computed_tokens
+        if num_prompt_left > 0:
+            counters = self.kv_connector.counters
+            counters.num_computed_prompt_tokens += min(num_prompt_left, num_tokens)
+            if num_prompt_left <= num_tokens:
+                prompts_done.append(request)
+
+    def _connector_meta(self, prompts_done: list[Request]) -> KVConnectorMeta | None:
+        if self.kv_connector is None:
+            return None
+        get_block_ids = self.kv_cache.get_block_ids
+        done = [PromptDone(r, get_block_ids(r.request_id)) for r in prompts_done]
+        return self.kv_connector.build_meta(done)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if request.num_spec_in_flight is not None:
@@ -279,22 +340,66 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
-            computed = ComputedBlocks([], 0)
-            if request.sampling_params.prompt_logprobs is None:  # those need every position
-                computed = self.kv_cache.get_computed_blocks(request)
-            request.num_computed_tokens = computed.num_computed_tokens
-            num_new = self._num_new_tokens(request, step.budget)
-            if self.kv_cache.allocate_slots(request, num_new, computed) is None:
-                request.num_computed_tokens = 0
+            admitted = self._allocate_waiting(request, step.budget)
+            if admitted is None:
                 break
+            num_new, parked = admitted
             self.waiting.pop()
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = computed.num_computed_tokens
             self._scheduled_time.setdefault(request.request_id, now)
+            if parked:  # its KV arrives in the background: no step until it has
+                assert self.remote_loads is not None
+                self.remote_loads.park(request)
+                continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.new_requests.append(self._new_request_data(request))
             step.add(request, num_new)
+
+    def _allocate_waiting(self, request: Request, budget: int) -> tuple[int, bool] | None:
+        """Blocks for a waiting request's next chunk (after its prefix-cache hit and
+        what a KV connector loads): (tokens to compute, parked for an asynchronous
+        load), or None (nothing changed) when it cannot start now."""
+        remote = self.remote_loads
+        if remote is not None and remote.take_loaded(request):  # holds its loaded blocks
+            num_new = self._num_new_tokens(request, budget)
+            if self.kv_cache.allocate_slots(request, num_new) is None:
+                remote.put_back_loaded(request)
+                return None
+            return num_new, False
+        computed = ComputedBlocks([], 0)
+        if request.sampling_params.prompt_logprobs is None:  # those need every position
+            computed = self.kv_cache.get_computed_blocks(request)
+        if remote is not None and remote.blocks_pending(computed.block_ids):
+            return None  # its prefix is still arriving for another request
+        num_local = computed.num_computed_tokens
+        num_external = self._num_external_tokens(request, num_local)
+        parked = num_external > 0 and remote is not None
+        request.num_computed_tokens = num_local + num_external
+        num_new = 0 if parked else self._num_new_tokens(request, budget)
+        # allocate_slots counts a new request's KV from its local hit alone.
+        request.num_computed_tokens = num_local
+        if self.kv_cache.allocate_slots(request, num_external + num_new, computed) is None:
+            request.num_computed_tokens = 0
+            return None
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_local
+        if num_external:
+            request.num_computed_tokens += num_external
+            self._on_external_alloc(request, num_local, num_external)
+        return num_new, parked
+
+    def _num_external_tokens(self, request: Request, num_local: int) -> int:
+        """Prompt tokens past the local hit whose KV a connector loads from outside."""
+        if self.kv_connector is None:
+            return 0
+        if self.remote_loads is not None and not self.remote_loads.may_load(request):
+            return 0  # its load failed once: computed here (kv_load_failure_policy)
+        return self.kv_connector.get_num_new_matched_tokens(request, num_local)
+
+    def _on_external_alloc(self, request: Request, num_local: int, num_external: int) -> None:
+        assert self.kv_connector is not None
+        block_ids = self.kv_cache.get_block_ids(request.request_id)
+        self.kv_connector.update_state_after_alloc(request, block_ids, num_local, num_external)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -389,13 +494,18 @@ class Scheduler:
             prompt_logprobs=self._prompt_logprobs.pop(request.request_id, []) if first else [],
         )
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, keep_blocks: bool = False) -> None:
         """Free a finished request's blocks and tell the worker to forget it."""
         if self.speculator is not None:
             self.speculator.finish(
                 request.request_id, request.all_token_ids, request.num_prompt_tokens
             )
-        self.kv_cache.free(request.request_id)
+        if not keep_blocks:
+            self.kv_cache.free(request.request_id)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(request)
+        if self.remote_loads is not None:
+            self.remote_loads.forget(request)
         self.requests.pop(request.request_id, None)
         self._scheduled_time.pop(request.request_id, None)
         self._first_token_time.pop(request.request_id, None)
@@ -415,6 +525,9 @@ class Scheduler:
             request.num_output_placeholders = 0  # the in-flight samples are lost
             self.waiting.push_front(request)
         self._worker_forget = []  # the new worker knows no request
+        if self.remote_loads is not None:
+            for request in reversed(self.remote_loads.drop_all()):
+                self.waiting.push_front(request)
         self._worker_forced = {}  # nor their tokens: each resumes with all of them
         reset = self.kv_cache.reset_prefix_cache()
         assert reset, "a block is still held after every request was preempted"

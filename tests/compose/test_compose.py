@@ -108,7 +108,7 @@ def test_frontend_waits_for_a_serving_engine() -> None:
 
 def test_prometheus_scrapes_the_frontend() -> None:
     config = yaml.safe_load((REPO / "docker" / "prometheus.yml").read_text())
-    (job,) = config["scrape_configs"]
+    job = {j["job_name"]: j for j in config["scrape_configs"]}["kvflow"]
     assert job["metrics_path"] == "/metrics"
     assert job["static_configs"][0]["targets"] == ["frontend:8000"]
     assert "8000" in compose_services()["frontend"]["command"]
@@ -332,9 +332,11 @@ def grafana_queries() -> list[tuple[str, str]]:
 
 
 # Opt-in features' series exist once the feature is used (a guided request, a server
-# with --speculative-config); the compose stack runs neither. Their panels' queries are
+# with --speculative-config or --kv-transfer-config); the default stack runs none. Their panels' queries are
 # still parsed and named by tests/unit/test_grafana_dashboard.py.
-OPT_IN_METRIC = re.compile(r"kvflow:(grammar_|guided_requests|spec_decode_)")
+OPT_IN_METRIC = re.compile(
+    r"kvflow:(grammar_|guided_requests|spec_decode_|kv_transfer_|kv_load_|num_requests_waiting_for_remote_kv)"
+)
 
 
 @live

@@ -64,6 +64,15 @@ def test_generate_streams_the_reply(tiny_model_dir: Path, offline: LLM) -> None:
     assert result.stdout == expected_reply(offline, [{"role": "user", "content": question}]) + "\n"
 
 
+def test_generate_with_two_tensor_parallel_ranks(tiny_model_dir: Path, offline: LLM) -> None:
+    # README, "Tensor parallelism": `kvflow generate --tensor-parallel-size 2` (two ranks).
+    question = "Write a haiku about TPUs"
+    flags = ["generate", question, "--tensor-parallel-size", "2", "--num-threads", "1"]
+    result = run_cli(tiny_model_dir, flags, dict(os.environ))
+    assert "rank 1 of 2 joined tcp://127.0.0.1:" in result.stderr
+    assert result.stdout == expected_reply(offline, [{"role": "user", "content": question}]) + "\n"
+
+
 def test_generate_without_a_compiler_falls_back_to_torch(
     tiny_model_dir: Path, offline: LLM, tmp_path: Path
 ) -> None:

@@ -24,7 +24,7 @@ def test_cpu_backend_matches_torch_backend(tiny_model_dir: Any, arch: str) -> No
     # on a cached prefix in mixed steps, and contexts spanning many blocks.
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(100, 161)), [5] * 18]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    options = dict(dtype="float32", block_size=4, max_num_batched_tokens=16)
+    options = dict(device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=16)
     torch_out = LLM(path, attention_backend="torch", **options).generate(prompts, params)
     cpu_llm = LLM(path, attention_backend="cpu", **options)
     cpu_out = cpu_llm.generate(prompts, params)
@@ -33,7 +33,7 @@ def test_cpu_backend_matches_torch_backend(tiny_model_dir: Any, arch: str) -> No
 
 
 def test_auto_picks_the_cpu_backend_on_cpu(tiny_model_dir: Any) -> None:
-    llm = LLM(str(tiny_model_dir("llama")), dtype="float32")
+    llm = LLM(str(tiny_model_dir("llama")), device="cpu", dtype="float32")
     assert llm.engine.config.device.attention_backend == "cpu"
 
 

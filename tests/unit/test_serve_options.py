@@ -57,3 +57,12 @@ def test_load_limits_are_engine_flags_of_every_role() -> None:
 def test_offline_llm_refuses_load_limits(option: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="kvflow serve"):
         LLM(device="cpu", dtype="float32", **option)
+
+
+def test_cpu_attention_backend_is_refused_on_cuda() -> None:
+    from kvflow.config import resolve_attention_backend
+
+    assert resolve_attention_backend("cpu", "cpu") == "cpu"
+    assert resolve_attention_backend("auto", "cuda") == "triton"
+    with pytest.raises(ConfigError, match="device cpu only"):
+        resolve_attention_backend("cpu", "cuda")

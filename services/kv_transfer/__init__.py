@@ -1,0 +1,1 @@
+"""The scheduler side of KV connectors (disaggregated prefill/decode)."""

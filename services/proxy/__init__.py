@@ -1,0 +1,1 @@
+"""`kvflow proxy`: one OpenAI-compatible front for disaggregated prefill and decode."""

@@ -1,0 +1,47 @@
+"""`kvflow proxy --prefill URL --decode URL`: run the P/D proxy (uvicorn on uvloop)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import uvicorn
+
+from kvflow.services.proxy.app import build_app
+from kvflow.services.proxy.pairing import InstancePools
+
+
+def add_proxy_parser(subparsers: Any) -> None:
+    proxy = subparsers.add_parser(
+        "proxy", help="OpenAI-compatible front pairing prefill and decode instances"
+    )
+    proxy.add_argument(
+        "--prefill", action="append", required=True, help="a prefill instance's base URL (repeat)"
+    )
+    proxy.add_argument(
+        "--decode", action="append", required=True, help="a decode instance's base URL (repeat)"
+    )
+    proxy.add_argument(
+        "--prefill-kv-address",
+        action="append",
+        default=[],
+        help="zmq connector: each prefill instance's KV address tcp://host:port (same order)",
+    )
+    proxy.add_argument("--host", default="127.0.0.1", help="address to bind")
+    proxy.add_argument("--port", type=int, default=8000, help="port to bind")
+    proxy.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds an instance may take to answer"
+    )
+    proxy.set_defaults(handler=run_proxy)
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    pools = InstancePools(
+        [u.rstrip("/") for u in args.prefill],
+        [u.rstrip("/") for u in args.decode],
+        args.prefill_kv_address,
+    )
+    app = build_app(pools, args.timeout)
+    print(f"kvflow proxy: http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level="warning")
+    return 0

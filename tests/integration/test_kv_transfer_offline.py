@@ -1,0 +1,111 @@
+"""Disaggregated prefill/decode in process: a producer LLM saves prompt KV to shared
+storage, a consumer LLM loads it and decodes. Greedy outputs must equal a colocated
+engine's, and the consumer must compute no prompt token but the last of each prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.errors import ConfigError
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 6,  # long: several blocks + a tail
+    "Hello",  # shorter than a block
+    "One two three four five six seven eight nine ten eleven twelve thirteen fourteen",
+]
+
+
+def _llm(model: Path, kv: dict[str, Any] | None = None, **options: Any) -> LLM:
+    return LLM(
+        str(model),
+        dtype="float32",
+        device="cpu",
+        num_threads=1,
+        num_blocks=64,
+        block_size=8,
+        kv_transfer_config=kv,
+        **options,
+    )
+
+
+def _kv(role: str, path: Path) -> dict[str, Any]:
+    return {
+        "kv_role": role,
+        "kv_connector": "shared-storage",
+        "kv_connector_extra_config": {"storage_path": str(path)},
+    }
+
+
+def _count_scheduled(llm: LLM) -> list[int]:
+    """Tokens each executed step computed (wraps the runner)."""
+    runner = llm.engine.runner
+    counts: list[int] = []
+    execute = runner.execute
+
+    def counting(plan: Any) -> Any:
+        counts.append(plan.total_num_scheduled_tokens)
+        return execute(plan)
+
+    runner.execute = counting
+    return counts
+
+
+@pytest.mark.slow
+def test_prefill_then_decode_equals_colocated(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = tiny_model_dir
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=8, temperature=0.0, n=2),
+        SamplingParams(max_tokens=12, temperature=0.0, stop=[" the"]),
+    ]
+    colocated = [o.outputs for o in _llm(model).generate(PROMPTS, params)]
+
+    producer = _llm(model, _kv("kv_producer", tmp_path))
+    prefill = [SamplingParams(max_tokens=1, temperature=0.0)] * len(PROMPTS)
+    producer.generate(PROMPTS, prefill)
+    assert list(tmp_path.rglob("*.kv")), "the producer saved no block"
+    producer.engine.kv_cache.check_integrity()
+
+    consumer = _llm(model, _kv("kv_consumer", tmp_path), enable_prefix_caching=False)
+    counts = _count_scheduled(consumer)
+    outputs = [o.outputs for o in consumer.generate(PROMPTS, params)]
+    assert [[c.token_ids for c in o] for o in outputs] == [
+        [c.token_ids for c in o] for o in colocated
+    ]
+    assert [[c.text for c in o] for o in outputs] == [[c.text for c in o] for o in colocated]
+    # Per sample: its prompt's last token, then one token per output after the first.
+    num_samples = sum(p.n for p in params)
+    num_outputs = sum(len(c.token_ids) for o in outputs for c in o)
+    assert sum(counts) == num_samples + num_outputs - num_samples
+    connector = consumer.engine.scheduler.kv_connector
+    assert connector is not None
+    prompt_lens = [len(consumer.tokenizer.encode(p)) for p in PROMPTS]
+    loaded = sum((n - 1) * p.n for n, p in zip(prompt_lens, params))
+    assert connector.counters.num_loaded_tokens == loaded
+    consumer.engine.kv_cache.check_integrity()
+    assert consumer.engine.kv_cache.num_free_blocks == 64
+
+
+def test_disk_prefix_cache_across_instances(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """kv_both: a second instance reuses the first one's saved prefix blocks."""
+    model = tiny_model_dir
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first = _llm(model, _kv("kv_both", tmp_path)).generate(PROMPTS[:1], params)
+    second = _llm(model, _kv("kv_both", tmp_path))
+    counts = _count_scheduled(second)
+    again = second.generate(PROMPTS[:1], params)
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert counts[0] == 1  # the first step computed the prompt's last token only
+
+
+def test_config_refusals() -> None:
+    with pytest.raises(ConfigError, match="kv_port"):
+        LLM(kv_transfer_config={"kv_role": "kv_producer", "kv_connector": "zmq"})
+    with pytest.raises(ConfigError, match="storage_path"):
+        LLM(kv_transfer_config={"kv_role": "kv_consumer", "kv_connector": "shared-storage"})
+    with pytest.raises(ConfigError, match="kv_role"):
+        LLM(kv_transfer_config='{"kv_role": "decoder", "kv_connector": "shared-storage"}')
