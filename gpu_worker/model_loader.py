@@ -62,12 +62,18 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, attention_backend: str
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str,
+    quantization: str = "none",
 ) -> nn.Module:
-    """The model of `model_dir` on `device` in `dtype`, weights loaded, in eval mode."""
+    """The model of `model_dir` on `device` in `dtype`, weights loaded, in eval mode;
+    `quantization` as gpu_worker/quantization.py describes."""
     from kvflow.gpu_worker.attention.backend import get_attention_backend
     from kvflow.gpu_worker.block_weights import attach_block_weights
     from kvflow.gpu_worker.models.registry import get_model_class
+    from kvflow.gpu_worker.quantization import quantize_model
     from kvflow.gpu_worker.weights import iterate_safetensors, load_weights
 
     config = load_hf_config(model_dir)
@@ -77,4 +83,5 @@ def load_model(
         model = model_class(config, backend)  # type: ignore[call-arg]
     load_weights(model, iterate_safetensors(model_dir))
     attach_block_weights(model, model_dir)  # a converted GGUF's blocks, for small batches
+    quantize_model(model, quantization)
     return model.eval().requires_grad_(False)

@@ -69,7 +69,11 @@ class ModelRunner:
         self.dtype = _DTYPES[config.model.dtype]
         self.hf_config = load_hf_config(config.model_dir)
         self.model = load_model(
-            config.model_dir, self.dtype, self.device, config.device.attention_backend
+            config.model_dir,
+            self.dtype,
+            self.device,
+            config.device.attention_backend,
+            config.model.quantization,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         spec = KVCacheSpec.from_hf_config(self.hf_config, config.cache.block_size, self.dtype)

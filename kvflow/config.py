@@ -35,6 +35,12 @@ class ModelConfig:
     dtype: DType = _opt(
         "auto", "weight/activation dtype; auto = bfloat16 on CUDA, on CPU the faster by measurement"
     )
+    quantization: Literal["none", "q8_0", "gguf"] = _opt(
+        "none",
+        "CPU linear layers on int8 activations at every batch size: q8_0 = Q8_0 blocks made "
+        "at load from the float weights; gguf = a GGUF checkpoint's own blocks "
+        "(docs/quantization.md)",
+    )
     max_model_len: int | None = _opt(None, "context length cap (default: model's own)")
     served_model_name: str | None = _opt(None, "name reported by /v1/models")
     seed: int = _opt(0, "seed of the global sampler generator")
@@ -227,8 +233,12 @@ class EngineConfig:
         kv_transfer = by_section["kv_transfer"].get("kv_transfer_config")
         if kv_transfer is not None:  # JSON text or a dict (LLM(kv_transfer_config={...}))
             by_section["kv_transfer"]["kv_transfer_config"] = KVTransferConfig.parse(kv_transfer)
-        by_section["model"]["dtype"] = resolve_dtype(
-            by_section["model"].get("dtype", "auto"), device
+        quantization = by_section["model"].get("quantization", "none")
+        check_quantization(quantization, device, by_section["model"].get("dtype", "auto"))
+        by_section["model"]["dtype"] = (
+            "float32"  # the kernel computes in float32: no bf16 rounding between layers
+            if quantization != "none" and by_section["model"].get("dtype", "auto") == "auto"
+            else resolve_dtype(by_section["model"].get("dtype", "auto"), device)
         )
         return cls(**{name: _SECTION_TYPES[name](**kw) for name, kw in by_section.items()})
 
@@ -242,6 +252,17 @@ _SECTION_TYPES: dict[str, type] = {
     "speculative": SpeculativeOptions,
     "kv_transfer": KVTransferOptions,
 }
+
+
+def check_quantization(quantization: str, device: str, dtype: str) -> None:
+    if quantization not in ("none", "q8_0", "gguf"):
+        raise ConfigError(f"quantization must be none, q8_0 or gguf, got {quantization!r}")
+    if quantization != "none" and device != "cpu":
+        raise ConfigError(f"quantization {quantization} runs on the CPU only (device {device})")
+    if quantization == "gguf" and dtype not in ("auto", "float32"):
+        raise ConfigError(
+            "quantization gguf reads the blocks of a float32 GGUF model: dtype float32"
+        )
 
 
 def resolve_device(device: str) -> str:

@@ -20,6 +20,7 @@ from torch import nn
 from kvflow.gpu_worker.layers.linear import copy_checked, new_parameter
 from kvflow.gpu_worker.parallel_state import get_tp_group
 from kvflow.kernels.cpu.block_linear import BlockWeights
+from kvflow.kernels.cpu.int8_linear import QuantWeights
 from kvflow.kernels.cpu.linear import linear
 
 
@@ -58,6 +59,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """logits = hidden @ W^T, W split by vocabulary rows; `tie_to` shares the embedding's W."""
 
     blocks: BlockWeights | None = None  # GGUF blocks of `weight` (block_weights.py)
+    quant: QuantWeights | None = None  # `--quantization` (gpu_worker/quantization.py)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         assert embedding.weight.shape == self.weight.shape
@@ -65,7 +67,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
-        logits = linear(hidden, self.weight, None, self.blocks)  # [num_rows, per_rank]
+        logits = linear(hidden, self.weight, None, self.blocks, self.quant)  # [num_rows, per_rank]
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()

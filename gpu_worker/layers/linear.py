@@ -23,6 +23,7 @@ from torch import nn
 
 from kvflow.gpu_worker.parallel_state import divide, get_tp_group
 from kvflow.kernels.cpu.block_linear import BlockWeights
+from kvflow.kernels.cpu.int8_linear import QuantWeights
 from kvflow.kernels.cpu.linear import linear
 
 
@@ -64,6 +65,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = new_parameter((out, input_size), self.weight_loader, shard_ids)
         self.bias = new_parameter((out,), self.weight_loader, shard_ids) if bias else None
         self.blocks: BlockWeights | None = None  # GGUF blocks of `weight` (block_weights.py)
+        self.quant: QuantWeights | None = None  # `--quantization` (gpu_worker/quantization.py)
 
     def shard_range(self, shard_id: Any) -> tuple[int, int, int]:
         """(offset in the packed local param, local size, start row in the checkpoint)."""
@@ -79,7 +81,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.blocks)  # F.linear's fastest CPU route
+        return linear(x, self.weight, self.bias, self.blocks, self.quant)  # fastest CPU route
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -138,6 +140,7 @@ class RowParallelLinear(nn.Module):
         self.weight = new_parameter((output_size, self.local_input), self.weight_loader)
         self.bias = new_parameter((output_size,), copy_checked_loader) if bias else None
         self.blocks: BlockWeights | None = None  # GGUF blocks of `weight` (block_weights.py)
+        self.quant: QuantWeights | None = None  # `--quantization` (gpu_worker/quantization.py)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
@@ -147,8 +150,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, self.blocks)
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.blocks))
+            return linear(x, self.weight, self.bias, self.blocks, self.quant)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.blocks, self.quant))
         return y if self.bias is None else y + self.bias
 
 

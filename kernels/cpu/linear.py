@@ -1,5 +1,7 @@
-"""`linear(x, weight, bias, blocks)`: F.linear routed to the fastest CPU implementation.
+"""`linear(x, weight, bias, blocks, quant)`: F.linear routed to the fastest CPU implementation.
 
+    the layer has `--quantization` weights      the int8 kernel at every batch size
+                                                (int8_linear.py: not the float function)
     rows <= block_linear.MAX_ROWS, float32,     the native block kernel: reads the GGUF
     the layer has GGUF blocks                   blocks `weight` was dequantized from
                                                 (4-5x fewer bytes, same values)
@@ -23,8 +25,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels.cpu import block_linear
+from kvflow.kernels.cpu import block_linear, int8_linear
 from kvflow.kernels.cpu.block_linear import BlockWeights
+from kvflow.kernels.cpu.int8_linear import QuantWeights
 from kvflow.kernels.cpu.skinny_linear import native_applies, run_native
 
 # Module switches: benchmarks and tests compare each route with the next one down.
@@ -54,7 +57,10 @@ def linear(
     weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None = None,  # [out_features]
     blocks: BlockWeights | None = None,  # `weight` as GGUF blocks, when the layer has them
+    quant: QuantWeights | None = None,  # the layer's quantized weights (`--quantization`)
 ) -> torch.Tensor:  # [rows, out_features]
+    if quant is not None and int8_linear.applies(x, quant):
+        return int8_linear.int8_linear(x, quant, bias)
     if blocks is not None and GGUF_BLOCKS and block_linear.applies(x, blocks, bias):
         return block_linear.block_linear(x, blocks, bias)
     if native_applies(x, weight, bias):

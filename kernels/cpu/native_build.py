@@ -39,7 +39,6 @@ SOURCE_DIR = Path(__file__).parent
 # relies on floating-point exceptions.
 CXX_FLAGS = (
     "-O3",
-    "-march=native",
     "-fopenmp",
     "-fno-trapping-math",
     "-fno-math-errno",
@@ -63,7 +62,11 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
-def _build_key(source: Path, compiler: str) -> str:
+def _flags(march: str) -> tuple[str, ...]:
+    return (f"-march={march}", *CXX_FLAGS)
+
+
+def _build_key(source: Path, compiler: str, march: str) -> str:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
@@ -71,19 +74,19 @@ def _build_key(source: Path, compiler: str) -> str:
     headers = sorted(source.parent.glob("*.h"))  # included by every source
     for part in (source, *headers):
         digest.update(part.read_bytes())
-    for text in (" ".join(CXX_FLAGS), version):
+    for text in (" ".join(_flags(march)), version):
         digest.update(text.encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]
 
 
-def _build(source: Path, compiler: str, target: Path) -> None:
+def _build(source: Path, compiler: str, target: Path, march: str) -> None:
     """Compile to a temporary name, then rename: concurrent workers never load a torn file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *CXX_FLAGS, str(source), "-o", str(partial)],
+            [compiler, *_flags(march), str(source), "-o", str(partial)],
             capture_output=True,
             text=True,
             check=False,
@@ -94,8 +97,10 @@ def _build(source: Path, compiler: str, target: Path) -> None:
 
 
 @functools.cache
-def load_library(name: str) -> ctypes.CDLL | None:
-    """The compiled `<name>.cpp` of this folder, built on first use; None if unavailable."""
+def load_library(name: str, march: str = "native") -> ctypes.CDLL | None:
+    """The compiled `<name>.cpp` of this folder, built on first use; None if unavailable.
+    `march` other than "native" builds for an older ISA (e.g. "x86-64": no AVX at all),
+    which tests use to check a kernel's portable path on any x86 machine."""
     if os.environ.get("KVFLOW_CPU_KERNELS", "1") == "0":
         logger.info("native CPU kernels off (KVFLOW_CPU_KERNELS=0): using the torch paths")
         return None
@@ -104,11 +109,12 @@ def load_library(name: str) -> ctypes.CDLL | None:
         logger.warning("no C++ compiler found: native CPU kernels off, using the torch paths")
         return None
     source = SOURCE_DIR / f"{name}.cpp"
-    target = default_cache_dir() / "kernels" / _build_key(source, compiler) / f"{name}.so"
+    key = _build_key(source, compiler, march)
+    target = default_cache_dir() / "kernels" / key / f"{name}.so"
     try:
         if not target.exists():
             logger.info("building native CPU kernel %s with %s", name, compiler)
-            _build(source, compiler, target)
+            _build(source, compiler, target, march)
         return ctypes.CDLL(str(target))
     except (OSError, RuntimeError) as error:
         logger.warning("native CPU kernel %s unavailable (%s): using the torch path", name, error)
@@ -120,10 +126,12 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 POINTER, INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
-def load_bound(name: str, signatures: Mapping[str, Sequence[type]]) -> ctypes.CDLL | None:
-    """`load_library(name)` with the argument types of its functions set; every kernel
-    returns an int status (0 = done)."""
-    library = load_library(name)
+def load_bound(
+    name: str, signatures: Mapping[str, Sequence[type]], march: str = "native"
+) -> ctypes.CDLL | None:
+    """`load_library(name, march)` with the argument types of its functions set; every
+    kernel returns an int status (0 = done)."""
+    library = load_library(name, march)
     if library is not None:
         for function, argtypes in signatures.items():
             getattr(library, function).restype = ctypes.c_int
@@ -131,7 +139,13 @@ def load_bound(name: str, signatures: Mapping[str, Sequence[type]]) -> ctypes.CD
     return library
 
 
-NATIVE_KERNELS = ("paged_decode_attention", "skinny_linear", "block_linear", "elementwise")
+NATIVE_KERNELS = (
+    "paged_decode_attention",
+    "skinny_linear",
+    "block_linear",
+    "elementwise",
+    "int8_linear",
+)
 
 
 def load_all() -> list[str]:
