@@ -24,6 +24,7 @@ from kvflow.errors import ConfigError
 from kvflow.gpu_worker.layers.embedding import ParallelLMHead
 from kvflow.gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kvflow.kernels.cpu import int8_linear
+from kvflow.kernels.cpu.block_linear import BLOCK
 from kvflow.kernels.cpu.int8_linear import QuantWeights
 
 logger = logging.getLogger(__name__)
@@ -54,17 +55,21 @@ def quantize_model(model: nn.Module, method: str) -> int:
             "quantization gguf needs a GGUF checkpoint's blocks (a .gguf model in float32); "
             "use q8_0 for other checkpoints"
         )
-    nbytes, from_blocks = 0, 0
+    nbytes, from_blocks, skipped = 0, 0, 0
     for layer in layers:
         if layer.weight.device.type != "cpu":
             raise ConfigError("quantization runs on the CPU only")
+        if layer.weight.shape[1] % BLOCK:
+            skipped += 1  # no whole blocks: the layer keeps its float weights
+            continue
         weights = _weights_of(layer, method)
         layer.quant = weights
         nbytes += weights.nbytes
         from_blocks += weights.bits == 4 or getattr(layer, "blocks", None) is not None
     logger.info(
-        "quantization %s: %d layers, %.0f MB read per pass (%d from GGUF blocks), dot products "
-        "on %s", method, len(layers), nbytes / 2**20, from_blocks if method == "gguf" else 0,
+        "quantization %s: %d layers (%d left in float: in_features %% 32), %.0f MB read per "
+        "pass (%d from GGUF blocks), dot products on %s", method, len(layers) - skipped,
+        skipped, nbytes / 2**20, from_blocks if method == "gguf" else 0,
         "AVX512-VNNI" if int8_linear.uses_vnni() else "portable code",
     )  # fmt: skip
-    return len(layers)
+    return len(layers) - skipped
