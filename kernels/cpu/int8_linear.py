@@ -69,6 +69,7 @@ class QuantWeights:
     scales: torch.Tensor  # d, float32 [N, K / 32]
     offsets: torch.Tensor  # m, float32 [N, K / 32]
     in_features: int
+    origin: str = "float"  # "float" (made by from_float), else the GGUF block format
 
     def __post_init__(self) -> None:
         # The kernel reads no offsets for 8-bit codes: they are -128 d by definition.
@@ -106,11 +107,11 @@ class QuantWeights:
         d, k = blocks.scales, blocks.in_features
         if blocks.format == "Q8_0":
             codes = (blocks.codes.to(torch.int16) + 128).to(torch.uint8)
-            return cls(8, codes[:, unit_order(k // BLOCK)].contiguous(), d, -128 * d, k)
+            return cls(8, codes[:, unit_order(k // BLOCK)].contiguous(), d, -128 * d, k, "Q8_0")
         if blocks.format == "Q4_0":
-            return cls(4, blocks.codes, d, -8 * d, k)
+            return cls(4, blocks.codes, d, -8 * d, k, "Q4_0")
         assert blocks.mins is not None, "Q4_1 blocks carry their offsets"
-        return cls(4, blocks.codes, d, blocks.mins, k)
+        return cls(4, blocks.codes, d, blocks.mins, k, "Q4_1")
 
     def natural_codes(self) -> torch.Tensor:
         """The codes u as uint8 [N, K / 32, 32], weight order."""

@@ -1,7 +1,9 @@
 """`linear(x, weight, bias, blocks, quant)`: F.linear routed to the fastest CPU implementation.
 
     the layer has `--quantization` weights      the int8 kernel at every batch size
-                                                (int8_linear.py: not the float function)
+                                                (int8_linear.py: not the float function),
+                                                but Q8_0 blocks of a GGUF at <= 48 rows
+                                                go to the exact block kernel (faster)
     rows <= block_linear.MAX_ROWS, float32,     the native block kernel: reads the GGUF
     the layer has GGUF blocks                   blocks `weight` was dequantized from
                                                 (4-5x fewer bytes, same values)
@@ -59,9 +61,14 @@ def linear(
     blocks: BlockWeights | None = None,  # `weight` as GGUF blocks, when the layer has them
     quant: QuantWeights | None = None,  # the layer's quantized weights (`--quantization`)
 ) -> torch.Tensor:  # [rows, out_features]
-    if quant is not None and int8_linear.applies(x, quant):
+    blocks_apply = blocks is not None and GGUF_BLOCKS and block_linear.applies(x, blocks, bias)
+    # A GGUF's Q8_0 layer at a few rows reads its exact blocks with the float kernel
+    # (the faster of the two on 8-bit codes, docs/benchmarks.md); other quantized
+    # layers always go to the int8 kernel.
+    exact_q8 = blocks_apply and quant is not None and quant.origin == "Q8_0"
+    if quant is not None and not exact_q8 and int8_linear.applies(x, quant):
         return int8_linear.int8_linear(x, quant, bias)
-    if blocks is not None and GGUF_BLOCKS and block_linear.applies(x, blocks, bias):
+    if blocks is not None and blocks_apply:
         return block_linear.block_linear(x, blocks, bias)
     if native_applies(x, weight, bias):
         return run_native(x, weight, bias)

@@ -122,3 +122,19 @@ def test_bad_weights_are_refused() -> None:
     good = QuantWeights.from_float(torch.randn(4, 64))
     with pytest.raises(ValueError, match="offsets"):
         QuantWeights(8, good.codes, good.scales, good.offsets + 1, 64)
+
+
+def test_gguf_q8_0_layers_read_their_exact_blocks_at_few_rows() -> None:
+    """Q8_0 GGUF blocks: the exact float block kernel at <= MAX_ROWS rows (the faster
+    of the two on 8-bit codes), the int8 kernel above; Q4 blocks: int8 at every size."""
+    from kvflow.kernels.cpu import block_linear
+
+    for block_format in ("Q8_0", "Q4_1"):
+        blocks = _gguf_blocks(block_format, 24, 64, seed=5)
+        weight, weights = dequantize(blocks), QuantWeights.from_blocks(blocks)
+        for rows in (1, block_linear.MAX_ROWS, block_linear.MAX_ROWS + 1):
+            x = torch.randn(rows, 64)
+            y = linear_module.linear(x, weight, None, blocks, weights)
+            exact = block_format == "Q8_0" and rows <= block_linear.MAX_ROWS
+            expected = block_linear.block_linear(x, blocks) if exact else int8_linear(x, weights)
+            assert torch.equal(y, expected)
