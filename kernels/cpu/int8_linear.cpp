@@ -163,6 +163,11 @@ float portable_blocks(const Weights& w, int64_t n, const Acts& a, int64_t i, int
 // The two u8 halves of a 4-block unit starting at block b of row n.
 inline void codes4(const Weights& w, int64_t n, int64_t b, __m512i& lo, __m512i& hi) {
     const uint8_t* p = w.codes + n * w.row_bytes + b * code_bytes_per_block(w.bits);
+    // Rows are short (a few hundred bytes): the hardware prefetcher does not ramp up
+    // within one, so fetch the same unit of the row 8 rows on (the next tiles' rows).
+    const char* ahead = reinterpret_cast<const char*>(p + 8 * w.row_bytes);
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    if (w.bits == 8) _mm_prefetch(ahead + 64, _MM_HINT_T0);
     if (w.bits == 8) {
         lo = _mm512_loadu_si512(p);
         hi = _mm512_loadu_si512(p + 64);

@@ -199,10 +199,11 @@ def cpu_linear_cases(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) 
     """Small-batch linear layers on the CPU (hidden -> intermediate, `--linear-rows`):
     float32 weights (`torch`: F.linear; `cpu-native`: kvflow's route, kernels/cpu/linear.py)
     and each GGUF block format (`torch`: F.linear on the dequantized weights;
-    `cpu-native`: the block kernel). Bytes: the weights in the form read, x and y."""
+    `cpu-native`: the block kernel, at <= its MAX_ROWS; `cpu-int8`: the int8 kernel of
+    `--quantization gguf`). Bytes: the weights in the form read, x and y."""
     import gguf
 
-    from kvflow.kernels.cpu import block_linear
+    from kvflow.kernels.cpu import block_linear, int8_linear
     from kvflow.kernels.cpu.linear import linear
 
     if dev.type != "cpu" or dt != torch.float32:
@@ -218,15 +219,20 @@ def cpu_linear_cases(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) 
             "torch": functools.partial(F.linear, x, weight),
             "cpu-native": functools.partial(linear, x, weight),
         }))  # fmt: skip
-        if rows > block_linear.MAX_ROWS or not block_linear.available():
+        if not block_linear.available():
             continue
         for fmt in block_linear.FORMATS:
             qtype = gguf.GGMLQuantizationType[fmt]
             raw = torch.from_numpy(gguf.quants.quantize(weight.numpy(), qtype))
             blocks = block_linear.BlockWeights.from_gguf(fmt, raw, k)
             dense = block_linear.dequantize(blocks)
-            cases.append(Case(f"linear_{fmt.lower()} {rows}x{k}->{n}", blocks.nbytes + activations, flops, {
-                "torch": functools.partial(F.linear, x, dense),
-                "cpu-native": functools.partial(block_linear.block_linear, x, blocks),
-            }))  # fmt: skip
+            impls = {"torch": functools.partial(F.linear, x, dense)}
+            if rows <= block_linear.MAX_ROWS:
+                impls["cpu-native"] = functools.partial(block_linear.block_linear, x, blocks)
+            if int8_linear.library() is not None:  # `--quantization gguf`'s kernel
+                quant = int8_linear.QuantWeights.from_blocks(blocks)
+                impls["cpu-int8"] = functools.partial(int8_linear.int8_linear, x, quant)
+            cases.append(Case(
+                f"linear_{fmt.lower()} {rows}x{k}->{n}", blocks.nbytes + activations, flops, impls
+            ))  # fmt: skip
     return cases

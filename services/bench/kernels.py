@@ -107,6 +107,7 @@ def _impls_to_run(device: torch.device) -> tuple[set[str], str]:
         return {"triton", "torch", "torch-gather+sdpa", "torch-sdpa(contiguous kv)"}, "triton"
     note = "torch references and native CPU kernels: no CUDA device, Triton kernels are not timed"
     impls = {"torch", "torch-ref", "torch-gather+sdpa", "torch-sdpa(contiguous kv)", "cpu-native"}
+    impls.add("cpu-int8")  # `--quantization`'s kernel on the GGUF formats
     return impls, note
 
 
