@@ -226,7 +226,9 @@ def cpu_linear_cases(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) 
             raw = torch.from_numpy(gguf.quants.quantize(weight.numpy(), qtype))
             blocks = block_linear.BlockWeights.from_gguf(fmt, raw, k)
             dense = block_linear.dequantize(blocks)
-            impls = {"torch": functools.partial(F.linear, x, dense)}
+            impls: dict[str, Callable[[], object]] = {
+                "torch": functools.partial(F.linear, x, dense)
+            }
             if rows <= block_linear.MAX_ROWS:
                 impls["cpu-native"] = functools.partial(block_linear.block_linear, x, blocks)
             if int8_linear.library() is not None:  # `--quantization gguf`'s kernel
