@@ -1,9 +1,9 @@
 """`linear(x, weight, bias, blocks, quant)`: F.linear routed to the fastest CPU implementation.
 
-    the layer has `--quantization` weights      the int8 kernel at every batch size
-                                                (int8_linear.py: not the float function),
-                                                but Q8_0 blocks of a GGUF at <= 48 rows
-                                                go to the exact block kernel (faster)
+    the layer has `--quantization` weights      the int8 kernel (int8_linear.py: not
+                                                the float function): q8_0 at every batch
+                                                size, a GGUF's Q4 blocks at <= 48 rows
+                                                (elsewhere its exact routes are faster)
     rows <= block_linear.MAX_ROWS, float32,     the native block kernel: reads the GGUF
     the layer has GGUF blocks                   blocks `weight` was dequantized from
                                                 (4-5x fewer bytes, same values)
@@ -54,6 +54,18 @@ def onednn_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     )
 
 
+def _int8_route(x: torch.Tensor, quant: QuantWeights, blocks_apply: bool) -> bool:
+    """Whether a quantized layer's call goes to the int8 kernel. Q8_0 made from float
+    weights (`--quantization q8_0`) always does. A GGUF's blocks (`gguf`) encode the
+    layer's float32 weights exactly, so the faster exact route takes over where the
+    int8 kernel is not ahead (docs/benchmarks.md): Q8_0 blocks at <= 48 rows (the
+    float block kernel) and any layer above 48 rows (compute-bound: oneDNN float32)."""
+    exact_is_faster = x.shape[0] > block_linear.MAX_ROWS or (
+        blocks_apply and quant.origin == "Q8_0"
+    )
+    return not (quant.origin != "float" and exact_is_faster) and int8_linear.applies(x, quant)
+
+
 def linear(
     x: torch.Tensor,  # [rows, in_features]
     weight: torch.Tensor,  # [out_features, in_features]
@@ -62,11 +74,7 @@ def linear(
     quant: QuantWeights | None = None,  # the layer's quantized weights (`--quantization`)
 ) -> torch.Tensor:  # [rows, out_features]
     blocks_apply = blocks is not None and GGUF_BLOCKS and block_linear.applies(x, blocks, bias)
-    # A GGUF's Q8_0 layer at a few rows reads its exact blocks with the float kernel
-    # (the faster of the two on 8-bit codes, docs/benchmarks.md); other quantized
-    # layers always go to the int8 kernel.
-    exact_q8 = blocks_apply and quant is not None and quant.origin == "Q8_0"
-    if quant is not None and not exact_q8 and int8_linear.applies(x, quant):
+    if quant is not None and _int8_route(x, quant, blocks_apply):
         return int8_linear.int8_linear(x, quant, bias)
     if blocks is not None and blocks_apply:
         return block_linear.block_linear(x, blocks, bias)

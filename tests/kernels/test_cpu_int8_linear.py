@@ -124,9 +124,10 @@ def test_bad_weights_are_refused() -> None:
         QuantWeights(8, good.codes, good.scales, good.offsets + 1, 64)
 
 
-def test_gguf_q8_0_layers_read_their_exact_blocks_at_few_rows() -> None:
-    """Q8_0 GGUF blocks: the exact float block kernel at <= MAX_ROWS rows (the faster
-    of the two on 8-bit codes), the int8 kernel above; Q4 blocks: int8 at every size."""
+def test_gguf_layers_take_the_int8_kernel_only_where_it_is_ahead() -> None:
+    """GGUF blocks: Q4 at <= MAX_ROWS rows go to the int8 kernel; Q8_0 there read their
+    exact blocks, and above MAX_ROWS every layer takes the exact float32 route (the
+    blocks encode the layer's float32 weight exactly, and these routes are faster)."""
     from kvflow.kernels.cpu import block_linear
 
     for block_format in ("Q8_0", "Q4_1"):
@@ -135,6 +136,10 @@ def test_gguf_q8_0_layers_read_their_exact_blocks_at_few_rows() -> None:
         for rows in (1, block_linear.MAX_ROWS, block_linear.MAX_ROWS + 1):
             x = torch.randn(rows, 64)
             y = linear_module.linear(x, weight, None, blocks, weights)
-            exact = block_format == "Q8_0" and rows <= block_linear.MAX_ROWS
-            expected = block_linear.block_linear(x, blocks) if exact else int8_linear(x, weights)
+            if rows > block_linear.MAX_ROWS:
+                expected = linear_module.linear(x, weight)
+            elif block_format == "Q8_0":
+                expected = block_linear.block_linear(x, blocks)
+            else:
+                expected = int8_linear(x, weights)
             assert torch.equal(y, expected)
