@@ -232,7 +232,7 @@ void tile(const Weights& w, const Acts& a, int64_t i0, int64_t n0, float* y, int
         for (int r = 0; r < R; ++r) {
             codes4(w, n0 + r, b, lo[r], hi[r]);
             d[r] = spread4(w.scales + (n0 + r) * w.blocks + b);
-            if (w.bits == 4) m[r] = spread4(w.offsets + (n0 + r) * w.blocks + b);
+            m[r] = w.bits == 4 ? spread4(w.offsets + (n0 + r) * w.blocks + b) : _mm512_setzero_ps();
         }
         for (int i = 0; i < MT; ++i) {
             const int64_t row = i0 + i;
