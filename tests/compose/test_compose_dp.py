@@ -87,11 +87,6 @@ def _complete(api: str, rank: int) -> dict[str, object]:
 
 
 @live
-@pytest.mark.skipif(
-    os.environ.get("KVFLOW_TEST_COMPOSE_DP") != "1",
-    reason="worker-e1 now has its own healthcheck (it inherited the image's HTTP check), "
-    "but this profile has not yet been brought up live since; KVFLOW_TEST_COMPOSE_DP=1 runs it",
-)
 def test_both_engines_answer_a_completion(dp_api: str) -> None:
     # The same greedy prompt on each engine: the same model, so the same text.
     texts = [_complete(dp_api, rank)["choices"][0]["text"] for rank in (0, 1)]  # type: ignore[index]
