@@ -155,6 +155,7 @@ def _build_runner(
                 eos_token_ids=eos_token_ids,
                 max_num_seqs=config.scheduler.max_num_seqs,
                 max_model_len=max_model_len,
+                speculative=config.speculative.speculative_config,
             )
         )
     with phases.measure("roofline_calibration"):

@@ -108,6 +108,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 max_num_seqs=config.scheduler.max_num_seqs,
                 max_model_len=self.max_model_len,
+                speculative=config.speculative.speculative_config,
             )
         )
         runner.initialize_kv_cache(runner.determine_num_blocks())

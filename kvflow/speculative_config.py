@@ -10,8 +10,10 @@ Methods:
   followed its latest earlier occurrence.
 - `suffix`: a depth-limited suffix tree over the request's own tokens and over the
   outputs of recent requests (a cache of `suffix_decoding_max_cached_requests`).
-- `draft_model` (a smaller model with the same tokenizer, `model`) is accepted by the
-  parser's shape but refused: it is not implemented yet.
+- `draft_model`: a smaller model with the target's tokenizer (`model`: an HF directory
+  or a GGUF file) runs in the worker beside the target with its own paged KV cache and
+  proposes k tokens for every speculating request (gpu_worker/drafter.py). The
+  scheduler sends `WORKER_DRAFT_TOKEN` placeholders in the plan; the worker fills them.
 
 Off-switches: speculation stops for the whole batch above `disable_by_batch_size`
 running requests, and for one request while its acceptance rate over its last
@@ -29,6 +31,8 @@ from typing import Any, Literal
 from kvflow.errors import ConfigError
 
 SpecMethod = Literal["ngram", "suffix", "draft_model"]
+# A draft the worker's draft model fills in (the scheduler only reserves its slot).
+WORKER_DRAFT_TOKEN = -1
 METHODS: tuple[str, ...] = ("ngram", "suffix", "draft_model")
 
 
@@ -68,8 +72,6 @@ class SpeculativeConfig:
             raise ConfigError("suffix_decoding_min_token_prob must be in [0, 1]")
         if (self.method == "draft_model") != (self.model is not None):
             raise ConfigError("`model` is required by draft_model and only by it")
-        if self.method == "draft_model":
-            raise ConfigError("the draft_model method is not implemented yet: use ngram or suffix")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ConfigError("disable_by_batch_size must be >= 1")
         if self.acceptance_window < 1 or not 0.0 <= self.min_acceptance_rate <= 1.0:

@@ -43,7 +43,6 @@ def test_parses_json_and_dicts() -> None:
             "prompt_lookup_min",
         ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
-        ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/m"}, "not implemented"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "/m"}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "batch"),
         ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 2}, "acceptance"),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvflow.services.scheduler.spec_decode.ngram import NgramProposer
+from kvflow.services.scheduler.spec_decode.worker_draft import WorkerDraftProposer
 from kvflow.services.scheduler.spec_decode.suffix import SuffixProposer
 from kvflow.speculative_config import SpeculativeConfig
 
@@ -111,7 +112,9 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
         return SuffixProposer.from_config(config)
-    raise AssertionError(f"unexpected method {config.method}")  # refused by the config
+    if config.method == "draft_model":
+        return WorkerDraftProposer()
+    raise AssertionError(f"unexpected method {config.method}")
 
 
 def make_speculator(config: SpeculativeConfig | None) -> Speculator | None:
