@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvflow.config import CacheConfig, DeviceConfig, ModelConfig
-from kvflow.gpu_worker.drafter import Drafter, make_drafter
 from kvflow.gpu_worker.attn_metadata import forward_context
 from kvflow.gpu_worker.denormals import flush_denormals_on_cpu
+from kvflow.gpu_worker.drafter import Drafter, make_drafter
 from kvflow.gpu_worker.grammar_bitmask import apply_grammar_bitmask
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvflow.services.scheduler.spec_decode.ngram import NgramProposer
-from kvflow.services.scheduler.spec_decode.worker_draft import WorkerDraftProposer
 from kvflow.services.scheduler.spec_decode.suffix import SuffixProposer
+from kvflow.services.scheduler.spec_decode.worker_draft import WorkerDraftProposer
 from kvflow.speculative_config import SpeculativeConfig
 
 
