@@ -28,8 +28,10 @@ q_j is the draft's distribution processed exactly as the request's sampling para
 process the target's (temperature, top-k/top-p/min-p, penalties over the known tokens,
 bias; one-hot for greedy requests), and d_j is drawn from it, so the rejection
 sampler's min(1, p/q) test and max(0, p - q) residual keep the target's distribution.
-The draws use the drafter's own generator (seeded from the engine's seed): a seeded
-request's own generator is consumed only by the tokens it emits.
+The draws use the drafter's own generator (seeded from the engine's seed), except a
+seeded request's, which come from its seed and the draft's position: its own generator
+is consumed only by the tokens it emits (the rejection sampler's contract), and its
+drafts repeat from run to run.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class Drafter:
             rows = slots[active]
             logits = self._forward(batch, rows, start[active], num_new[active])
             q = target_probs(logits, batch.sampling.metadata(rows, batch.rows))  # [Ra, V]
-            uniforms = torch.rand(len(rows), generator=self.generator, device=self.device)
+            uniforms = self._uniforms(batch, rows, known[active] + j)
             drafts = sample_from_weights(q, uniforms).cpu().numpy()  # [Ra]
             batch.token_ids.numpy()[rows, known[active] + j] = drafts
             for i, r in enumerate(active.tolist()):
@@ -129,6 +131,21 @@ class Drafter:
             start[active] = known[active] + j
             num_new[active] = 1
         return {int(s): torch.stack(p) for s, p in zip(slots.tolist(), probs)}
+
+    def _uniforms(
+        self, batch: InputBatch, slots: np.ndarray, positions: np.ndarray
+    ) -> torch.Tensor:
+        """One U[0, 1) per draft. A seeded request's comes from its seed and the
+        draft's position alone, so its drafts, hence its tokens, are the same in every
+        run, whatever else is in the batch or however often it was preempted."""
+        uniforms = torch.rand(len(slots), generator=self.generator, device=self.device)
+        for i, (slot, position) in enumerate(zip(slots.tolist(), positions.tolist())):
+            params = batch.sampling.params[slot]
+            if params is not None and params.seed is not None:
+                seed = (params.seed * 1_000_003 + position) % (1 << 63)
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+                uniforms[i] = torch.rand(1, generator=generator, device=self.device)[0]
+        return uniforms
 
     def _forward(
         self, batch: InputBatch, slots: np.ndarray, start: np.ndarray, num_new: np.ndarray
