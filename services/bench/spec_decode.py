@@ -2,8 +2,9 @@
 decoding, in one run, on a committed copy-heavy dataset (data/spec_decode_copy.json:
 code edits and quote-then-extend prompts) or on random prompts (nothing to copy).
 
-Each configuration loads the engine afresh and runs every prompt alone (batch 1,
-greedy), after a warm-up request. Reported per configuration: output tok/s, the ratio
+Each configuration has its own engine, warmed up with one request; every prompt runs
+alone (batch 1, greedy) through each configuration in turn, the order rotating, so a
+shared machine's load changes hit every configuration alike (ratios in one run). Reported per configuration: output tok/s, the ratio
 to no speculation, the acceptance rate (accepted / drafted tokens) and the mean
 acceptance length (1 + accepted / drafts: tokens per verification step).
 
@@ -44,6 +45,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-random-prompts", type=int, default=4)
     parser.add_argument("--measure-cost", action="store_true", help="time rejected drafts")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
     parser.add_argument(
         "--draft-layers", type=int, default=4, help="draft_model: the target's first N layers"
     )
@@ -106,7 +108,15 @@ def _prompts(llm: Any, args: argparse.Namespace) -> list[Any]:
     return random_token_prompts(args.num_random_prompts, 64, llm.engine.vocab_size, special, 0)
 
 
-def _run_one(name: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> SpecResult:
+@dataclass
+class _Config:
+    name: str
+    spec: dict[str, Any] | None
+    llm: Any
+    result: SpecResult
+
+
+def _load(name: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> _Config:
     from kvflow.llm import LLM
     from kvflow.sampling_params import SamplingParams
     from kvflow.services.cli_args import engine_options
@@ -118,19 +128,34 @@ def _run_one(name: str, spec: dict[str, Any] | None, args: argparse.Namespace) -
     worker_drafts = spec is not None and spec["method"] == "draft_model"
     if args.measure_cost and speculator is not None and not worker_drafts:
         speculator.proposer = _AlwaysPropose()
-    prompts = _prompts(llm, args)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
-    before = _counters(llm)
-    start, tokens = time.perf_counter(), 0
-    for prompt in prompts:
-        tokens += len(llm.generate([prompt], params)[0].token_ids)
-    elapsed = time.perf_counter() - start
-    after = _counters(llm)
-    drafts, drafted, accepted = (a - b for a, b in zip(after, before))
+    warm_up = _prompts(llm, args)[:1]
+    llm.generate(warm_up, SamplingParams(max_tokens=8, temperature=0.0))
     k = 0 if spec is None else int(spec["num_speculative_tokens"])
     every_step = args.measure_cost or worker_drafts
-    return SpecResult(name, k, every_step, tokens, elapsed, drafts, drafted, accepted)
+    return _Config(name, spec, llm, SpecResult(name, k, every_step, 0, 0.0))
+
+
+def _run_all(configs: list[_Config], args: argparse.Namespace) -> list[SpecResult]:
+    """Every prompt alone, `--rounds` times, through every configuration in turn (the
+    order rotating), so that a load change on a shared machine hits them all alike."""
+    from kvflow.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(configs[0].llm, args) * args.rounds
+    before = [_counters(c.llm) for c in configs]
+    for index, prompt in enumerate(prompts):
+        for turn in range(len(configs)):
+            config = configs[(index + turn) % len(configs)]
+            start = time.perf_counter()
+            tokens = len(config.llm.generate([prompt], params)[0].token_ids)
+            config.result.elapsed_s += time.perf_counter() - start
+            config.result.output_tokens += tokens
+    for config, counts in zip(configs, before):
+        after = _counters(config.llm)
+        drafts, drafted, accepted = (a - b for a, b in zip(after, counts))
+        config.result.drafts, config.result.draft_tokens = drafts, drafted
+        config.result.accepted_tokens = accepted
+    return [c.result for c in configs]
 
 
 def _counters(llm: Any) -> tuple[int, int, int]:
@@ -170,7 +195,7 @@ def _truncated_draft(args: argparse.Namespace) -> Path:
 def run(args: argparse.Namespace) -> int:
     if args.measure_cost:
         args.methods = args.methods.split(",")[0]
-    results = [_run_one(name, spec, args) for name, spec in _configs(args)]
+    results = _run_all([_load(name, spec, args) for name, spec in _configs(args)], args)
     baseline = results[0].tokens_per_s
     summaries = [r.summary(baseline) for r in results]
     if args.json:
