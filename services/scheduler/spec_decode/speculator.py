@@ -98,7 +98,7 @@ class Speculator:
         state.accepted += num_accepted
         window = self.config.acceptance_window
         if state.drafted >= window:
-            if state.accepted < self.config.min_acceptance_rate * state.drafted:
+            if state.accepted < self.config.acceptance_rate_floor * state.drafted:
                 state.cooldown = window
             state.drafted = state.accepted = 0
 
