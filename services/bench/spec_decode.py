@@ -14,10 +14,12 @@ verification step relative to a plain decode step. Speculation pays when the exp
 tokens per step beat it: 1 + a * k > c(k) for acceptance rate a, i.e. a > (c(k) - 1) / k,
 the break-even rate the `min_acceptance_rate` off-switch is set from (docs/benchmarks.md).
 
-Any run where every step verifies drafts (a draft model always proposes k) gives c(k)
-too: single stream, speed-up = tokens per step / c(k), so c(k) = mean acceptance length
-/ speed-up. Both are reported as `step_cost` and `break_even` ((c(k) - 1) / k) where
-they apply: under `--measure-cost`, and for `draft_model`.
+A draft model's cost includes its k forwards per step, and its drafts cannot be forced
+to fail, so `--measure-cost --methods draft_model` keeps its own drafts (on the random
+prompts, off-switch disabled) and uses that every step verifies: single stream,
+speed-up = tokens per step / c(k), so c(k) = mean acceptance length / speed-up, whatever
+the acceptance. `step_cost` (c(k)) and `break_even` ((c(k) - 1) / k) are reported for
+every `--measure-cost` run.
 
 `--methods draft_model --draft-layers N` drafts with the target's first N layers (a
 self-speculative draft, truncated_draft.py, written once into the cache directory);
@@ -131,7 +133,7 @@ def _load(name: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> _
     warm_up = _prompts(llm, args)[:1]
     llm.generate(warm_up, SamplingParams(max_tokens=8, temperature=0.0))
     k = 0 if spec is None else int(spec["num_speculative_tokens"])
-    every_step = args.measure_cost or worker_drafts
+    every_step = bool(args.measure_cost)
     return _Config(name, spec, llm, SpecResult(name, k, every_step, 0, 0.0))
 
 
@@ -176,7 +178,7 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]
         spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
         if method == "draft_model":
             spec["model"] = str(_truncated_draft(args))
-        if args.measure_cost or method == "draft_model":
+        if args.measure_cost:
             spec["min_acceptance_rate"] = 0.0  # keep drafting: the cost is what is measured
         configs.append((method, spec))
     return configs

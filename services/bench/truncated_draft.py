@@ -22,9 +22,17 @@ _BLOCKS = Path("gguf_blocks") / "blocks.safetensors"
 
 def truncated_copy(src: Path, dst: Path, num_layers: int) -> Path:
     """Write (once) the first `num_layers` layers of the model in `src` to `dst`."""
+    return layer_subset_copy(src, dst, list(range(num_layers)))
+
+
+def layer_subset_copy(src: Path, dst: Path, layers: list[int]) -> Path:
+    """Write (once) the model in `src` with only `layers` (ascending), renumbered."""
     config = json.loads((src / "config.json").read_text())
-    if not 1 <= num_layers < int(config["num_hidden_layers"]):
-        raise ValueError(f"need 1 <= num_layers < {config['num_hidden_layers']}")
+    total = int(config["num_hidden_layers"])
+    if not layers or layers != sorted(set(layers)) or layers[0] < 0 or len(layers) >= total:
+        raise ValueError(f"need ascending layers, fewer than {total}")
+    if layers[-1] >= total:
+        raise ValueError(f"the model has {total} layers")
     if (dst / "config.json").is_file():
         return dst
     tmp = dst.with_name(dst.name + ".tmp")
@@ -33,29 +41,41 @@ def truncated_copy(src: Path, dst: Path, num_layers: int) -> Path:
     for path in src.iterdir():  # tokenizer, chat template, generation config
         if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
             shutil.copy2(path, tmp / path.name)
-    config["num_hidden_layers"] = num_layers
+    config["num_hidden_layers"] = len(layers)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _copy_tensors(src / _WEIGHTS, tmp / _WEIGHTS, num_layers)
+    renumber = {old: new for new, old in enumerate(layers)}
+    _copy_tensors(src / _WEIGHTS, tmp / _WEIGHTS, renumber)
     if (src / _BLOCKS).is_file():
         (tmp / _BLOCKS).parent.mkdir()
-        _copy_tensors(src / _BLOCKS, tmp / _BLOCKS, num_layers)
+        _copy_tensors(src / _BLOCKS, tmp / _BLOCKS, renumber)
     tmp.rename(dst)
     return dst
 
 
-def _copy_tensors(src: Path, dst: Path, num_layers: int) -> None:
-    """The tensors of layers below `num_layers` and of no layer; metadata kept (the
-    blocks file maps tensor names to formats there)."""
+def _copy_tensors(src: Path, dst: Path, renumber: dict[int, int]) -> None:
+    """The tensors of the kept layers (renamed to their new index) and of no layer;
+    metadata kept and renamed alike (the blocks file maps tensor names to formats)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    def new_name(name: str) -> str | None:
+        match = _LAYER.search(name)
+        if match is None:
+            return name
+        layer = int(match.group(1))
+        if layer not in renumber:
+            return None
+        return f"{name[: match.start(1)]}{renumber[layer]}{name[match.end(1) :]}"
+
     with safe_open(str(src), framework="pt") as f:
-        metadata = f.metadata() or {}
-        kept = {}
+        old_metadata = f.metadata() or {}
+        kept, metadata = {}, {}
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            match = _LAYER.search(name)
-            if match is None or int(match.group(1)) < num_layers:
-                kept[name] = f.get_tensor(name)
-    names = set(kept)
-    metadata = {k: v for k, v in metadata.items() if k in names or k == "format"}
+            renamed = new_name(name)
+            if renamed is not None:
+                kept[renamed] = f.get_tensor(name)
+                if name in old_metadata:
+                    metadata[renamed] = old_metadata[name]
+    if "format" in old_metadata:
+        metadata["format"] = old_metadata["format"]
     save_file(kept, str(dst), metadata=metadata)

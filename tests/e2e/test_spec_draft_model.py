@@ -100,6 +100,11 @@ def test_different_draft_keeps_greedy_tokens(
     assert run(llm, greedy()) == baseline
     accepted, drafted = rates(llm)
     assert drafted >= 20 and accepted < 0.5 * drafted, (accepted, drafted)
+    # Opted-out requests beside speculating ones: a mixed verification batch.
+    params = [greedy(speculative=i % 2 == 0) for i in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == baseline
+    assert rates(llm)[1] > drafted
     assert_no_blocks_held(llm)
 
 

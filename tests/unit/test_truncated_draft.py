@@ -35,7 +35,7 @@ def test_truncated_copy_keeps_the_first_layers(
 def test_step_cost_is_tokens_per_step_over_speedup() -> None:
     # 10 verification steps of k = 4 emitting 2 tokens each, at 1.5x the plain tok/s:
     # a verification step cost 2 / 1.5 plain steps; break-even (c - 1) / k.
-    result = SpecResult("draft_model", 4, True, 20, 1.0, 10, 40, 10)
+    result = SpecResult("ngram", 4, True, 20, 1.0, 10, 40, 10)
     summary = result.summary(baseline=20 / 1.5)
     assert summary["mean_acceptance_length"] == 2.0
     assert summary["step_cost"] == pytest.approx(2 / 1.5, abs=1e-3)
