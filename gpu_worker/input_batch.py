@@ -236,6 +236,22 @@ class InputBatch:
             sample_num_drafts=num_drafts,
         )
 
+    def span_inputs(
+        self, slots: np.ndarray, start: np.ndarray, num_new: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) of a forward over tokens start..start+n-1 of
+        each slot in `slots` [R] (its block table as it stands), with one logits row per
+        request at its last token. The draft model's forwards use it (gpu_worker/drafter.py):
+        they run over spans the plan did not schedule."""
+        query_start_loc = np.zeros(len(slots) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        token_slots, positions = self._token_positions(slots, start, num_new, query_start_loc)
+        input_ids = self._token_ids[token_slots, positions].astype(np.int64)
+        metadata = self._attention_metadata(
+            slots, token_slots, positions, start + num_new, query_start_loc, query_start_loc[1:] - 1
+        )
+        return self._to_device(input_ids), self._to_device(positions), metadata
+
     def _token_positions(
         self,
         slots: np.ndarray,

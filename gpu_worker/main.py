@@ -177,6 +177,7 @@ def _build_runner(
                 kv_transfer=config.kv_transfer.kv_transfer_config,
                 kv_namespace=engine_kv_namespace(config),
                 kv_load_timeout=config.kv_transfer.kv_load_timeout,
+                speculative=config.speculative.speculative_config,
             )
         )
     with phases.measure("roofline_calibration"):

@@ -20,6 +20,7 @@ from kvflow.config import CacheConfig, DeviceConfig, ModelConfig
 from kvflow.errors import ConfigError
 from kvflow.gpu_worker.attn_metadata import forward_context
 from kvflow.gpu_worker.denormals import flush_denormals_on_cpu
+from kvflow.gpu_worker.drafter import Drafter, make_drafter
 from kvflow.gpu_worker.grammar_bitmask import apply_grammar_bitmask
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -31,6 +32,7 @@ from kvflow.gpu_worker.spec_metadata import verification_metadata
 from kvflow.kernels.cpu.native_build import load_all as load_native_kernels
 from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.proto.step import StepPlan, StepResult, TokenLogprobs
+from kvflow.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:  # imports Triton: only loaded where graphs are captured
     from kvflow.gpu_worker.cuda_graphs import DecodeGraphs
@@ -56,6 +58,7 @@ class RunnerConfig:
     kv_transfer: KVTransferConfig | None = None
     kv_namespace: str = ""
     kv_load_timeout: float = 30.0
+    speculative: SpeculativeConfig | None = None  # a draft model runs here (draft_model)
 
 
 class ModelRunner:
@@ -89,6 +92,15 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_connector: KVConnectorWorker | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        # The draft model of `draft_model` speculation: its KV cache has our block ids.
+        self.drafter: Drafter | None = make_drafter(
+            config.speculative,
+            config.device,
+            config.cache.block_size,
+            self.dtype,
+            self.vocab_size,
+            config.model.seed,
+        )
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit the configured memory (GiB on CPU, a fraction on CUDA)."""
@@ -101,7 +113,10 @@ class ModelRunner:
         else:
             budget = cache.kv_cache_memory * (1 << 30)
             option = "--kv-cache-memory"
-        num_blocks = int(budget // self.kv_spec.bytes_per_block)
+        bytes_per_block = self.kv_spec.bytes_per_block
+        if self.drafter is not None:  # one block id holds the target's and the draft's K/V
+            bytes_per_block += self.drafter.kv_spec.bytes_per_block
+        num_blocks = int(budget // bytes_per_block)
         if num_blocks < 1:
             raise ConfigError(f"KV cache memory too small for one block; raise {option}")
         return num_blocks
@@ -110,6 +125,8 @@ class ModelRunner:
         caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         for layer, cache in zip(self.model.attention_layers(), caches):
             layer.kv_cache = cache
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         config = self.config
         self.kv_connector = make_connector_worker(
@@ -150,6 +167,8 @@ class ModelRunner:
         """Forget every request: a new scheduler knows none of them (its KV cache
         manager starts empty, so the cached K/V is simply overwritten)."""
         self.batch.clear()
+        if self.drafter is not None:
+            self.drafter.clear()
 
     @torch.inference_mode()
     @flush_denormals_on_cpu
@@ -165,6 +184,7 @@ class ModelRunner:
                 connector.wait_for_loads(_IDLE_LOAD_WAIT_S)
                 result.kv_transfer = connector.take_stats()
             return result
+        draft_probs = self._draft(plan)
         inputs = self.batch.prepare_inputs(plan)
         graphs = self.decode_graphs
         with forward_context(inputs.metadata):
@@ -178,7 +198,7 @@ class ModelRunner:
             row_req_ids = inputs.sample_row_req_ids()
             apply_grammar_bitmask(logits[:num_sampled], row_req_ids, plan.grammar_bitmask)
         if inputs.sample_num_drafts.any():
-            result = self._verify(inputs, logits[:num_sampled])
+            result = self._verify(inputs, logits[:num_sampled], draft_probs)
         else:
             result = self._sample(inputs, logits[:num_sampled])
         self._add_prompt_logprobs(inputs, logits[num_sampled:], result)
@@ -209,18 +229,40 @@ class ModelRunner:
             logprobs=logprobs,
         )
 
-    def _verify(self, inputs: ModelInputs, logits: torch.Tensor) -> StepResult:
+    def _draft(self, plan: StepPlan) -> dict[int, torch.Tensor] | None:
+        """The draft model's turn (draft_model speculation): forget what the plan
+        forgets, fill in the plan's draft placeholders; slot -> q [k, V]."""
+        if self.drafter is None:
+            return None
+        self.drafter.forget(plan.finished_req_ids)
+        self.drafter.forget([new.req_id for new in plan.new_requests])  # resumed: from 0
+        if not plan.spec_token_ids:
+            return {}
+        return self.drafter.propose(self.batch, list(plan.spec_token_ids))
+
+    def _verify(
+        self,
+        inputs: ModelInputs,
+        logits: torch.Tensor,
+        draft_probs: dict[int, torch.Tensor] | None,
+    ) -> StepResult:
         """A step with draft tokens: `logits` [sum(k_r + 1), V], each sampled request's
-        k_r + 1 positions in order (k_r = 0 for a plain decode in the same batch)."""
+        k_r + 1 positions in order (k_r = 0 for a plain decode in the same batch).
+        `draft_probs`: the draft model's q per slot (None: one-hot drafts)."""
         slots = inputs.sample_slots
         drafts = [self.batch.draft_token_ids(slot) for slot in slots.tolist()]
         verification = verification_metadata(self.batch.sampling, self.batch.rows, slots, drafts)
         flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int64, device=self.device)
-        batch = DraftBatch([len(d) for d in drafts], flat, None)
+        q = None
+        if draft_probs and not verification.metadata.all_greedy:  # greedy: q is not needed
+            q = torch.cat([draft_probs[s] for s, d in zip(slots.tolist(), drafts) if d])
+        batch = DraftBatch([len(d) for d in drafts], flat, q)
         output = self.rejection_sampler(
             logits, verification.metadata, batch, verification.requests.generators
         )
         self.batch.append_accepted(slots, output.token_ids)
+        if self.drafter is not None:
+            self.drafter.on_verified(inputs.sample_req_ids, output.num_accepted)
         logprobs: list[list[TokenLogprobs]] = []
         if output.logprobs is not None:
             rows = [int(s) for s, ts in zip(slots.tolist(), output.token_ids) for _ in ts]

@@ -157,7 +157,8 @@ class SpeculativeOptions:
         default=None,
         metadata={
             "help": "speculative decoding as JSON, e.g. "
-            '\'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, suffix)',
+            '\'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, suffix, '
+            'and draft_model with "model": a smaller model\'s path)',
             "parse": parse_speculative_config,
         },
     )

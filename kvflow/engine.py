@@ -119,6 +119,7 @@ class LLMEngine:
                 kv_transfer=config.kv_transfer.kv_transfer_config,
                 kv_namespace=engine_kv_namespace(config),
                 kv_load_timeout=config.kv_transfer.kv_load_timeout,
+                speculative=config.speculative.speculative_config,
             )
         )
         runner.initialize_kv_cache(runner.determine_num_blocks())

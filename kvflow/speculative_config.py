@@ -10,12 +10,15 @@ Methods:
   followed its latest earlier occurrence.
 - `suffix`: a depth-limited suffix tree over the request's own tokens and over the
   outputs of recent requests (a cache of `suffix_decoding_max_cached_requests`).
-- `draft_model` (a smaller model with the same tokenizer, `model`) is accepted by the
-  parser's shape but refused: it is not implemented yet.
+- `draft_model`: a smaller model with the target's tokenizer (`model`: an HF directory
+  or a GGUF file) runs in the worker beside the target with its own paged KV cache and
+  proposes k tokens for every speculating request (gpu_worker/drafter.py). The
+  scheduler sends `WORKER_DRAFT_TOKEN` placeholders in the plan; the worker fills them.
 
 Off-switches: speculation stops for the whole batch above `disable_by_batch_size`
 running requests, and for one request while its acceptance rate over its last
-`acceptance_window` drafted tokens is below `min_acceptance_rate`.
+`acceptance_window` drafted tokens is below `min_acceptance_rate`. Its default is the
+method's measured break-even rate (`BREAK_EVEN_ACCEPTANCE`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,17 @@ from typing import Any, Literal
 from kvflow.errors import ConfigError
 
 SpecMethod = Literal["ngram", "suffix", "draft_model"]
+# A draft the worker's draft model fills in (the scheduler only reserves its slot).
+WORKER_DRAFT_TOKEN = -1
+
+# The acceptance rate below which speculating costs more than it saves, measured per
+# method: a = (c - 1) / k, where c is a verification step's time over a plain step's,
+# from `kvflow bench spec-decode --measure-cost` (n-gram, every draft rejected; suffix
+# has the same verification step) and from the draft_model run (its k draft forwards
+# included) of docs/benchmarks.md, which has the commands, the machine and the figures.
+# A draft model much larger relative to its target than the one measured (the target's
+# first half) costs more: set min_acceptance_rate from that bench run's `break_even`.
+BREAK_EVEN_ACCEPTANCE: dict[str, float] = {"ngram": 0.046, "suffix": 0.046, "draft_model": 0.52}
 METHODS: tuple[str, ...] = ("ngram", "suffix", "draft_model")
 
 
@@ -49,7 +63,7 @@ class SpeculativeConfig:
     # off-switches
     disable_by_batch_size: int | None = None
     acceptance_window: int = 32
-    min_acceptance_rate: float = 0.1
+    min_acceptance_rate: float | None = None  # None: BREAK_EVEN_ACCEPTANCE[method]
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -68,12 +82,18 @@ class SpeculativeConfig:
             raise ConfigError("suffix_decoding_min_token_prob must be in [0, 1]")
         if (self.method == "draft_model") != (self.model is not None):
             raise ConfigError("`model` is required by draft_model and only by it")
-        if self.method == "draft_model":
-            raise ConfigError("the draft_model method is not implemented yet: use ngram or suffix")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ConfigError("disable_by_batch_size must be >= 1")
-        if self.acceptance_window < 1 or not 0.0 <= self.min_acceptance_rate <= 1.0:
+        if self.min_acceptance_rate is None:
+            object.__setattr__(self, "min_acceptance_rate", BREAK_EVEN_ACCEPTANCE[self.method])
+        if self.acceptance_window < 1 or not 0.0 <= self.acceptance_rate_floor <= 1.0:
             raise ConfigError("need acceptance_window >= 1 and 0 <= min_acceptance_rate <= 1")
+
+    @property
+    def acceptance_rate_floor(self) -> float:
+        """`min_acceptance_rate`, resolved (never None after construction)."""
+        assert self.min_acceptance_rate is not None
+        return self.min_acceptance_rate
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:

@@ -108,6 +108,33 @@ def test_opt_out_and_low_acceptance_switch_speculation_off() -> None:
     assert scheduler.schedule().spec_token_ids != {}  # then it tries again
 
 
+def test_low_acceptance_backs_off_longer_after_each_failed_window() -> None:
+    config = SpeculativeConfig.parse(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "acceptance_window": 4,
+            "min_acceptance_rate": 0.5,
+        }
+    )
+    speculator = Speculator(config)
+
+    def fail_window() -> int:
+        """Two verifications with every draft rejected; the plain decodes that follow."""
+        for _ in range(2):
+            speculator.on_verified("r", 2, 0)
+        plain = 0
+        while not speculator.wants("r", 1):
+            plain += 1
+        return plain
+
+    assert speculator.wants("r", 1)
+    assert [fail_window() for _ in range(7)] == [4, 8, 16, 32, 64, 128, 128]  # capped
+    speculator.on_verified("r", 2, 2)
+    speculator.on_verified("r", 2, 1)  # a window at 3/4 >= 0.5 resets the back-off
+    assert fail_window() == 4
+
+
 def test_batch_size_switch() -> None:
     scheduler = make(disable_by_batch_size=1)
     add(scheduler, "a")

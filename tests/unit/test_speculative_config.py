@@ -43,7 +43,6 @@ def test_parses_json_and_dicts() -> None:
             "prompt_lookup_min",
         ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
-        ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/m"}, "not implemented"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "/m"}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "batch"),
         ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 2}, "acceptance"),
@@ -69,3 +68,18 @@ def test_cli_flag_reaches_the_engine_config(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", '{"method": "ngram"}'])
     assert "num_speculative_tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_acceptance_floor_defaults_to_the_measured_break_even(method: str) -> None:
+    from kvflow.speculative_config import BREAK_EVEN_ACCEPTANCE
+
+    model = {"model": "/m"} if method == "draft_model" else {}
+    config = SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 4, **model})
+    assert config.min_acceptance_rate == BREAK_EVEN_ACCEPTANCE[method]
+    assert 0.0 < config.acceptance_rate_floor < 1.0
+    given = SpeculativeConfig.parse(
+        {"method": method, "num_speculative_tokens": 4, "min_acceptance_rate": 0.25, **model}
+    )
+    assert given.acceptance_rate_floor == 0.25
+    assert SpeculativeConfig.parse(given.to_json()) == given

@@ -6,7 +6,11 @@ is on, it is not guided (structured outputs), the batch is at most `disable_by_b
 acceptance is not too low. The low-acceptance off-switch: once a request has drafted
 `acceptance_window` tokens, if fewer than `min_acceptance_rate` of them were accepted,
 it decodes plainly for `acceptance_window` steps, then tries again from a clean slate
-(so a request whose text turns repetitive later gets its speed-up back). A step where
+(so a request whose text turns repetitive later gets its speed-up back). Each window
+that fails again in a row doubles the plain stretch (up to MAX_BACKOFF windows): a
+window of drafting costs about `acceptance_window / k` verification steps, which for a
+draft model that costs 3 plain steps each is most of the loss on text it cannot
+predict, so a hopeless request retries ever more rarely. A step where
 the proposer found nothing counts as k rejected drafts here (not in the metrics).
 
 Counters follow vLLM's metric names (kvflow:spec_decode_*): drafts (verification
@@ -21,7 +25,10 @@ from typing import Any, Protocol
 
 from kvflow.services.scheduler.spec_decode.ngram import NgramProposer
 from kvflow.services.scheduler.spec_decode.suffix import SuffixProposer
+from kvflow.services.scheduler.spec_decode.worker_draft import WorkerDraftProposer
 from kvflow.speculative_config import SpeculativeConfig
+
+MAX_BACKOFF = 32  # the longest plain stretch, in acceptance windows
 
 
 class Proposer(Protocol):
@@ -52,6 +59,7 @@ class _Acceptance:
     drafted: int = 0
     accepted: int = 0
     cooldown: int = 0  # plain steps left before speculating again
+    failures: int = 0  # windows below the rate in a row
 
 
 class Speculator:
@@ -97,8 +105,11 @@ class Speculator:
         state.accepted += num_accepted
         window = self.config.acceptance_window
         if state.drafted >= window:
-            if state.accepted < self.config.min_acceptance_rate * state.drafted:
-                state.cooldown = window
+            if state.accepted < self.config.acceptance_rate_floor * state.drafted:
+                state.cooldown = window * min(1 << state.failures, MAX_BACKOFF)
+                state.failures += 1
+            else:
+                state.failures = 0
             state.drafted = state.accepted = 0
 
     def finish(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
@@ -111,7 +122,9 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
         return SuffixProposer.from_config(config)
-    raise AssertionError(f"unexpected method {config.method}")  # refused by the config
+    if config.method == "draft_model":
+        return WorkerDraftProposer()
+    raise AssertionError(f"unexpected method {config.method}")
 
 
 def make_speculator(config: SpeculativeConfig | None) -> Speculator | None:
