@@ -33,13 +33,13 @@ from kvflow.config import LoadBalance
 from kvflow.proto.stats import SchedulerStats
 from kvflow.services.frontend.routing import Router, RoutingConfig
 
-LEVELS = ("router", "client")
+LEVELS = ("router", "client", "e2e")
 HITS = "kvflow:router_prefix_hits_total"
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default=",".join(get_args(LoadBalance)))
-    parser.add_argument("--levels", default=",".join(LEVELS), help="of router,client")
+    parser.add_argument("--levels", default=",".join(LEVELS), help="of router,client,e2e")
     parser.add_argument("--num-engines", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=5000)
     parser.add_argument("--prefix-len", type=int, default=512, help="shared tokens")
@@ -47,6 +47,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prefixes", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--stats-every", type=int, default=20, help="requests between stats")
+    parser.add_argument("--rate", type=float, default=1000.0, help="e2e: requests per second")
+    parser.add_argument("--e2e-requests", type=int, default=3000, help="e2e: per policy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -60,8 +62,10 @@ class RoutingTiming:
     mean_us: float
     p50_us: float
     p99_us: float
-    prefix_hit_rate: float  # decisions a known prefix made (prefix-aware only)
-    engine_share: list[float]  # fraction of requests per engine
+    prefix_hit_rate: float | None  # decisions a known prefix made (None: not counted)
+    engine_share: list[float] | None  # fraction of requests per engine
+    added_p50_us: float | None = None  # e2e: over the DP=1 baseline of the same run
+    added_p99_us: float | None = None
 
     @property
     def core_share_at_1k_rps(self) -> float:
@@ -164,6 +168,34 @@ def _timing(
     )
 
 
+def time_e2e_levels(
+    policies: list[str], prompts: list[list[int]], args: argparse.Namespace
+) -> list[RoutingTiming]:
+    from kvflow.services.bench.routing_e2e import percentiles_us, time_e2e
+
+    def timing(policy: str, engines: int, base: tuple[float, float, float] | None) -> RoutingTiming:
+        times = time_e2e(policy, engines, prompts, args.rate, args.block_size)  # type: ignore[arg-type]
+        mean, p50, p99 = percentiles_us(times)
+        added = (p50 - base[1], p99 - base[2]) if base else (None, None)
+        return RoutingTiming(
+            policy,
+            "e2e",
+            engines,
+            len(times),
+            round(mean, 2),
+            round(p50, 2),
+            round(p99, 2),
+            None,
+            None,
+            *(None if a is None else round(a, 2) for a in added),
+        )
+
+    baseline = timing("round-robin", 1, None)  # one engine: no routing decision at all
+    baseline.policy = "dp=1"
+    base = (baseline.mean_us, baseline.p50_us, baseline.p99_us)
+    return [baseline, *(timing(p, args.num_engines, base) for p in policies)]
+
+
 def run(args: argparse.Namespace) -> int:
     policies = [p for p in args.policies.split(",") if p]
     levels = [level for level in args.levels.split(",") if level]
@@ -172,7 +204,14 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvflow bench routing: unknown {sorted(unknown)}")
     prompts = shared_prefix_prompts(args)
     timers = {"router": time_router, "client": time_client}
-    results = [timers[level](policy, prompts, args) for level in levels for policy in policies]  # type: ignore[arg-type]
+    results = [
+        timers[level](policy, prompts, args)  # type: ignore[arg-type]
+        for level in levels
+        if level != "e2e"
+        for policy in policies
+    ]
+    if "e2e" in levels:
+        results += time_e2e_levels(policies, prompts[: args.e2e_requests], args)
     if args.json:
         print(
             json.dumps(
@@ -180,12 +219,14 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(
-        f"{'level':<7} {'policy':<13} {'mean us':>8} {'p50 us':>8} {'p99 us':>8} {'hit':>6}  share"
-    )
+    print(f"{'level':<7} {'policy':<13} {'mean us':>8} {'p50 us':>8} {'p99 us':>8}  extra")
     for r in results:
+        if r.level == "e2e":
+            extra = f"engines={r.num_engines} added p50/p99 us={r.added_p50_us}/{r.added_p99_us}"
+        else:
+            extra = f"hit={r.prefix_hit_rate} share={r.engine_share}"
         print(
             f"{r.level:<7} {r.policy:<13} {r.mean_us:>8.1f} {r.p50_us:>8.1f} {r.p99_us:>8.1f}"
-            f" {r.prefix_hit_rate:>6.3f}  {r.engine_share}"
+            f"  {extra}"
         )
     return 0
