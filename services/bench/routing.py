@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from tempfile import TemporaryDirectory
-from typing import get_args
+from typing import cast, get_args
 
 import numpy as np
 
@@ -169,12 +169,14 @@ def _timing(
 
 
 def time_e2e_levels(
-    policies: list[str], prompts: list[list[int]], args: argparse.Namespace
+    policies: list[LoadBalance], prompts: list[list[int]], args: argparse.Namespace
 ) -> list[RoutingTiming]:
     from kvflow.services.bench.routing_e2e import percentiles_us, time_e2e
 
-    def timing(policy: str, engines: int, base: tuple[float, float, float] | None) -> RoutingTiming:
-        times = time_e2e(policy, engines, prompts, args.rate, args.block_size)  # type: ignore[arg-type]
+    def timing(
+        policy: LoadBalance, engines: int, base: tuple[float, float, float] | None
+    ) -> RoutingTiming:
+        times = time_e2e(policy, engines, prompts, args.rate, args.block_size)
         mean, p50, p99 = percentiles_us(times)
         added = (p50 - base[1], p99 - base[2]) if base else (None, None)
         return RoutingTiming(
@@ -197,7 +199,7 @@ def time_e2e_levels(
 
 
 def run(args: argparse.Namespace) -> int:
-    policies = [p for p in args.policies.split(",") if p]
+    policies = cast(list[LoadBalance], [p for p in args.policies.split(",") if p])
     levels = [level for level in args.levels.split(",") if level]
     unknown = set(policies) - set(get_args(LoadBalance)) | set(levels) - set(LEVELS)
     if unknown:
@@ -205,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = shared_prefix_prompts(args)
     timers = {"router": time_router, "client": time_client}
     results = [
-        timers[level](policy, prompts, args)  # type: ignore[arg-type]
+        timers[level](policy, prompts, args)
         for level in levels
         if level != "e2e"
         for policy in policies
