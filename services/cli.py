@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     kvt = bench_sub.add_parser("kv-transfer", help="zmq KV connector GB/s vs a memcpy")
     kv_transfer.add_args(kvt)
     kvt.set_defaults(handler=kv_transfer.run)
+    from kvflow.services.bench import routing
+
+    rt = bench_sub.add_parser("routing", help="data-parallel routing cost per request")
+    routing.add_args(rt)
+    rt.set_defaults(handler=routing.run)
     _add_kernel_bench(bench_sub)
     return parser
 
