@@ -152,6 +152,10 @@ class Supervisor:
             return
         group.restarts += 1
         logger.warning("engine %d: restart %d", group.index, group.restarts)
+        # The verdict ends before the new processes start: their first stats (a new
+        # incarnation) put the engine back into routing, and a verdict still standing
+        # then would take it out again for good.
+        group.death = None
         group.start()
         try:
             assert group.children is not None
@@ -159,9 +163,7 @@ class Supervisor:
         except KvflowError as exc:
             logger.error("engine %d failed to restart: %s", group.index, exc)
             group.stop(self.options.shutdown_timeout_s)
-            group.death = None  # the next pass finds it dead again and retries
-            return
-        group.death = None  # the frontend routes to it again on its new incarnation
+            group.death = f"engine {group.index} failed to restart: {exc}"
 
 
 def serve_data_parallel(config: EngineConfig, options: ServeOptions) -> int:
