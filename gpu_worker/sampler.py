@@ -164,8 +164,12 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> None:
         rows = torch.arange(ids.shape[0], device=ids.device)
     index = (rows.unsqueeze(1).expand_as(ids), ids)
     x = logits[index]  # [Rp, L]
-    repetition = pen.params.repetition
-    x = torch.where(x > 0, x / repetition, x * repetition)
+    # A vanishing penalty (5e-324 is 0 in float32) would turn a grammar-masked -inf into
+    # NaN (-inf * 0) and positive logits into inf: the row would sample garbage, even
+    # outside its grammar. Kept positive, and the quotient finite.
+    finfo = torch.finfo(x.dtype)
+    repetition = pen.params.repetition.clamp(min=finfo.tiny)
+    x = torch.where(x > 0, (x / repetition).clamp(max=finfo.max), x * repetition)
     counts = pen.output_counts
     x = x - pen.params.frequency * counts - pen.params.presence * (counts > 0)
     logits.index_put_(index, x)  # a token listed twice gets the same value twice

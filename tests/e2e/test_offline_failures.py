@@ -35,3 +35,19 @@ def test_generate_after_a_step_raised(tiny_model_dir: Any, monkeypatch: pytest.M
     llm.engine.kv_cache.check_integrity()
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.kv_cache.num_free_blocks == free_when_idle  # no block leaked
+
+
+def test_a_vanishing_repetition_penalty_keeps_guided_sampling_valid(tiny_model_dir: Any) -> None:
+    # Found by the API fuzzer: 5e-324 is 0 in float32, and dividing positive logits by
+    # it made them inf, the softmax NaN, and the sample fall outside the grammar.
+    from kvflow.sampling_params import StructuredOutputsParams
+
+    llm = LLM(str(tiny_model_dir("llama")), device="cpu", dtype="float32", num_blocks=64)
+    params = SamplingParams(
+        max_tokens=8,
+        repetition_penalty=5e-324,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )
+    outputs = llm.generate([[1, 2, 3, 4], [5, 6, 7]], params)
+    assert all(o.finish_reason != "error" for o in outputs), outputs
+    assert all(o.text in ("yes", "no") for o in outputs), [o.text for o in outputs]

@@ -9,6 +9,7 @@ process left behind (a rank is never restarted alone: its peers' group is broken
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -123,7 +124,8 @@ def test_served_tp2_equals_offline_tp1_and_a_killed_rank_ends_the_engine(
     assert got == want
     assert saw_503
     assert result["errors"], result
-    assert "worker rank 1" in result["errors"][-1], result["errors"]
+    # The killed rank, or its peer whose collective broke first: either names a rank.
+    assert re.search(r"worker rank [01]", result["errors"][-1]), result["errors"]
     assert result["ended"] - killed_at < FAIL_WITHIN_S
     assert code == stop_code == 1, server.log_tail()
     assert survivors == [] and group_members(server.pid) == [], server.log_tail()
