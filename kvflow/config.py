@@ -90,10 +90,9 @@ class SchedulerConfig:
         30.0, "seconds a guided request's grammar may take to compile before it fails"
     )
     grammar_jump_forward: bool = _opt(
-        False,
+        True,
         "append a guided request's grammar-forced tokens without a model step "
-        "(exact: only where the grammar allows a single token; opt-in while a fuzzed "
-        "request's out-of-grammar sample with it on is unexplained)",
+        "(exact: only where the grammar allows a single token)",
     )
 
     @property

@@ -67,9 +67,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and the time i
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(
-        Path(resolve_model_dir(None)), tmp_path_factory.mktemp("serve"), "--grammar-jump-forward"
-    )
+    srv = start_server(Path(resolve_model_dir(None)), tmp_path_factory.mktemp("serve"))
     yield srv
     code, survivors = stop_server(srv)
     assert survivors == [] and code == 0, srv.log_tail()

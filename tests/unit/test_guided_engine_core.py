@@ -97,7 +97,7 @@ def _mask_rows(plan: StepPlan) -> dict[str, np.ndarray]:
 
 def make_core(tokenizer: Any, depth: int, num_blocks: int, compiler: GrammarCompiler) -> EngineCore:
     vocab = len(tokenizer)
-    config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, grammar_jump_forward=True)
+    config = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8)
     kv_cache = KVCacheManager(num_blocks, BLOCK_SIZE)
     eos = frozenset({tokenizer.eos_token_id})
     limits = EngineLimits(vocab, MAX_MODEL_LEN, BLOCK_SIZE, num_blocks, eos)
