@@ -18,15 +18,14 @@ Connectors: `shared-storage` (files in a directory, keyed by the block-hash chai
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 from kvflow.errors import ConfigError
+from kvflow.json_options import json_options
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
@@ -92,14 +91,7 @@ class KVTransferConfig:
         """From the JSON text of the CLI flag or the dict `LLM(...)` takes."""
         if isinstance(value, KVTransferConfig):
             return value
-        options = _json_object(value) if isinstance(value, str) else dict(value)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown kv_transfer_config keys: {', '.join(unknown)}")
-        for key in ("kv_role", "kv_connector"):
-            if key not in options:
-                raise ConfigError(f"kv_transfer_config needs {key!r}")
+        options = json_options(value, cls, "kv_transfer_config", ("kv_role", "kv_connector"))
         if not isinstance(options.get("kv_connector_extra_config", {}), dict):
             raise ConfigError("kv_connector_extra_config must be a JSON object")
         return cls(**options)
@@ -135,16 +127,6 @@ def engine_kv_namespace(config: EngineConfig) -> str:
     return kv_namespace(
         config.model.model or "embedded", config.model.dtype, config.cache.block_size
     )
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"kv_transfer_config is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ConfigError("kv_transfer_config must be a JSON object")
-    return value
 
 
 def block_file_path(storage_path: str, namespace: str, key: str) -> str:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvflow.errors import ConfigError
+from kvflow.json_options import json_options
 
 SpecMethod = Literal["ngram", "suffix", "draft_model"]
 # A draft the worker's draft model fills in (the scheduler only reserves its slot).
@@ -101,14 +102,8 @@ class SpeculativeConfig:
         are errors. vLLM's `prompt_lookup_*` rule: one given alone sets the other."""
         if isinstance(value, SpeculativeConfig):
             return value
-        options = _json_object(value) if isinstance(value, str) else dict(value)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown speculative_config keys: {', '.join(unknown)}")
-        for key in ("method", "num_speculative_tokens"):
-            if key not in options:
-                raise ConfigError(f"speculative_config needs {key!r}")
+        required = ("method", "num_speculative_tokens")
+        options = json_options(value, cls, "speculative_config", required)
         lo, hi = options.get("prompt_lookup_min"), options.get("prompt_lookup_max")
         if (lo is None) != (hi is None):
             options["prompt_lookup_min"] = options["prompt_lookup_max"] = lo if hi is None else hi
@@ -128,13 +123,3 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
         return SpeculativeConfig.parse(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"speculative_config is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ConfigError("speculative_config must be a JSON object")
-    return value
