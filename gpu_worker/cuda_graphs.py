@@ -31,7 +31,6 @@ from torch import nn
 
 from kvflow.gpu_worker.attention.triton_backend import TritonAttentionBackend
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata, forward_context
-from kvflow.gpu_worker.input_batch import ModelInputs
 from kvflow.kernels.launch_utils import num_sms
 from kvflow.kernels.paged_attention import choose_num_splits
 
@@ -83,12 +82,13 @@ class _StaticInputs:
             logits_indices=self.input_ids.new_empty(0),
         )
 
-    def load(self, inputs: ModelInputs, size: int) -> None:
+    def load(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata, size: int
+    ) -> None:
         """Copy a step's inputs into rows [:n] and reset the padding rows [n:size]."""
-        md = inputs.metadata
         n = md.num_reqs
-        self.input_ids[:n].copy_(inputs.input_ids)
-        self.positions[:n].copy_(inputs.positions)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(md.slot_mapping)
         self.seq_lens[:n].copy_(md.seq_lens)
         self.block_tables[:n, : md.block_tables.shape[1]].copy_(md.block_tables)
@@ -97,6 +97,20 @@ class _StaticInputs:
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
+
+
+def capture_decode_graphs(
+    model: nn.Module, sizes: list[int], max_model_len: int, block_size: int, device: torch.device
+) -> DecodeGraphs | None:
+    """`model`'s decode graphs for every size (its KV cache bound), or None where its
+    attention backend is not the Triton one (the torch backend plans on the host)."""
+    layers = model.attention_layers()  # type: ignore[operator]  # every decoder has it
+    backend = layers[0].backend
+    if not isinstance(backend, TritonAttentionBackend):
+        return None
+    graphs = DecodeGraphs(model, backend, sizes, max_model_len, block_size, device)
+    graphs.capture(layers[0].num_heads, layers[0].head_dim, layers[0].num_kv_heads)
+    return graphs
 
 
 class DecodeGraphs:
@@ -123,8 +137,7 @@ class DecodeGraphs:
         self._scratch = None  # the split-KV buffers the graphs write to, kept alive
         self.num_replays = 0
 
-    def can_run(self, inputs: ModelInputs) -> bool:
-        md = inputs.metadata
+    def can_run(self, md: AttentionMetadata) -> bool:
         return (
             bool(self.graphs)
             and md.is_decode_only
@@ -163,11 +176,13 @@ class DecodeGraphs:
             self.outputs[size] = self.model(ids, positions)
         self.graphs[size] = graph
 
-    def run(self, inputs: ModelInputs) -> torch.Tensor:
-        """The hidden states [n, hidden] of a decode-only step, by graph replay."""
-        n = inputs.metadata.num_reqs
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """The hidden states [n, hidden] of a decode-only forward, by graph replay."""
+        n = md.num_reqs
         size = next(s for s in self.sizes if s >= n)
-        self.static.load(inputs, size)
+        self.static.load(input_ids, positions, md, size)
         self.graphs[size].replay()
         self.num_replays += 1
         return self.outputs[size][:n]

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -53,6 +54,9 @@ from kvflow.gpu_worker.model_loader import load_hf_config, load_model
 from kvflow.gpu_worker.target_probs import target_probs
 from kvflow.gpu_worker.vocab_ops import sample_from_weights
 from kvflow.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:  # imports Triton: only loaded where graphs are captured
+    from kvflow.gpu_worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +92,9 @@ class Drafter:
         self.generator = torch.Generator(device=device).manual_seed(seed + 1)
         self.computed: dict[str, int] = {}  # req_id -> draft KV positions valid
         self.pending: dict[str, _Pending] = {}
+        # On CUDA (ModelRunner.capture_cuda_graphs): forwards 2..k, one token per
+        # request, replay a captured graph instead of ~300 kernel launches each.
+        self.graphs: DecodeGraphs | None = None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
@@ -152,7 +159,10 @@ class Drafter:
     ) -> torch.Tensor:
         input_ids, positions, metadata = batch.span_inputs(slots, start, num_new)
         with forward_context(metadata):
-            hidden = self.model(input_ids, positions)
+            if self.graphs is not None and self.graphs.can_run(metadata):
+                hidden = self.graphs.run(input_ids, positions, metadata)
+            else:
+                hidden = self.model(input_ids, positions)
             logits = self.model.compute_logits(hidden[metadata.logits_indices])
         return logits.float()
 

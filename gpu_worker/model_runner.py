@@ -108,7 +108,8 @@ class ModelRunner:
         if cache.num_blocks is not None:
             return cache.num_blocks
         if self.device.type == "cuda":
-            budget = _cuda_kv_budget(self.device, cache.gpu_memory_utilization, self.model)
+            models = [self.model] + ([self.drafter.model] if self.drafter else [])
+            budget = _cuda_kv_budget(self.device, cache.gpu_memory_utilization, models)
             option = "--gpu-memory-utilization"
         else:
             budget = cache.kv_cache_memory * (1 << 30)
@@ -134,33 +135,29 @@ class ModelRunner:
         )
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
-        """Capture decode CUDA graphs (after the KV cache is bound); returns the seconds
-        it took, 0.0 where graphs do not apply: CPU, `enforce_eager`, or a backend other
-        than Triton (the torch backend plans on the host every step)."""
+        """Capture decode CUDA graphs of the model, and of the draft model when there is
+        one (after the KV caches are bound); returns the seconds it took, 0.0 where graphs
+        do not apply: CPU, `enforce_eager`, or a backend other than Triton (the torch
+        backend plans on the host every step)."""
         if self.device.type != "cuda" or self.config.device.enforce_eager:
             return 0.0  # before any Triton import: CPU images ship without Triton
-        from kvflow.gpu_worker.attention.triton_backend import TritonAttentionBackend
-
-        layers = self.model.attention_layers()
-        backend = layers[0].backend
-        if not isinstance(backend, TritonAttentionBackend):
-            return 0.0
-        from kvflow.gpu_worker.cuda_graphs import DecodeGraphs, capture_sizes
+        from kvflow.gpu_worker.cuda_graphs import capture_decode_graphs, capture_sizes
 
         start = time.perf_counter()
-        graphs = DecodeGraphs(
-            self.model,
-            backend,
-            capture_sizes(max_num_seqs),
-            max_model_len,
-            self.config.cache.block_size,
-            self.device,
+        sizes = capture_sizes(max_num_seqs)
+        block_size = self.config.cache.block_size
+        self.decode_graphs = capture_decode_graphs(
+            self.model, sizes, max_model_len, block_size, self.device
         )
-        spec = self.kv_spec
-        graphs.capture(layers[0].num_heads, spec.head_dim, spec.num_kv_heads)
-        self.decode_graphs = graphs
+        if self.decode_graphs is None:
+            return 0.0
+        if self.drafter is not None:
+            self.drafter.graphs = capture_decode_graphs(
+                self.drafter.model, sizes, max_model_len, block_size, self.device
+            )
         took = time.perf_counter() - start
-        logger.info("captured %d decode CUDA graphs in %.1f s", len(graphs.sizes), took)
+        drafts = " (and the draft model's)" if self.drafter is not None else ""
+        logger.info("captured %d decode CUDA graphs%s in %.1f s", len(sizes), drafts, took)
         return took
 
     def drop_all_requests(self) -> None:
@@ -188,8 +185,9 @@ class ModelRunner:
         inputs = self.batch.prepare_inputs(plan)
         graphs = self.decode_graphs
         with forward_context(inputs.metadata):
-            if graphs is not None and graphs.can_run(inputs):
-                hidden = graphs.run(inputs)  # [num_reqs, hidden], one token each
+            if graphs is not None and graphs.can_run(inputs.metadata):
+                # [num_reqs, hidden], one token each
+                hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
             logits = self.model.compute_logits(hidden[inputs.metadata.logits_indices])
@@ -326,16 +324,19 @@ def _rows_to_token_logprobs(tensors: LogprobsTensors, num_rows: int, k: int) -> 
     ]
 
 
-def _cuda_kv_budget(device: torch.device, utilization: float, model: torch.nn.Module) -> float:
+def _cuda_kv_budget(
+    device: torch.device, utilization: float, models: list[torch.nn.Module]
+) -> float:
     """Bytes for this engine's KV cache: `utilization` of the device is its share for
-    weights + KV (so engines can share a device, as vLLM's instances do), within what is
+    weights (the model's, and a draft model's) + KV (so engines can share a device, as vLLM's instances do), within what is
     free less a reserve for the step's activations."""
     # An engine dropped earlier in this process (an LLM in a script or a test) may still
     # hold its cache until the garbage collector runs; its memory counts as free here.
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    tensors = [t for m in models for t in (*m.parameters(), *m.buffers())]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
     return min(utilization * total - weights, free - _CUDA_ACTIVATION_RESERVE)
 
 

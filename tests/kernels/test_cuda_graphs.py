@@ -44,8 +44,11 @@ def _decode_inputs(seq_lens: list[int], blocks: list[list[int]]) -> ModelInputs:
 
 def test_static_inputs_load_pads_with_inert_rows() -> None:
     static = _StaticInputs.allocate(max_size=4, max_blocks=3, device=torch.device("cpu"))
-    static.load(_decode_inputs([5, 9, 2], [[7, 8], [1, 2, 3], [4]]), size=4)
-    static.load(_decode_inputs([6], [[7, 8]]), size=2)  # a smaller step after a larger one
+    for inputs, size in [
+        (_decode_inputs([5, 9, 2], [[7, 8], [1, 2, 3], [4]]), 4),
+        (_decode_inputs([6], [[7, 8]]), 2),  # a smaller step after a larger one
+    ]:
+        static.load(inputs.input_ids, inputs.positions, inputs.metadata, size)
     assert static.input_ids[:2].tolist() == [11, 0]
     assert static.positions[:2].tolist() == [5, 0]
     assert static.slot_mapping[:2].tolist() == [8 * 4 + 1, -1]  # padding stores nothing
@@ -75,3 +78,24 @@ def test_graph_replays_match_eager(tiny_model_dir: Any) -> None:
     # One by one: batch size 1 replays the size-1 graph.
     single = graphed_llm.generate(prompts[:1], params)
     assert single[0].token_ids == eager[0].token_ids
+
+
+@needs_cuda
+def test_draft_model_forwards_replay_graphs(tiny_model_dir: Any) -> None:
+    """draft_model speculation on CUDA: the draft's one-token forwards (2..k) replay its
+    own captured graphs, and the tokens equal an eager engine's (greedy, self-draft:
+    every draft is accepted either way)."""
+    path = str(tiny_model_dir("llama"))
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 33)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": path}
+    options = dict(
+        device="cuda", dtype="float32", max_num_seqs=8, num_blocks=256, speculative_config=spec
+    )
+    eager = LLM(path, enforce_eager=True, **options).generate(prompts, params)
+    graphed_llm = LLM(path, enforce_eager=False, **options)
+    drafter = graphed_llm.engine.runner.drafter
+    assert drafter is not None and drafter.graphs is not None
+    graphed = graphed_llm.generate(prompts, params)
+    assert drafter.graphs.num_replays > 0
+    assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
