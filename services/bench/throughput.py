@@ -2,6 +2,8 @@
 
 With `--compare transformers`, HF transformers `generate` runs the same prompts in the
 same process (one static batch, sdpa attention, same dtype) and the ratio is printed.
+With `--compare vllm`, vLLM runs them in its own environment (services/bench/
+vllm_compare.py), same model directory, dtype and batch limits.
 kvflow's run also reports its % of the compute and bandwidth rooflines, for prefill-heavy
 and decode-heavy steps apart (services/bench/roofline.py).
 """
@@ -51,7 +53,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
-    parser.add_argument("--compare", choices=["transformers"], default=None)
+    parser.add_argument("--compare", choices=["transformers", "vllm"], default=None)
+    parser.add_argument(
+        "--peer-python",
+        default=None,
+        help="--compare vllm: the python of vLLM's virtual environment "
+        "(default $KVFLOW_VLLM_PYTHON, else ~/.cache/kvflow-peers/venv-vllm/bin/python)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -111,11 +119,41 @@ def run_transformers(
     )
 
 
+def vllm_job(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """What vLLM's run needs of kvflow's: the same model, dtype, prompts and limits."""
+    config = llm.engine.config
+    return {
+        "model": str(llm.engine.model_dir),
+        "dtype": config.model.dtype,
+        "prompts": prompts,
+        "output_len": output_len,
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "seed": config.model.seed,
+    }
+
+
+def run_vllm_peer(python: Any, job: dict[str, Any], env: dict[str, str]) -> ThroughputResult:
+    from kvflow.services.bench.vllm_compare import run_vllm
+
+    result = run_vllm(python, job, env)
+    prompts = job["prompts"]
+    return ThroughputResult(
+        name=f"vllm {result['version']}",
+        num_requests=len(prompts),
+        elapsed_s=result["elapsed_s"],
+        prompt_tokens=result["prompt_tokens"],
+        output_tokens=result["output_tokens"],
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from kvflow.llm import LLM
     from kvflow.services.bench.roofline import roofline_section
+    from kvflow.services.bench.vllm_compare import peer_env, peer_python
     from kvflow.services.cli_args import engine_options
 
+    python = peer_python(args.peer_python) if args.compare == "vllm" else None
     llm = LLM(**engine_options(args))
     tokenizer = llm.tokenizer
     prompts = random_token_prompts(
@@ -132,6 +170,12 @@ def run(args: argparse.Namespace) -> int:
         dtype = llm.engine.config.model.dtype
         del llm
         results.append(run_transformers(model_dir, dtype, prompts, args.output_len))
+    if python is not None:
+        job = vllm_job(llm, prompts, args.output_len)
+        device = llm.engine.config.device
+        env = peer_env(device.device, device.num_threads)
+        llm.close()  # the peer gets the cores (and on CUDA the memory) to itself
+        results.append(run_vllm_peer(python, job, env))
     _report(results, roofline, args.json)
     return 0
 
@@ -155,5 +199,6 @@ def _report(results: list[ThroughputResult], roofline: dict[str, Any], as_json: 
             f"({r.num_requests} requests in {r.elapsed_s:.2f} s)"
         )
     if "speedup_output_tokens_per_s" in report:
-        print(f"kvflow / transformers output tok/s: {report['speedup_output_tokens_per_s']}x")
+        ratio = report["speedup_output_tokens_per_s"]
+        print(f"kvflow / {results[1].name} output tok/s: {ratio}x")
     print("\n".join(roofline_lines(roofline)))

@@ -4,6 +4,7 @@ the same prompts in one process and the report's numbers agree with each other."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,71 @@ def test_throughput_compared_with_transformers(tiny_model_dir: Path) -> None:
     assert {phase: row["steps"] for phase, row in phases.items()} == {"prefill": 1, "decode": 7}
     for row in phases.values():
         assert row["seconds"] > 0 and row["gflop_per_s"] > 0 and row["gb_per_s"] > 0
+
+
+FAKE_VLLM = """
+import json, os, time
+__version__ = "0.0-fake"
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos):
+        assert temperature == 0.0 and ignore_eos
+        self.max_tokens = max_tokens
+class _Completion:
+    def __init__(self, n): self.token_ids = list(range(n))
+class _Output:
+    def __init__(self, n): self.outputs = [_Completion(n)]
+class LLM:
+    def __init__(self, **kwargs):
+        with open(os.environ["FAKE_VLLM_LOG"], "w") as f:
+            json.dump({"kwargs": kwargs, "env": os.environ.get("VLLM_TARGET_DEVICE")}, f)
+    def generate(self, prompts, params, use_tqdm):
+        assert all(set(p) == {"prompt_token_ids"} for p in prompts)
+        time.sleep(0.2)  # a rate that a two-decimal ratio can show
+        return [_Output(params.max_tokens) for _ in prompts]
+"""
+
+
+def test_throughput_compared_with_vllm_in_its_own_environment(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The peer runs in another interpreter (here: this one with a stand-in `vllm`
+    package on its path), gets kvflow's model, dtype and limits, and its numbers land
+    in the same report."""
+    (tmp_path / "fake" / "vllm").mkdir(parents=True)
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    peer = tmp_path / "peer-python"
+    peer.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "fake"} exec {sys.executable} "$@"\n')
+    peer.chmod(0o755)
+    log = tmp_path / "vllm.json"
+    command = [
+        str(KVFLOW), "bench", "throughput", "--model", str(tiny_model_dir), *ENGINE_ARGS,
+        "--num-prompts", "3", "--input-len", "16", "--output-len", "8", "--max-num-seqs", "4",
+        "--compare", "vllm", "--peer-python", str(peer), "--json",
+    ]  # fmt: skip
+    env = {**os.environ, "FAKE_VLLM_LOG": str(log)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    peer_result = report["vllm 0.0-fake"]
+    assert (peer_result["prompt_tokens"], peer_result["output_tokens"]) == (3 * 16, 3 * 8)
+    asked = json.loads(log.read_text())
+    assert asked["env"] == "cpu"
+    assert asked["kwargs"]["model"] == str(tiny_model_dir)
+    assert (
+        asked["kwargs"]["max_num_seqs"] == 4 and asked["kwargs"]["enable_prefix_caching"] is False
+    )
+    ratio = report["kvflow"]["output_tokens_per_s"] / peer_result["output_tokens_per_s"]
+    assert report["speedup_output_tokens_per_s"] == pytest.approx(ratio, rel=2e-2, abs=0.01)
+
+
+def test_compare_vllm_without_its_environment_says_where_it_looked(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    command = [
+        str(KVFLOW), "bench", "throughput", "--model", str(tiny_model_dir), *ENGINE_ARGS,
+        "--compare", "vllm", "--peer-python", str(missing),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"no interpreter at {missing}" in done.stderr

@@ -1,0 +1,56 @@
+"""vLLM's offline throughput on prompts given as token ids: the peer run of
+`kvflow bench throughput --compare vllm`.
+
+This file is run by the peer's own interpreter (a virtual environment with vLLM's CPU
+or CUDA build), not imported by kvflow: it needs only the standard library and vllm.
+
+    stdin:  {"model": dir, "dtype": "float32", "prompts": [[ids]], "output_len": n,
+             "max_num_seqs": n, "max_num_batched_tokens": n, "seed": n}
+    stdout: its last line, {"elapsed_s", "load_s", "prompt_tokens", "output_tokens",
+             "version"}
+
+Greedy, `ignore_eos`, prefix caching off (the warm-up shares the prompts), one
+`LLM.generate` call over every prompt, timed as kvflow's run is timed.
+"""
+
+import json
+import sys
+import time
+
+
+def main() -> int:
+    job = json.load(sys.stdin)
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        max_model_len=max(len(p) for p in job["prompts"]) + job["output_len"],
+        max_num_seqs=job["max_num_seqs"],
+        max_num_batched_tokens=job["max_num_batched_tokens"],
+        enable_prefix_caching=False,
+        seed=job["seed"],
+    )
+    load_s = time.perf_counter() - start
+    prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
+    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate(prompts[:2], warm, use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    result = {
+        "elapsed_s": elapsed,
+        "load_s": load_s,
+        "prompt_tokens": sum(len(ids) for ids in job["prompts"]),
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        "version": getattr(vllm, "__version__", "unknown"),
+    }
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
