@@ -4,7 +4,7 @@ virtual environment, in the same invocation.
 vLLM pins its own torch and cannot share kvflow's environment, so its run is a child
 process of the peer's interpreter (`--peer-python`, else `$KVFLOW_VLLM_PYTHON`, else
 `~/.cache/kvflow-peers/venv-vllm/bin/python`) executing services/bench/vllm_peer.py,
-with the job as JSON on stdin and the result as the last JSON line of stdout. The model
+with the job as JSON on stdin and the result as a marked JSON line on stdout. The model
 is the directory kvflow loaded (a GGUF is compared through the same converted weights),
 in kvflow's dtype, with kvflow's batch limits, and on CPU with as many OpenMP threads
 bound as kvflow's run used.
@@ -23,6 +23,7 @@ from kvflow.errors import ConfigError
 PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
 DEFAULT_PYTHON = Path("~/.cache/kvflow-peers/venv-vllm/bin/python")
 TIMEOUT_S = 3600.0
+RESULT_MARK = "kvflow-peer-result: "  # vllm_peer.py's result line (vLLM logs to stdout too)
 
 
 def peer_python(explicit: str | None) -> Path:
@@ -52,7 +53,9 @@ def peer_env(device: str, num_threads: int | None) -> dict[str, str]:
 def run_vllm(python: Path, job: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     """Run the peer script; its result, or RuntimeError with the end of its output."""
     process = subprocess.run(
-        [str(python), str(PEER_SCRIPT)],
+        # -P: the script's folder is not put on sys.path (its neighbours would shadow
+        # modules of the same name, e.g. transformers importing `kernels`).
+        [str(python), "-P", str(PEER_SCRIPT)],
         input=json.dumps(job),
         capture_output=True,
         text=True,
@@ -60,9 +63,13 @@ def run_vllm(python: Path, job: dict[str, Any], env: dict[str, str]) -> dict[str
         timeout=TIMEOUT_S,
         check=False,
     )
-    lines = process.stdout.strip().splitlines()
-    if process.returncode != 0 or not lines:
-        tail = (process.stderr or process.stdout)[-2000:]
+    marked = [
+        line[len(RESULT_MARK) :]
+        for line in process.stdout.splitlines()
+        if line.startswith(RESULT_MARK)
+    ]
+    if process.returncode != 0 or not marked:
+        tail = (process.stderr + process.stdout)[-3000:]
         raise RuntimeError(f"vLLM's run failed (exit {process.returncode}):\n{tail}")
-    result: dict[str, Any] = json.loads(lines[-1])
+    result: dict[str, Any] = json.loads(marked[-1])
     return result

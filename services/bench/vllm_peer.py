@@ -6,8 +6,8 @@ or CUDA build), not imported by kvflow: it needs only the standard library and v
 
     stdin:  {"model": dir, "dtype": "float32", "prompts": [[ids]], "output_len": n,
              "max_num_seqs": n, "max_num_batched_tokens": n, "seed": n}
-    stdout: its last line, {"elapsed_s", "load_s", "prompt_tokens", "output_tokens",
-             "version"}
+    stdout: a line "kvflow-peer-result: " + {"elapsed_s", "load_s", "prompt_tokens",
+             "output_tokens", "version"} (vLLM logs on stdout too)
 
 Greedy, `ignore_eos`, prefix caching off (the warm-up shares the prompts), one
 `LLM.generate` call over every prompt, timed as kvflow's run is timed.
@@ -48,7 +48,7 @@ def main() -> int:
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
         "version": getattr(vllm, "__version__", "unknown"),
     }
-    print(json.dumps(result), flush=True)
+    print("kvflow-peer-result: " + json.dumps(result), flush=True)
     return 0
 
 
