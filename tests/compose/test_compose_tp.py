@@ -93,6 +93,13 @@ class TpStack:
     def logs(self, service: str) -> str:
         return run([*self.compose, "logs", "--no-color", service], self.env, 120).stdout
 
+    def kill(self, service: str) -> None:
+        """SIGKILL the service's main process from the host: a crash, which the restart
+        policy answers (`docker kill` would count as a manual stop)."""
+        container = run([*self.compose, "ps", "-q", service], self.env, 60).stdout.strip()
+        pid = run(["docker", "inspect", "-f", "{{.State.Pid}}", container], self.env, 60)
+        os.kill(int(pid.stdout.strip()), 9)
+
 
 @pytest.fixture(scope="module")
 def tp_stack(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TpStack]:
@@ -116,8 +123,8 @@ def tp_stack(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> I
         assert down.returncode == 0, down.stderr
 
 
-def _complete(api: str) -> dict[str, Any]:
-    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+def _complete(api: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     request = urllib.request.Request(
         api + "/v1/completions",
         data=json.dumps(body).encode(),
@@ -143,3 +150,37 @@ def test_two_rank_containers_serve_what_one_rank_computes(
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     (reference,) = llm.generate([PROMPT], params)
     assert reply["choices"][0]["text"] == reference.outputs[0].text
+
+
+@live
+def test_a_killed_rank_brings_the_group_back_and_the_stream_resumes(
+    tp_stack: TpStack, tiny_model_dir: Any
+) -> None:
+    """Rank 1's container crashes mid-stream: rank 0's next collective fails, so it exits
+    too, Docker restarts both, they meet again at the rendezvous, and the scheduler
+    resumes the request on the new group: the stream runs to its full length."""
+    import openai
+
+    client = openai.OpenAI(base_url=tp_stack.api + "/v1", api_key="-", timeout=REQUEST_TIMEOUT_S)
+    (model,) = client.models.list().data
+    request = {"model": model.id, "prompt": PROMPT, "max_tokens": 40, "temperature": 0.0}
+    request |= {"extra_body": {"ignore_eos": True}}
+    reference = client.completions.create(**request).choices[0].text
+    pieces: list[str] = []
+    finishes: list[str] = []
+    usage = None
+    start = time.monotonic()
+    stream = client.completions.create(
+        **request, stream=True, stream_options={"include_usage": True}
+    )
+    for chunk in stream:
+        pieces.extend(choice.text for choice in chunk.choices)
+        finishes.extend(c.finish_reason for c in chunk.choices if c.finish_reason)
+        usage = chunk.usage or usage
+        if len(pieces) == 4:
+            tp_stack.kill("worker-tp1")
+            start = time.monotonic()
+    timed("stream finished after rank 1's SIGKILL", start)
+    assert finishes == ["length"] and usage is not None and usage.completion_tokens == 40
+    # float32 and peaky logits: the resumed (recomputed) tokens are the uncrashed ones.
+    assert "".join(pieces) == reference
