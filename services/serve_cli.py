@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvflow.config import EngineConfig
 from kvflow.proto.addresses import ServiceAddresses
@@ -22,6 +22,9 @@ from kvflow.services.children import RestartPolicy
 from kvflow.services.cli_args import add_engine_args, engine_options
 from kvflow.services.dp_hosts import DataParallelHosts
 from kvflow.services.scheduler.recovery import WORKER_RECOVERY_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from kvflow.gpu_worker.distributed import RankInit
 
 
 def add_serve_parsers(subparsers: Any) -> None:
@@ -62,8 +65,9 @@ def add_serve_parsers(subparsers: Any) -> None:
             parser.add_argument(
                 "--distributed-init-method",
                 default=os.environ.get("KVFLOW_DIST_INIT_METHOD"),
-                help="tcp://host:port of rank 0's rendezvous (tensor parallelism; "
-                "env KVFLOW_DIST_INIT_METHOD)",
+                help="tcp://host:port of rank 0's rendezvous, shared by the engine's "
+                "tensor x pipeline parallel ranks; rank 0 listens on every interface at that "
+                "port (env KVFLOW_DIST_INIT_METHOD)",
             )
         if role == "scheduler":
             _add_trace_arg(parser)
@@ -264,24 +268,35 @@ def _run_worker(args: argparse.Namespace) -> int:
     from kvflow.gpu_worker.main import run_worker
 
     config = _config(args)
-    world_size = config.parallel.world_size
-    rank_init = None
-    if world_size > 1:  # the ranks of one group meet at one address, across hosts too
-        from kvflow.gpu_worker.distributed import RankInit
-        from kvflow.services.worker_group import check_parallelism
-
-        check_parallelism(config.parallel)
-        if not args.distributed_init_method:
-            raise SystemExit("kvflow worker: tensor parallelism needs --distributed-init-method")
-        rank_init = RankInit(args.distributed_init_method, world_size, args.rank)
     return run_worker(
         config,
         resolve_addresses(args),
         args.rank,
         _model_dir(config),
-        rank_init,
+        worker_rank_init(config, args.rank, args.distributed_init_method),
         launcher_address=args.launcher_address,
     )
+
+
+def worker_rank_init(config: EngineConfig, rank: int, init_method: str | None) -> RankInit | None:
+    """A standalone rank's place in its group: world size T x P from the engine flags,
+    the rendezvous from --distributed-init-method (None for a single rank)."""
+    from kvflow.gpu_worker.distributed import RankInit
+    from kvflow.services.worker_group import check_parallelism
+
+    check_parallelism(config.parallel)
+    world_size = config.parallel.world_size
+    if not 0 <= rank < world_size:
+        raise SystemExit(f"kvflow worker: --rank {rank} is outside the group of {world_size}")
+    if world_size == 1:
+        return None
+    if not init_method or not init_method.startswith("tcp://"):
+        # The ranks of one group meet at one address, across containers and hosts too.
+        raise SystemExit(
+            f"kvflow worker: a group of {world_size} ranks needs --distributed-init-method "
+            f"tcp://<rank 0's host>:<port> (got {init_method!r})"
+        )
+    return RankInit(init_method, world_size, rank)
 
 
 def _run_detokenizer(args: argparse.Namespace) -> int:

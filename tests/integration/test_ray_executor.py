@@ -1,7 +1,10 @@
 """`kvflow serve --distributed-executor-backend ray` on a local Ray cluster of two nodes
-(127.0.0.1, each with the CPUs of one engine only, so that the two engines must land on
-different nodes): greedy outputs equal one engine's, both nodes serve, and the loss of
-one node takes its engine out of routing while the other keeps serving.
+(127.0.0.1): the head has the CPUs of one TP=1 engine (2), the second node those of one
+TP=2 engine (3). A TP=2 engine's bundle (3 CPUs) fits the second node only: it is placed
+there whole, both ranks under its one actor, and serves what TP=1 computes. Then two
+TP=1 engines (2 CPUs each) must land on different nodes: greedy outputs equal one
+engine's, both nodes serve, and the loss of one node takes its engine out of routing
+while the other keeps serving.
 
 The cluster is this test's own (ray.cluster_utils.Cluster, a private RAY_TMPDIR): it is
 shut down at the end, and nothing else's Ray is touched.
@@ -29,6 +32,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 NODE_CPUS = 2  # one engine's bundle on CPU: scheduler + detokenizer, and one worker rank
+TP_NODE_CPUS = 3  # the second node: one TP=2 engine's bundle (scheduler + detokenizer, 2 ranks)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,9 @@ def ray_cluster() -> Iterator[tuple[Any, Any]]:
         head_node_args=node | {"include_dashboard": False, "resources": {"kvflow_node_a": 1}},
     )
     try:
-        second = cluster.add_node(**node, resources={"kvflow_node_b": 1})
+        second = cluster.add_node(
+            **(node | {"num_cpus": TP_NODE_CPUS}), resources={"kvflow_node_b": 1}
+        )
         yield cluster, second
     finally:
         cluster.shutdown()
@@ -130,6 +136,44 @@ def _alive_under(actors: set[int]) -> list[int]:
         if state != "Z" and (int(entry) in actors or int(ppid) in actors):
             alive.append(int(entry))
     return alive
+
+
+def _children_names(pid: int) -> set[str]:
+    """/proc/<child>/comm of `pid`'s live children (the engine's processes set theirs)."""
+    names = set()
+    for entry in _alive_under({pid}):
+        if entry != pid:
+            try:
+                names.add(Path(f"/proc/{entry}/comm").read_text().strip())
+            except OSError:
+                continue
+    return names
+
+
+def test_a_tp_engine_is_placed_whole_on_the_node_that_fits_it(
+    ray_cluster: tuple[Any, Any], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cluster, second = ray_cluster
+    args = ["--tensor-parallel-size", "2", "--block-size", "16", "--num-threads", "1"]
+    args += ["--distributed-executor-backend", "ray", "--ray-address", cluster.address]
+    server = start_server(tiny_model_dir, tmp_path, *args)
+    try:
+        # The bundle {"CPU": 3} fits the second node only (the head has 2 CPUs).
+        assert _placements(server) == {"0": second.node_id}, server.log_tail()
+        (actor,) = {int(pid) for pid in re.findall(r"EngineHost pid=(\d+)", _log(server))}
+        # Both ranks are the one actor's children: on its node, in its bundle.
+        assert {"kvflow-e0-w0", "kvflow-e0-w1"} <= _children_names(actor), _log(server)
+        prompts = [_prompt(seed) for seed in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda p: _complete(server.base_url, p), prompts))
+    finally:
+        code, survivors = stop_server(server)
+    assert survivors == [] and code == 0, server.log_tail()
+    assert wait_for(lambda: not _alive_under({actor}), timeout_s=30.0), _alive_under({actor})
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_blocks=512, block_size=16)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    assert [text for text, _ in results] == reference, results
 
 
 def test_two_nodes_serve_what_one_engine_computes(ray_server: Server, tiny_model_dir: Path) -> None:

@@ -79,6 +79,15 @@ def test_engine_bundle_packs_an_engine_on_one_node() -> None:
     assert engine_bundle(config, "cuda") == {"CPU": 1.0, "GPU": 1.0}
 
 
+@pytest.mark.parametrize(("tp", "pp", "ranks"), [(2, 1, 2), (1, 2, 2), (2, 2, 4)])
+def test_engine_bundle_holds_every_rank_of_a_tp_pp_group(tp: int, pp: int, ranks: int) -> None:
+    """One bundle for all T x P ranks (STRICT_PACK: one node), so the group's
+    collectives and its 127.0.0.1 rendezvous stay on that node."""
+    config = EngineConfig.create(model="m", tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    assert engine_bundle(config, "cpu") == {"CPU": 1.0 + ranks}
+    assert engine_bundle(config, "cuda") == {"CPU": 1.0, "GPU": float(ranks)}
+
+
 def test_ray_monitor_takes_a_lost_actor_out_for_good() -> None:
     from types import SimpleNamespace
 
