@@ -8,7 +8,9 @@
 The same `EngineCore` runs in the scheduler process and the same `DetokenizerStreams`
 in the detokenizer process, so the offline and served paths share every rule: only the
 transport differs. With async scheduling the core plans step N+1 before step N's
-result is applied, exactly as over ZeroMQ: results wait in a queue, in order.
+result is applied, exactly as over ZeroMQ: results wait in a queue, in order. Worker
+processes (tensor/pipeline parallelism) take each plan as it is made (`submit`) and
+return results in order, so P pipeline stages hold P micro-batches at once.
 `kvflow.LLM` drives this; tests use it to check that served and offline outputs agree.
 """
 
@@ -27,7 +29,7 @@ from kvflow.model_limits import read_model_limits
 from kvflow.outputs import RequestOutput
 from kvflow.proto.engine import AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.frontend import RequestOutputDelta
-from kvflow.proto.step import StepResult
+from kvflow.proto.step import StepPlan, StepResult
 from kvflow.request_outputs import RequestOutputs
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
 from kvflow.services.detokenizer.streams import DetokenizerStreams
@@ -49,11 +51,12 @@ OFFLINE_FRONTEND = "offline"  # the detokenizer's routing id of every offline re
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from kvflow.gpu_worker.model_files import resolve_model_dir
-        from kvflow.services.worker_group import check_parallelism
+        from kvflow.services.worker_group import check_layer_partition, check_parallelism
 
-        check_parallelism(config.parallel)  # never run on one process what asked for more
+        check_parallelism(config)  # never run on one process what asked for more
         self.config = config
         self.model_dir: Path = resolve_model_dir(config.model.model)
+        check_layer_partition(config.parallel, self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = load_eos_token_ids(self.model_dir, self.tokenizer)
         model_limits = read_model_limits(self.model_dir, config.model.max_model_len)
@@ -84,9 +87,10 @@ class LLMEngine:
                     engine_kv_namespace(config),
                     config.kv_transfer.kv_load_failure_policy,
                 ),
+                pipeline_depth=config.parallel.pipeline_parallel_size,
             ),
             limits,
-            config.scheduler.max_steps_in_flight,
+            config.max_steps_in_flight,
             grammar_compiler(limits, lambda: self.tokenizer),
             config.scheduler.grammar_compile_timeout,
         )
@@ -196,16 +200,32 @@ class LLMEngine:
             plan = self.core.schedule(now=time.time())
             if plan is None:
                 break
-            self._results.append(self.runner.execute(plan))
-        if not self._results:
+            self._run(plan)
+        result = self._next_result()
+        if result is None:
             if self.core.waiting_for_grammar and not failed:
                 time.sleep(0.001)  # only compiles under way: do not spin on the GIL
             return self.outputs.apply(self._detokenize(failed))
-        result = self._results.popleft()
         step, deltas = self.core.update(result, now=time.time())
         if step.batch.num_tokens:
             self.roofline.record(step.batch, result.execute_time_s)
         return self.outputs.apply(self._detokenize(failed + deltas))
+
+    def _run(self, plan: StepPlan) -> None:
+        """Worker processes: send the plan (its result comes later); in process: run it."""
+        submit = getattr(self.runner, "submit", None)
+        if submit is not None:
+            submit(plan)
+        else:
+            self._results.append(self.runner.execute(plan))
+
+    def _next_result(self) -> StepResult | None:
+        """The oldest step's result (None when no step is in flight)."""
+        if self._results:
+            return self._results.popleft()
+        if getattr(self.runner, "num_submitted", 0):
+            return self.runner.result()  # type: ignore[no-any-return]
+        return None
 
     def recover_from_failed_step(self) -> None:
         """A step raised (a bug, an interrupt): the results of the steps in flight will

@@ -270,10 +270,17 @@ def _run_worker(args: argparse.Namespace) -> int:
         from kvflow.gpu_worker.distributed import RankInit
         from kvflow.services.worker_group import check_parallelism
 
-        check_parallelism(config.parallel)
+        check_parallelism(config)
         if not args.distributed_init_method:
             raise SystemExit("kvflow worker: tensor parallelism needs --distributed-init-method")
-        rank_init = RankInit(args.distributed_init_method, world_size, args.rank)
+        parallel = config.parallel
+        rank_init = RankInit(
+            args.distributed_init_method,
+            world_size,
+            args.rank,
+            pipeline_parallel_size=parallel.pipeline_parallel_size,
+            layer_partition=parallel.layer_partition,
+        )
     return run_worker(
         config,
         resolve_addresses(args),
