@@ -24,7 +24,7 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.kv_transfer_config import engine_kv_namespace
-from kvflow.metrics.roofline import ModelShape, RooflineMeter
+from kvflow.metrics.roofline import ModelShape, RooflineMeter, StepCost
 from kvflow.model_limits import read_model_limits
 from kvflow.outputs import RequestOutput
 from kvflow.proto.engine import AddRequest, EngineOutputs, TokenDelta
@@ -35,11 +35,12 @@ from kvflow.sampling_params import SamplingParams, child_request_ids, child_samp
 from kvflow.services.detokenizer.streams import DetokenizerStreams
 from kvflow.services.kv_transfer.connector import make_connector_scheduler
 from kvflow.services.scheduler.admission import EngineLimits
-from kvflow.services.scheduler.engine_core import EngineCore
+from kvflow.services.scheduler.engine_core import EngineCore, StepInFlight
 from kvflow.services.scheduler.grammar_compiler import grammar_compiler
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.scheduler import Scheduler
 from kvflow.services.scheduler.spec_decode.speculator import make_speculator
+from kvflow.services.scheduler.step_trace import StepSample, StepTrace
 from kvflow.structured_outputs import check_grammar
 from kvflow.tokenizer import load_eos_token_ids, load_tokenizer
 
@@ -97,6 +98,7 @@ class LLMEngine:
         self.streams = DetokenizerStreams(self.tokenizer)
         self.outputs = RequestOutputs()
         self._results: deque[StepResult] = deque()  # executed, not yet applied
+        self.trace: StepTrace | None = None  # start_trace()
         # Step time and estimated work per phase, for `kvflow bench`'s roofline report.
         self.roofline = RooflineMeter(
             ModelShape.try_from_model_dir(self.model_dir, config.model.dtype)
@@ -132,6 +134,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the worker processes of a multi-rank engine (a no-op in process)."""
+        self.stop_trace()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -208,7 +211,9 @@ class LLMEngine:
             return self.outputs.apply(self._detokenize(failed))
         step, deltas = self.core.update(result, now=time.time())
         if step.batch.num_tokens:
-            self.roofline.record(step.batch, result.execute_time_s)
+            cost = self.roofline.record(step.batch, result.execute_time_s)
+            if self.trace is not None:
+                self._trace_step(step, result, cost)
         return self.outputs.apply(self._detokenize(failed + deltas))
 
     def _run(self, plan: StepPlan) -> None:
@@ -226,6 +231,39 @@ class LLMEngine:
         if getattr(self.runner, "num_submitted", 0):
             return self.runner.result()  # type: ignore[no-any-return]
         return None
+
+    def start_trace(self, path: str | Path) -> None:
+        """Write the steps from here on as a Chrome/Perfetto trace (step_trace.py);
+        with pipeline stages, a track per stage. `stop_trace()` closes the file."""
+        self.stop_trace()
+        self.trace = StepTrace(path, "kvflow offline engine")
+
+    def stop_trace(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
+    def _trace_step(self, step: StepInFlight, result: StepResult, cost: StepCost) -> None:
+        # The step's span: its stages' spans where there are stages, else its execution.
+        spans = result.stage_spans
+        end = max((e for _, _, e in spans), default=time.time())
+        start = min((s for _, s, _ in spans), default=end - result.execute_time_s)
+        scheduler = self.scheduler
+        assert self.trace is not None
+        self.trace.record_step(
+            StepSample(
+                step_id=step.plan.step_id,
+                start_s=start,
+                duration_s=end - start,
+                batch=step.batch,
+                cost=cost,
+                num_running=len(scheduler.running),
+                num_waiting=len(scheduler.waiting),
+                kv_cache_usage=scheduler.kv_cache.usage,
+                num_preemptions=scheduler.num_preemptions,
+                stage_spans=spans,
+            )
+        )
 
     def recover_from_failed_step(self) -> None:
         """A step raised (a bug, an interrupt): the results of the steps in flight will
