@@ -94,7 +94,6 @@ class ModelRunner:
         )
         stage = get_pp_group()
         self.stage_link: StageLink | None = None
-        self._stage_started = 0.0  # wall clock: this stage's span of the step running
         if stage.size > 1:
             hidden_size = int(self.hf_config.hidden_size)
             self.stage_link = StageLink(stage, hidden_size, self.dtype, self.device)
@@ -189,7 +188,8 @@ class ModelRunner:
     @flush_denormals_on_cpu
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
-        self._stage_started = time.time()  # pipeline stages: this step's span (the first)
+        if self.stage_link is not None and plan.scheduled_req_ids:
+            self.stage_link.begin(plan.total_num_scheduled_tokens)  # the input lands meanwhile
         self.batch.apply_plan(plan)
         connector = self.kv_connector
         if connector is not None and plan.kv_connector is not None:
@@ -205,7 +205,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         with forward_context(inputs.metadata):
             if self.stage_link is not None:
-                hidden = self._stage_forward(inputs, plan.total_num_scheduled_tokens)
+                hidden = self._stage_forward(inputs)
                 if hidden is None:  # handed on to the next stage
                     return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
             elif graphs is not None and graphs.can_run(inputs):
@@ -229,23 +229,18 @@ class ModelRunner:
         result.step_id = plan.step_id
         result.execute_time_s = time.perf_counter() - start
         if self.stage_link is not None:
-            result.stage_spans = self.stage_link.spans_with_own(self._stage_started).tolist()
+            result.stage_spans = self.stage_link.spans().tolist()
         return result
 
-    def _stage_forward(self, inputs: ModelInputs, num_tokens: int) -> torch.Tensor | None:
+    def _stage_forward(self, inputs: ModelInputs) -> torch.Tensor | None:
         """This pipeline stage's part of the forward: the last stage's normed hidden
-        [T, hidden], or None once the activations are on their way to the next stage.
-        A stage's span starts when its input is there (the first stage: the plan)."""
+        [T, hidden], or None once the activations are on their way to the next stage."""
         link = self.stage_link
         assert link is not None
-        received = None
-        if not link.group.is_first:
-            received = link.recv(num_tokens)
-            self._stage_started = time.time()
-        out = self.model(inputs.input_ids, inputs.positions, received)
+        out = self.model(inputs.input_ids, inputs.positions, link.activations())
         if link.group.is_last:
             return out  # type: ignore[no-any-return]
-        link.send(out, self._stage_started)
+        link.send(out)
         return None
 
     def _sample(self, inputs: ModelInputs, logits: torch.Tensor) -> StepResult:

@@ -4,11 +4,13 @@
     last stage: its layers, norm, logits, sample; StepResult.stage_spans = every stage's
 
 Each message is two tensors, never a pickled object: the activations [2, T, hidden]
-(hidden and residual stacked, in the model's dtype) and the compute spans of the stages
-so far, float64 [stage, 3] rows of (stage, start, end) in wall-clock seconds. Both
-shapes follow from the plan (T = its scheduled tokens) and the stage's index, so a
-receiver needs no header. Every rank runs every plan in order, so the s-th message a
-stage sends is the s-th its successor receives.
+(hidden and residual stacked, in the model's dtype) and the busy spans of the stages
+so far, float64 [2 * stage, 3] rows of (stage, start, end) in wall-clock seconds, two
+per stage: from the plan's arrival to when it waits for its input, and from the input's
+arrival to its hand-off (to its sample, on the last stage). Both shapes follow from the
+plan (T = its scheduled tokens) and the stage's index, so a receiver needs no header
+and posts its receive as soon as the plan is in. Every rank runs every plan in order,
+so the s-th message a stage sends is the s-th its successor receives.
 
 Sends are asynchronous (`isend`): a stage goes on to its next micro-batch while its
 successor still runs the last one, and waits for the previous send only before the
@@ -30,6 +32,10 @@ Activations = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual), each [T, 
 
 
 class StageLink:
+    """One rank's hand-offs, step by step: `begin(num_tokens)` as the plan arrives (posts
+    the receive, so the activations land while the batch is prepared), `activations()`
+    when the forward needs them, `send(...)` when this stage is done (not the last)."""
+
     def __init__(
         self, group: PPGroup, hidden_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
@@ -41,41 +47,64 @@ class StageLink:
         self._timeout = timedelta(seconds=group.timeout_s)
         self._sends: list[dist.Work | None] = []  # the previous step's, awaited before the next
         self._sent: tuple[torch.Tensor, ...] = ()  # kept alive until those complete
-        self.spans = torch.zeros(0, 3, dtype=torch.float64)  # earlier stages', this step
+        self._recvs: list[dist.Work | None] = []
+        self._acts = self._spans = torch.zeros(0)
+        # This step's times (wall clock): plan in, waiting for activations from .. to.
+        self._began = self._waited_from = self._waited_to = 0.0
 
-    def recv(self, num_tokens: int) -> Activations:
-        """The previous stage's (hidden, residual) of this step; its spans in `spans`."""
-        assert self.group.prev_rank is not None
-        acts = torch.empty(2, num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
-        spans = torch.empty(self.group.stage, 3, dtype=torch.float64, device=self.device)
-        works = [
-            dist.irecv(acts, src=self.group.prev_rank, group=self.group.group),
-            dist.irecv(spans, src=self.group.prev_rank, group=self.group.group),
+    def begin(self, num_tokens: int) -> None:
+        """A step of `num_tokens` tokens starts here: post its receive (not the first)."""
+        self._began = time.time()
+        if self.group.is_first:
+            return
+        src, group = self.group.prev_rank, self.group.group
+        assert src is not None
+        self._acts = torch.empty(
+            2, num_tokens, self.hidden_size, dtype=self.dtype, device=self.device
+        )
+        rows = 2 * self.group.stage  # two spans per earlier stage
+        self._spans = torch.empty(rows, 3, dtype=torch.float64, device=self.device)
+        self._recvs = [
+            dist.irecv(self._acts, src=src, group=group),
+            dist.irecv(self._spans, src=src, group=group),
         ]
-        self._wait(works, "receive from")
-        self.spans = spans
-        return acts[0], acts[1]
 
-    def send(self, acts: Activations, started: float) -> None:
+    def activations(self) -> Activations | None:
+        """The previous stage's (hidden, residual) of this step; None on the first."""
+        self._waited_from = time.time()
+        if self.group.is_first:
+            self._waited_to = self._waited_from
+            return None
+        self._wait(self._recvs, "receive from")
+        self._recvs = []
+        self._waited_to = time.time()
+        return self._acts[0], self._acts[1]
+
+    def send(self, acts: Activations) -> None:
         """Hand (hidden, residual) on, with the spans so far plus this stage's."""
         assert self.group.next_rank is not None
         self.wait_sent()
         stacked = torch.stack(acts).to(self.device, self.dtype).contiguous()
-        spans = self.spans_with_own(started)
-        dst = self.group.next_rank
+        spans = self.spans().to(self.device)
+        dst, group = self.group.next_rank, self.group.group
         self._sends = [
-            dist.isend(stacked, dst=dst, group=self.group.group),
-            dist.isend(spans, dst=dst, group=self.group.group),
+            dist.isend(stacked, dst=dst, group=group),
+            dist.isend(spans, dst=dst, group=group),
         ]
         self._sent = (stacked, spans)
 
-    def spans_with_own(self, started: float) -> torch.Tensor:
-        """The spans received, and this stage's [started, now]."""
-        now = time.time()
+    def spans(self) -> torch.Tensor:
+        """[2 * (stage + 1), 3] float64: the earlier stages' spans and this stage's two,
+        (stage, start, end): plan in .. waiting for activations, and activations there
+        .. now. The gap between them is the wait (zero on the first stage)."""
+        stage = self.group.stage
         own = torch.tensor(
-            [[self.group.stage, started, now]], dtype=torch.float64, device=self.device
+            [[stage, self._began, self._waited_from], [stage, self._waited_to, time.time()]],
+            dtype=torch.float64,
         )
-        return torch.cat([self.spans.to(self.device), own])
+        if self.group.is_first:
+            return own
+        return torch.cat([self._spans.cpu(), own])
 
     def wait_sent(self) -> None:
         self._wait(self._sends, "send to")

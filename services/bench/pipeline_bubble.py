@@ -1,15 +1,15 @@
 """The pipeline bubble: the share of time each stage sits idle, from a step trace.
 
-Each pipeline stage's worker reports the span it computed each step (StepResult's
-stage_spans, a track per stage in `--trace-file`, services/scheduler/step_trace.py).
-A stage is idle outside its spans: waiting for its predecessor's activations, or for
-the next plan. Over the window from the first span of any stage to the last,
+Each pipeline stage's worker reports the spans it was busy with each step (StepResult's
+stage_spans, a track per stage in `--trace-file`, services/scheduler/step_trace.py):
+preparing the step's inputs, and computing from its input's arrival on. A stage is idle
+outside them: waiting for its predecessor's activations, or for the next plan. Over the window from the first span of any stage to the last,
 
     idle share of stage s = 1 - (time covered by s's spans) / window
 
     python -m kvflow.services.bench.pipeline_bubble trace.json
-    stage 0: 12.3% idle (412 steps)
-    stage 1: 8.1% idle (412 steps)
+    stage 0: 12.3% idle (824 spans)
+    stage 1: 8.1% idle (824 spans)
 
 The spans are wall-clock times of separate processes: exact on one host, as good as
 the hosts' clock sync across hosts.
@@ -65,7 +65,7 @@ def _covered(spans: list[tuple[float, float]]) -> float:
 def report_lines(spans: Spans) -> list[str]:
     shares = idle_shares(spans)
     return [
-        f"stage {stage}: {100 * share:.1f}% idle ({len(spans[stage])} steps)"
+        f"stage {stage}: {100 * share:.1f}% idle ({len(spans[stage])} spans)"
         for stage, share in sorted(shares.items())
     ]
 

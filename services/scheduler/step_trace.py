@@ -16,9 +16,10 @@ the tracks tokens, requests, kv_cache_usage_perc and preemptions. Timestamps are
 wall-clock microseconds (they line up with request timestamps and other processes).
 
 With pipeline parallelism each stage gets a track of its own ("pipeline stage S", one
-thread id per stage): an "X" event per step for the span that stage computed it (the
-workers' own wall clocks, StepResult.stage_spans), so the bubble, where a stage waits
-for its predecessor's hand-off or for the next plan, shows as gaps between them.
+thread id per stage) with two "X" events per step, from the workers' own wall clocks
+(StepResult.stage_spans): "prepare" (the plan applied, inputs built) and "compute"
+(from its input's arrival to its hand-off or sample). The bubble, where a stage waits
+for its predecessor's activations or for the next plan, shows as the gaps.
 `python -m kvflow.services.bench.pipeline_bubble TRACE` prints each stage's idle share.
 
 The closing `]` is written by `close()`, so the file is valid JSON after a clean stop;
@@ -56,6 +57,7 @@ class StepSample:
 
 
 STAGE_TID_BASE = 1  # pipeline stage S is thread id 1 + S (0: the engine's steps)
+STAGE_PARTS = ("prepare", "compute")  # a stage's two spans of a step
 
 
 class StepTrace:
@@ -101,10 +103,13 @@ class StepTrace:
         self._counter("requests", ts, {**requests, "waiting": sample.num_waiting})
         self._counter("kv_cache_usage_perc", ts, {"usage": round(100 * sample.kv_cache_usage, 2)})
         self._counter("preemptions", ts, {"total": sample.num_preemptions})
-        for stage, start_s, end_s in sample.stage_spans:
-            self._stage_span(int(stage), start_s, end_s, sample.step_id)
+        for index, (stage, start_s, end_s) in enumerate(sample.stage_spans):
+            part = STAGE_PARTS[index % 2]  # two spans per stage, in order
+            self._stage_span(int(stage), part, start_s, end_s, sample.step_id)
 
-    def _stage_span(self, stage: int, start_s: float, end_s: float, step_id: int) -> None:
+    def _stage_span(
+        self, stage: int, part: str, start_s: float, end_s: float, step_id: int
+    ) -> None:
         tid = STAGE_TID_BASE + stage
         if stage not in self._stage_tracks:
             self._stage_tracks.add(stage)
@@ -112,7 +117,7 @@ class StepTrace:
             self._write({"ph": "M", "name": "thread_name", "args": name}, tid)
         event = {
             "ph": "X",
-            "name": f"stage {stage}",
+            "name": part,
             "cat": "stage",
             "ts": start_s * 1e6,
             "dur": (end_s - start_s) * 1e6,

@@ -146,3 +146,23 @@ def test_a_killed_stage_fails_generate_fast_and_leaves_no_process(
     finally:
         llm.close()
     assert multiprocessing.active_children() == []
+
+
+def test_guided_decoding_with_jump_forward_equals_one_process(three_layer_model_dir: Path) -> None:
+    """Grammar bitmasks and forced tokens (jump-forward, which travel in the plan beside
+    the sampled tokens a first stage is told) with two stages in flight."""
+    from test_jump_forward import CONSTRAINTS, PROMPTS, _params
+
+    def run(**parallel: Any) -> tuple[list[list[int]], int]:
+        llm = LLM(str(three_layer_model_dir), **{**ENGINE, "num_blocks": 64}, **parallel)  # type: ignore[arg-type]
+        try:
+            outputs = llm.generate(PROMPTS, [_params(c) for c in CONSTRAINTS])
+            jumped = llm.engine.scheduler.num_jump_forward_tokens
+            return [list(o.outputs[0].token_ids) for o in outputs], jumped
+        finally:
+            llm.close()
+
+    want, want_jumped = run()
+    got, got_jumped = run(pipeline_parallel_size=2)
+    assert got == want
+    assert got_jumped == want_jumped > 0
