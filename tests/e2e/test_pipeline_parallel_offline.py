@@ -1,7 +1,8 @@
-"""`LLM(pipeline_parallel_size=2)`, and TP=2 x PP=2: greedy tokens equal one process's.
+"""`LLM(pipeline_parallel_size=2)`, TP=2 x PP=2 and PP=3: greedy tokens equal one
+process's.
 
 The model has 3 layers, so 2 stages split them unevenly (2 + 1 by default, 1 + 2 with
-`pp_layer_partition`). It is the uneven Qwen2 of the TP test (1 KV head, an odd
+`pp_layer_partition`), and 3 stages have a middle one. It is the uneven Qwen2 of the TP test (1 KV head, an odd
 vocabulary) so that TP=2 x PP=2 also pads and replicates. The workload goes through the
 paths where stages must agree: chunked prefill (a 16-token budget), prefix-cache hits
 (the second batch shares the first's prefix), preemption (8 blocks of 8 tokens), n > 1
@@ -105,8 +106,9 @@ def reference(three_layer_model_dir: Path) -> tuple[str, list[Any]]:
         {"pipeline_parallel_size": 2},  # layers 2 + 1
         {"pipeline_parallel_size": 2, "pp_layer_partition": "1,2"},
         {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+        {"pipeline_parallel_size": 3},  # a middle stage: receives and sends
     ],
-    ids=["pp2", "pp2-partition-1-2", "tp2xpp2"],
+    ids=["pp2", "pp2-partition-1-2", "tp2xpp2", "pp3"],
 )
 def test_pipeline_greedy_equals_one_process(
     three_layer_model_dir: Path, reference: tuple[str, list[Any]], parallel: dict[str, Any]
