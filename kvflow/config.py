@@ -122,7 +122,7 @@ class ParallelConfig:
     tensor_parallel_size: int = _opt(1, "tensor-parallel ranks")
     pipeline_parallel_size: int = _opt(1, "pipeline-parallel stages")
     pp_layer_partition: str | None = _opt(
-        None, "layers per pipeline stage, e.g. 10,14 (default: even, first stages +1)"
+        None, "layers per pipeline stage, e.g. 10,14; unset: even, the first stages +1"
     )
     data_parallel_size: int = _opt(1, "engine cores (each with its own workers) behind the API")
     load_balance: LoadBalance = _opt(
@@ -136,6 +136,9 @@ class ParallelConfig:
             raise ConfigError(
                 f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
             )
+        raw: Any = self.pp_layer_partition
+        if raw is not None and not isinstance(raw, str):  # LLM(pp_layer_partition=[a, b])
+            object.__setattr__(self, "pp_layer_partition", ",".join(map(str, raw)))
         partition = self.layer_partition  # parsed here, so a typo fails at once
         if partition is not None and len(partition) != self.pipeline_parallel_size:
             raise ConfigError(

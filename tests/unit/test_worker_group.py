@@ -62,6 +62,8 @@ def test_layer_partition_is_parsed_and_checked(tmp_path: Path) -> None:
         1,
         2,
     )
+    as_list = ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=[2, 1])  # type: ignore[arg-type]
+    assert as_list.pp_layer_partition == "2,1" and as_list.layer_partition == (2, 1)
     for bad in ("1,x", "0,3", ""):
         with pytest.raises(ConfigError, match="pp_layer_partition"):
             ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=bad)
