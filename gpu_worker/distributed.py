@@ -1,9 +1,14 @@
-"""One worker rank's place in a tensor-parallel group: rendezvous, threads, agreement.
+"""One worker rank's place in its groups: rendezvous, threads, agreement.
 
     launcher ── RankInit(tcp://host:port, world_size, rank) ──▶ worker rank r
     worker:  init_process_group (gloo on CPU, NCCL on CUDA) at that address
-             └─ tensor_parallel(world_size, r): layers built inside it take their shard
+             └─ tensor_parallel(T, r % T): layers built inside it take their shard
+             └─ pipeline_parallel(stage r // T): the model built is that stage's layers
              └─ min_over_ranks(num_blocks): every rank sizes its KV cache alike
+
+With P pipeline stages of T ranks each, world size T x P, a stage's ranks form its own
+tensor-parallel group (`new_group`), and one more group of every rank carries the
+stage-to-stage sends (gpu_worker/stage_link.py), with the step timeout.
 
 The rendezvous is TCP (torch's TCPStore, served by rank 0 at the address), so the same
 code spans containers and hosts. Every collective of a step waits at most `timeout_s`,
@@ -26,7 +31,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvflow.gpu_worker.parallel_state import TPGroup, get_tp_group, tensor_parallel
+from kvflow.gpu_worker.parallel_state import (
+    PPGroup,
+    TPGroup,
+    get_tp_group,
+    pipeline_parallel,
+    tensor_parallel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +54,12 @@ class RankInit:
     rank: int
     timeout_s: float = COLLECTIVE_TIMEOUT_S
     startup_timeout_s: float = STARTUP_TIMEOUT_S
+    pipeline_parallel_size: int = 1  # stages; tensor-parallel size = world_size / this
+    layer_partition: tuple[int, ...] | None = None  # layers per stage (None: even)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.world_size // self.pipeline_parallel_size
 
 
 def free_tcp_address(host: str = "127.0.0.1") -> str:
@@ -52,12 +69,26 @@ def free_tcp_address(host: str = "127.0.0.1") -> str:
         return f"tcp://{host}:{sock.getsockname()[1]}"
 
 
-def rank_inits(world_size: int, host: str = "127.0.0.1") -> list[RankInit | None]:
+def rank_inits(
+    world_size: int,
+    host: str = "127.0.0.1",
+    pipeline_parallel_size: int = 1,
+    layer_partition: tuple[int, ...] | None = None,
+) -> list[RankInit | None]:
     """One entry per rank: None for a single rank (no process group at all)."""
     if world_size == 1:
         return [None]
     address = free_tcp_address(host)
-    return [RankInit(address, world_size, rank) for rank in range(world_size)]
+    return [
+        RankInit(
+            address,
+            world_size,
+            rank,
+            pipeline_parallel_size=pipeline_parallel_size,
+            layer_partition=layer_partition,
+        )
+        for rank in range(world_size)
+    ]
 
 
 def threads_per_rank(world_size: int, requested: int | None) -> int | None:
@@ -71,8 +102,9 @@ def threads_per_rank(world_size: int, requested: int | None) -> int | None:
 
 @contextmanager
 def rank_group(init: RankInit | None, device: str) -> Iterator[TPGroup]:
-    """Join the process group and make it the tensor-parallel group of layers built
-    inside; leaves the group on exit. With `init=None`, the trivial group."""
+    """Join the process group, and make this rank's tensor-parallel group and pipeline
+    stage those of models built inside; leaves the group on exit. With `init=None`,
+    the trivial groups."""
     if init is None:
         yield get_tp_group()
         return
@@ -93,18 +125,49 @@ def rank_group(init: RankInit | None, device: str) -> Iterator[TPGroup]:
         # The layers' collectives run on a group of their own with the short timeout;
         # the default group (long timeout) serves start-up, when ranks finish loading
         # their shards at different times.
-        steps = dist.new_group(
-            list(range(init.world_size)), timeout=timedelta(seconds=init.timeout_s)
-        )
-        with tensor_parallel(init.world_size, init.rank, steps) as group:
+        with tensor_parallel(*_stage_tp_group(init)) as group, pipeline_parallel(_pp_group(init)):
             yield group
     finally:
         dist.destroy_process_group()
 
 
+def _stage_tp_group(init: RankInit) -> tuple[int, int, dist.ProcessGroup]:
+    """(size, rank, group) of this rank's stage's tensor-parallel group. Every rank
+    creates every stage's group (new_group is collective), in stage order."""
+    size = init.tensor_parallel_size
+    timeout = timedelta(seconds=init.timeout_s)
+    groups = [
+        dist.new_group(list(range(stage * size, (stage + 1) * size)), timeout=timeout)
+        for stage in range(init.pipeline_parallel_size)
+    ]
+    stage, tp_rank = divmod(init.rank, size)
+    return size, tp_rank, groups[stage]
+
+
+def _pp_group(init: RankInit) -> PPGroup:
+    """This rank's stage; its neighbours are the same tensor-parallel rank one stage
+    before and after (rank +- T)."""
+    stages = init.pipeline_parallel_size
+    if stages == 1:
+        return PPGroup()
+    size = init.tensor_parallel_size
+    stage = init.rank // size
+    group = dist.new_group(list(range(init.world_size)), timeout=timedelta(seconds=init.timeout_s))
+    return PPGroup(
+        size=stages,
+        stage=stage,
+        prev_rank=init.rank - size if stage > 0 else None,
+        next_rank=init.rank + size if stage < stages - 1 else None,
+        group=group,
+        layer_partition=init.layer_partition,
+        timeout_s=init.timeout_s,
+    )
+
+
 def min_over_ranks(value: int, group: TPGroup, device: str) -> int:
-    """The smallest `value` of any rank (the most constrained rank sizes the KV cache)."""
-    if group.size == 1:
+    """The smallest `value` of any rank of the world (the most constrained rank, of any
+    stage, sizes the KV cache)."""
+    if not dist.is_initialized():
         return value
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)  # start-up: the default group's timeout

@@ -12,7 +12,8 @@ forget it; a freed slot is reused, lowest first. Per slot, in host memory::
 Later plans carry only deltas (`CachedRequestData`: appended block ids, tokens computed
 before the step), and the tokens the worker samples are written into `token_ids` here,
 so they never travel back (with steps in flight, the next plan already computes at
-their positions). A step's inputs are gathered from these arrays with index arithmetic,
+their positions). Pipeline stages before the last never sample: the plan gives them
+the sampled tokens they compute from (`new_token_ids`, written at their positions). A step's inputs are gathered from these arrays with index arithmetic,
 never built token by token::
 
     request r with slot s, scheduled n tokens from position c = num_computed[s]:
@@ -190,6 +191,11 @@ class InputBatch:
         if cached.new_block_ids:
             self._append_blocks(slot, cached.new_block_ids)
         self.num_computed_tokens[slot] = cached.num_computed_tokens
+        if cached.new_token_ids:  # pipeline stages that did not sample them
+            start = cached.num_computed_tokens
+            end = start + len(cached.new_token_ids)
+            self._token_ids[slot, start:end] = cached.new_token_ids
+            self.num_tokens[slot] = max(int(self.num_tokens[slot]), end)
 
     def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
         start = int(self.num_blocks[slot])

@@ -2,8 +2,8 @@
 
     SUB  worker_plan    StepPlan | SchedulerHello | Shutdown
     PUSH worker_result  WorkerInfo (rank 0, answering each SchedulerHello), StepResult
-                        (rank 0 only: with tensor or pipeline parallelism the other
-                        ranks compute the same step and hold no extra answer),
+                        (tensor-parallel rank 0 of the last pipeline stage only: the
+                        other ranks compute the same step and hold no extra answer),
                         WorkerHeartbeat (every rank, 1/s, from a side thread with its
                         own socket), ProcessFailed
 
@@ -106,6 +106,7 @@ def _serve(
         phases.add("worker_process_start", age)
     world_size = config.parallel.world_size
     runner, max_model_len, peaks = _build_runner(config, model_dir, phases, world_size)
+    answers = _answers_steps()
     load_s = time.perf_counter() - start
     link.ready(num_blocks=runner.num_blocks, load_s=round(load_s, 3))
     logger.info("worker rank %d ready in %.1f s: %d KV blocks", rank, load_s, runner.num_blocks)
@@ -114,7 +115,7 @@ def _serve(
         match message:
             case StepPlan():  # every rank runs every plan
                 result = runner.execute(message)
-                if rank == 0:
+                if answers:
                     results.send(result)
             case SchedulerHello(incarnation=hello_id):
                 runner.drop_all_requests()
@@ -136,6 +137,14 @@ def _serve(
             case Shutdown():
                 return 0
     return 0
+
+
+def _answers_steps() -> bool:
+    """Whether this rank sends StepResults: TP rank 0 of the last pipeline stage (the
+    stage that samples). Called inside the rank's groups."""
+    from kvflow.gpu_worker.parallel_state import get_pp_group, get_tp_group
+
+    return get_pp_group().is_last and get_tp_group().rank == 0
 
 
 def _build_runner(

@@ -2,6 +2,10 @@
 
 It owns the weights, the KV cache tensors and the persistent batch. The worker
 process shell (and the offline engine) only feed it plans.
+
+As a pipeline stage (built inside `pipeline_parallel`) it holds its stage's layers and
+their KV cache, and its forward starts from the previous stage's activations and ends
+by handing them on (stage_link.py); only the last stage samples and returns tokens.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from kvflow.gpu_worker.kv_connector.connector import KVConnectorWorker, make_connector_worker
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
+from kvflow.gpu_worker.parallel_state import get_pp_group
 from kvflow.gpu_worker.rejection_sampler import DraftBatch, RejectionSampler
 from kvflow.gpu_worker.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from kvflow.gpu_worker.spec_metadata import verification_metadata
+from kvflow.gpu_worker.stage_link import StageLink
 from kvflow.kernels.cpu.native_build import load_all as load_native_kernels
 from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.proto.step import StepPlan, StepResult, TokenLogprobs
@@ -80,9 +86,17 @@ class ModelRunner:
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         spec = KVCacheSpec.from_hf_config(self.hf_config, config.cache.block_size, self.dtype)
-        # This rank's KV heads (a shard, or one replica when heads are fewer than ranks).
-        local_kv_heads = self.model.attention_layers()[0].num_kv_heads
-        self.kv_spec = dataclasses.replace(spec, num_kv_heads=local_kv_heads)
+        # This rank's KV heads (a shard, or one replica when heads are fewer than ranks),
+        # of this pipeline stage's layers.
+        layers = self.model.attention_layers()
+        self.kv_spec = dataclasses.replace(
+            spec, num_kv_heads=layers[0].num_kv_heads, num_layers=len(layers)
+        )
+        stage = get_pp_group()
+        self.stage_link: StageLink | None = None
+        if stage.size > 1:
+            hidden_size = int(self.hf_config.hidden_size)
+            self.stage_link = StageLink(stage, hidden_size, self.dtype, self.device)
         limits = BatchLimits(config.max_num_seqs, config.max_model_len, config.cache.block_size)
         self.batch = InputBatch(limits, self.vocab_size, set(config.eos_token_ids), self.device)
         # Unseeded requests share one generator, seeded from the engine's seed.
@@ -171,6 +185,8 @@ class ModelRunner:
     @flush_denormals_on_cpu
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
+        if self.stage_link is not None and plan.scheduled_req_ids:
+            self.stage_link.begin(plan.total_num_scheduled_tokens)  # the input lands meanwhile
         self.batch.apply_plan(plan)
         connector = self.kv_connector
         if connector is not None and plan.kv_connector is not None:
@@ -185,7 +201,11 @@ class ModelRunner:
         inputs = self.batch.prepare_inputs(plan)
         graphs = self.decode_graphs
         with forward_context(inputs.metadata):
-            if graphs is not None and graphs.can_run(inputs.metadata):
+            if self.stage_link is not None:
+                hidden = self._stage_forward(inputs)
+                if hidden is None:  # handed on to the next stage
+                    return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+            elif graphs is not None and graphs.can_run(inputs.metadata):
                 # [num_reqs, hidden], one token each
                 hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
             else:
@@ -206,7 +226,20 @@ class ModelRunner:
             result.kv_transfer = connector.take_stats()
         result.step_id = plan.step_id
         result.execute_time_s = time.perf_counter() - start
+        if self.stage_link is not None:
+            result.stage_spans = self.stage_link.spans().tolist()
         return result
+
+    def _stage_forward(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """This pipeline stage's part of the forward: the last stage's normed hidden
+        [T, hidden], or None once the activations are on their way to the next stage."""
+        link = self.stage_link
+        assert link is not None
+        out = self.model(inputs.input_ids, inputs.positions, link.activations())
+        if link.group.is_last:
+            return out  # type: ignore[no-any-return]
+        link.send(out)
+        return None
 
     def _sample(self, inputs: ModelInputs, logits: torch.Tensor) -> StepResult:
         """Sample the rows of `logits` [Rs, V] fp32 (one per sampled request); a step

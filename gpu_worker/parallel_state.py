@@ -1,9 +1,16 @@
-"""The tensor-parallel group a layer belongs to, and its collectives.
+"""The tensor-parallel group a layer belongs to, and the pipeline stage a model is.
 
 Layers read the group once, at construction (`get_tp_group()`), and keep it; the
 forward pass therefore never consults module state. A worker process builds its model
 inside `tensor_parallel(size, rank, group)`; outside it the group is the trivial one
 (size 1, rank 0) whose collectives are no-ops, so single-process code needs nothing.
+
+Pipeline parallelism the same way: a model built inside `pipeline_parallel(stage)`
+builds only that stage's layers (`PPGroup.layer_range`). Ranks are laid out stage-major,
+rank = stage * T + tp_rank, so a stage's TP ranks are consecutive and rank (s, t) hands
+its activations to (s + 1, t)::
+
+    T=2, P=2:   stage 0: ranks 0 1  ──send──▶  stage 1: ranks 2 3
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from kvflow.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,78 @@ def tensor_parallel(
 
 def get_tp_group() -> TPGroup:
     return _tp_group
+
+
+@dataclass(frozen=True)
+class PPGroup:
+    """This rank's pipeline stage: its layers and its neighbours (global ranks).
+
+    `group` carries the stage-to-stage sends (every rank, the step timeout); `None` with
+    one stage. `layer_partition` overrides the even split (layers per stage)."""
+
+    size: int = 1
+    stage: int = 0
+    prev_rank: int | None = None
+    next_rank: int | None = None
+    group: dist.ProcessGroup | None = None
+    layer_partition: tuple[int, ...] | None = None
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        assert self.size >= 1 and 0 <= self.stage < self.size, (self.size, self.stage)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.size - 1
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """[start, end) of the global layer indexes this stage holds."""
+        counts = partition_layers(num_layers, self.size, self.layer_partition)
+        start = sum(counts[: self.stage])
+        return start, start + counts[self.stage]
+
+
+def partition_layers(
+    num_layers: int, num_stages: int, partition: tuple[int, ...] | None = None
+) -> list[int]:
+    """Layers per stage: `partition` checked, else an even split whose remainder goes to
+    the first stages (they are the ones that also run the embedding: cheap)."""
+    if partition is not None:
+        if len(partition) != num_stages or sum(partition) != num_layers or min(partition) < 1:
+            raise ConfigError(
+                f"pp_layer_partition {','.join(map(str, partition))} must give each of the "
+                f"{num_stages} stages >= 1 layer and sum to the model's {num_layers} layers"
+            )
+        return list(partition)
+    if num_layers < num_stages:
+        raise ConfigError(
+            f"pipeline_parallel_size {num_stages} exceeds the model's {num_layers} layers"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
+
+
+_pp_group = PPGroup()
+
+
+@contextmanager
+def pipeline_parallel(group: PPGroup) -> Iterator[PPGroup]:
+    """Make `group` the pipeline stage that models built inside the block are."""
+    global _pp_group
+    previous = _pp_group
+    _pp_group = group
+    try:
+        yield group
+    finally:
+        _pp_group = previous
+
+
+def get_pp_group() -> PPGroup:
+    return _pp_group
 
 
 def divide(numerator: int, denominator: int) -> int:

@@ -63,9 +63,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters())
     mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    elsewhere = getattr(model, "skips_weight", None)  # a pipeline stage's other layers
     loaded: set[tuple[str, Any]] = set()
     for name, tensor in weights:
-        if _skipped(name, tied):
+        if _skipped(name, tied) or (elsewhere is not None and elsewhere(name)):
             continue
         target, shard_id = packed_target(name, mapping)
         param = params.get(target)

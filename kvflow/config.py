@@ -121,6 +121,9 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = _opt(1, "tensor-parallel ranks")
     pipeline_parallel_size: int = _opt(1, "pipeline-parallel stages")
+    pp_layer_partition: str | None = _opt(
+        None, "layers per pipeline stage, e.g. 10,14; unset: even, the first stages +1"
+    )
     data_parallel_size: int = _opt(1, "engine cores (each with its own workers) behind the API")
     load_balance: LoadBalance = _opt(
         "prefix-aware", "how the frontend picks an engine when data_parallel_size > 1"
@@ -129,6 +132,35 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError(
+                f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
+            )
+        raw: Any = self.pp_layer_partition
+        if raw is not None and not isinstance(raw, str):  # LLM(pp_layer_partition=[a, b])
+            object.__setattr__(self, "pp_layer_partition", ",".join(map(str, raw)))
+        partition = self.layer_partition  # parsed here, so a typo fails at once
+        if partition is not None and len(partition) != self.pipeline_parallel_size:
+            raise ConfigError(
+                f"pp_layer_partition {self.pp_layer_partition!r} names {len(partition)} stages; "
+                f"pipeline_parallel_size is {self.pipeline_parallel_size}"
+            )
+
+    @property
+    def layer_partition(self) -> tuple[int, ...] | None:
+        """`pp_layer_partition` as layers per stage (None: the even split)."""
+        if self.pp_layer_partition is None:
+            return None
+        try:
+            counts = tuple(int(part) for part in self.pp_layer_partition.split(","))
+        except ValueError:
+            counts = ()
+        if not counts or min(counts) < 1:
+            raise ConfigError(
+                f"pp_layer_partition must be comma-separated layer counts >= 1, "
+                f"got {self.pp_layer_partition!r}"
+            )
+        return counts
 
     @property
     def world_size(self) -> int:
@@ -208,6 +240,13 @@ class EngineConfig:
                 "kv_transfer_config works with one engine of one rank for now "
                 "(tensor, pipeline and data parallel sizes 1); run one instance per engine"
             )
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        """Plans awaiting results at once: the pipeline's depth with P stages (a
+        micro-batch per stage), else 2 with async scheduling, else 1."""
+        stages = self.parallel.pipeline_parallel_size
+        return stages if stages > 1 else self.scheduler.max_steps_in_flight
 
     @classmethod
     def create(cls, **options: Any) -> EngineConfig:

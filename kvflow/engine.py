@@ -8,7 +8,9 @@
 The same `EngineCore` runs in the scheduler process and the same `DetokenizerStreams`
 in the detokenizer process, so the offline and served paths share every rule: only the
 transport differs. With async scheduling the core plans step N+1 before step N's
-result is applied, exactly as over ZeroMQ: results wait in a queue, in order.
+result is applied, exactly as over ZeroMQ: results wait in a queue, in order. Worker
+processes (tensor/pipeline parallelism) take each plan as it is made (`submit`) and
+return results in order, so P pipeline stages hold P micro-batches at once.
 `kvflow.LLM` drives this; tests use it to check that served and offline outputs agree.
 """
 
@@ -22,22 +24,23 @@ from typing import Any
 
 from kvflow.config import EngineConfig
 from kvflow.kv_transfer_config import engine_kv_namespace
-from kvflow.metrics.roofline import ModelShape, RooflineMeter
+from kvflow.metrics.roofline import ModelShape, RooflineMeter, StepCost
 from kvflow.model_limits import read_model_limits
 from kvflow.outputs import RequestOutput
 from kvflow.proto.engine import AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.frontend import RequestOutputDelta
-from kvflow.proto.step import StepResult
+from kvflow.proto.step import StepPlan, StepResult
 from kvflow.request_outputs import RequestOutputs
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
 from kvflow.services.detokenizer.streams import DetokenizerStreams
 from kvflow.services.kv_transfer.connector import make_connector_scheduler
 from kvflow.services.scheduler.admission import EngineLimits
-from kvflow.services.scheduler.engine_core import EngineCore
+from kvflow.services.scheduler.engine_core import EngineCore, StepInFlight
 from kvflow.services.scheduler.grammar_compiler import grammar_compiler
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.scheduler import Scheduler
 from kvflow.services.scheduler.spec_decode.speculator import make_speculator
+from kvflow.services.scheduler.step_trace import StepSample, StepTrace
 from kvflow.structured_outputs import check_grammar
 from kvflow.tokenizer import load_eos_token_ids, load_tokenizer
 
@@ -49,11 +52,12 @@ OFFLINE_FRONTEND = "offline"  # the detokenizer's routing id of every offline re
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from kvflow.gpu_worker.model_files import resolve_model_dir
-        from kvflow.services.worker_group import check_parallelism
+        from kvflow.services.worker_group import check_layer_partition, check_parallelism
 
-        check_parallelism(config.parallel)  # never run on one process what asked for more
+        check_parallelism(config)  # never run on one process what asked for more
         self.config = config
         self.model_dir: Path = resolve_model_dir(config.model.model)
+        check_layer_partition(config.parallel, self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = load_eos_token_ids(self.model_dir, self.tokenizer)
         model_limits = read_model_limits(self.model_dir, config.model.max_model_len)
@@ -84,15 +88,17 @@ class LLMEngine:
                     engine_kv_namespace(config),
                     config.kv_transfer.kv_load_failure_policy,
                 ),
+                pipeline_depth=config.parallel.pipeline_parallel_size,
             ),
             limits,
-            config.scheduler.max_steps_in_flight,
+            config.max_steps_in_flight,
             grammar_compiler(limits, lambda: self.tokenizer),
             config.scheduler.grammar_compile_timeout,
         )
         self.streams = DetokenizerStreams(self.tokenizer)
         self.outputs = RequestOutputs()
         self._results: deque[StepResult] = deque()  # executed, not yet applied
+        self.trace: StepTrace | None = None  # start_trace()
         # Step time and estimated work per phase, for `kvflow bench`'s roofline report.
         self.roofline = RooflineMeter(
             ModelShape.try_from_model_dir(self.model_dir, config.model.dtype)
@@ -128,6 +134,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the worker processes of a multi-rank engine (a no-op in process)."""
+        self.stop_trace()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -196,16 +203,67 @@ class LLMEngine:
             plan = self.core.schedule(now=time.time())
             if plan is None:
                 break
-            self._results.append(self.runner.execute(plan))
-        if not self._results:
+            self._run(plan)
+        result = self._next_result()
+        if result is None:
             if self.core.waiting_for_grammar and not failed:
                 time.sleep(0.001)  # only compiles under way: do not spin on the GIL
             return self.outputs.apply(self._detokenize(failed))
-        result = self._results.popleft()
         step, deltas = self.core.update(result, now=time.time())
         if step.batch.num_tokens:
-            self.roofline.record(step.batch, result.execute_time_s)
+            cost = self.roofline.record(step.batch, result.execute_time_s)
+            if self.trace is not None:
+                self._trace_step(step, result, cost)
         return self.outputs.apply(self._detokenize(failed + deltas))
+
+    def _run(self, plan: StepPlan) -> None:
+        """Worker processes: send the plan (its result comes later); in process: run it."""
+        submit = getattr(self.runner, "submit", None)
+        if submit is not None:
+            submit(plan)
+        else:
+            self._results.append(self.runner.execute(plan))
+
+    def _next_result(self) -> StepResult | None:
+        """The oldest step's result (None when no step is in flight)."""
+        if self._results:
+            return self._results.popleft()
+        if getattr(self.runner, "num_submitted", 0):
+            return self.runner.result()  # type: ignore[no-any-return]
+        return None
+
+    def start_trace(self, path: str | Path) -> None:
+        """Write the steps from here on as a Chrome/Perfetto trace (step_trace.py);
+        with pipeline stages, a track per stage. `stop_trace()` closes the file."""
+        self.stop_trace()
+        self.trace = StepTrace(path, "kvflow offline engine")
+
+    def stop_trace(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
+    def _trace_step(self, step: StepInFlight, result: StepResult, cost: StepCost) -> None:
+        # The step's span: its stages' spans where there are stages, else its execution.
+        spans = result.stage_spans
+        end = max((e for _, _, e in spans), default=time.time())
+        start = min((s for _, s, _ in spans), default=end - result.execute_time_s)
+        scheduler = self.scheduler
+        assert self.trace is not None
+        self.trace.record_step(
+            StepSample(
+                step_id=step.plan.step_id,
+                start_s=start,
+                duration_s=end - start,
+                batch=step.batch,
+                cost=cost,
+                num_running=len(scheduler.running),
+                num_waiting=len(scheduler.waiting),
+                kv_cache_usage=scheduler.kv_cache.usage,
+                num_preemptions=scheduler.num_preemptions,
+                stage_spans=spans,
+            )
+        )
 
     def recover_from_failed_step(self) -> None:
         """A step raised (a bug, an interrupt): the results of the steps in flight will

@@ -27,6 +27,10 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int  # before this step
+    # Pipeline parallelism only: the sampled tokens at positions num_computed_tokens..
+    # that this step computes from. Only the last stage samples, so the others learn
+    # them here (the last stage writes the same values again).
+    new_token_ids: list[int] = []
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
@@ -87,6 +91,9 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, 
     prompt_logprobs_start: dict[str, int] = {}
     execute_time_s: float = 0.0
     kv_transfer: KVTransferStepStats | None = None  # with a KV connector: what it moved
+    # Pipeline parallelism: [stage, start, end] (wall clock, s) of each stage's compute
+    # of this step, gathered stage to stage beside the hidden state (step traces).
+    stage_spans: list[list[float]] = []
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):

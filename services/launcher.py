@@ -43,7 +43,12 @@ from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.lifecycle import StopFlag
 from kvflow.services.children import ChildProcesses, RestartPolicy
 from kvflow.services.dp_hosts import DataParallelHosts
-from kvflow.services.worker_group import check_parallelism, restart_policy, worker_rank_args
+from kvflow.services.worker_group import (
+    check_layer_partition,
+    check_parallelism,
+    restart_policy,
+    worker_rank_args,
+)
 
 if TYPE_CHECKING:
     from kvflow.services.frontend.config import FrontendConfig
@@ -176,9 +181,11 @@ def _resolve_model(config: EngineConfig) -> Path:
     """Once, here: a GGUF is converted before any child could race to convert it."""
     from kvflow.gpu_worker.model_files import resolve_model_dir
 
-    check_parallelism(config.parallel)  # a ConfigError is a KvflowError: reported, exit 1
+    check_parallelism(config)  # a ConfigError is a KvflowError: reported, exit 1
     try:
-        return resolve_model_dir(config.model.model)
+        model_dir = resolve_model_dir(config.model.model)
+        check_layer_partition(config.parallel, model_dir)
+        return model_dir
     except KvflowError:
         raise
     except Exception as exc:  # e.g. the disk filled up while a GGUF was converted

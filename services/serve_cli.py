@@ -284,8 +284,9 @@ def worker_rank_init(config: EngineConfig, rank: int, init_method: str | None) -
     from kvflow.gpu_worker.distributed import RankInit
     from kvflow.services.worker_group import check_parallelism
 
-    check_parallelism(config.parallel)
-    world_size = config.parallel.world_size
+    check_parallelism(config)
+    parallel = config.parallel
+    world_size = parallel.world_size
     if not 0 <= rank < world_size:
         raise SystemExit(f"kvflow worker: --rank {rank} is outside the group of {world_size}")
     if world_size == 1:
@@ -296,7 +297,13 @@ def worker_rank_init(config: EngineConfig, rank: int, init_method: str | None) -
             f"kvflow worker: a group of {world_size} ranks needs --distributed-init-method "
             f"tcp://<rank 0's host>:<port> (got {init_method!r})"
         )
-    return RankInit(init_method, world_size, rank)
+    return RankInit(
+        init_method,
+        world_size,
+        rank,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+        layer_partition=parallel.layer_partition,
+    )
 
 
 def _run_detokenizer(args: argparse.Namespace) -> int:

@@ -1,16 +1,19 @@
 """The offline engine's runner when the model spans several worker processes.
 
-`LLM(tensor_parallel_size=T)` cannot run T ranks in its own process (each rank is a
-torch.distributed process), so it starts the same worker processes `kvflow serve`
-starts, and drives them over the same sockets the scheduler uses:
+`LLM(tensor_parallel_size=T, pipeline_parallel_size=P)` cannot run T x P ranks in its
+own process (each rank is a torch.distributed process), so it starts the same worker
+processes `kvflow serve` starts, and drives them over the same sockets the scheduler uses:
 
-    LLMEngine ── StepPlan (XPUB, every rank) ──▶ worker rank 0..T-1
-              ◀── StepResult (PULL, rank 0) ───┘
+    LLMEngine ── StepPlan (XPUB, every rank) ──▶ worker rank 0..TP-1
+              ◀── StepResult (PULL, TP rank 0 of the last stage) ───┘
 
-`execute(plan)` has the in-process `ModelRunner.execute` signature, so the engine
-core, and therefore every scheduling rule, is the one the offline path always runs. A
-rank that fails or dies raises EngineDeadError at once (the next or current step);
-`close()` (also at interpreter exit) stops the ranks and leaves no process behind.
+`submit(plan)` sends a plan and returns at once and `result()` awaits the oldest
+submitted plan's result, so the engine keeps several steps in flight (P micro-batches
+fill the pipeline); `execute(plan)` is both, the in-process `ModelRunner.execute`
+signature. The engine core, and therefore every scheduling rule, is the one the
+offline path always runs. A rank that fails or dies raises EngineDeadError at once (the
+next or current step); `close()` (also at interpreter exit) stops the ranks and leaves
+no process behind.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +65,7 @@ class WorkerGroupRunner:
         )
         self._children = ChildProcesses(self._context, f"ipc://{self._dir}/launcher")
         self._closed = False
+        self._submitted: deque[int] = deque()  # step ids whose results are awaited
         atexit.register(self.close)
         try:
             from kvflow.gpu_worker.main import run_worker
@@ -91,13 +96,28 @@ class WorkerGroupRunner:
                 return message
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step on every rank; rank 0's result."""
+        """Run one step on every rank; its result."""
+        self.submit(plan)
+        return self.result()
+
+    def submit(self, plan: StepPlan) -> None:
+        """Send one step to every rank; its result comes from `result()`, in order."""
         if self._closed:
             raise EngineDeadError("the engine's workers were stopped")
         self._plans.send(plan)
+        self._submitted.append(plan.step_id)
+
+    @property
+    def num_submitted(self) -> int:
+        return len(self._submitted)
+
+    def result(self) -> StepResult:
+        """The result of the oldest step submitted and not yet returned."""
+        step_id = self._submitted[0]
         while True:
             message = self._recv(None)
-            if isinstance(message, StepResult) and message.step_id == plan.step_id:
+            if isinstance(message, StepResult) and message.step_id == step_id:
+                self._submitted.popleft()
                 return message
 
     def _recv(self, deadline: float | None) -> Any:
@@ -122,6 +142,7 @@ class WorkerGroupRunner:
     def drop_all_requests(self) -> None:
         """After a failed step the ranks' batches cannot be brought back in step with
         each other: the workers stop, and the engine is dead from here on."""
+        self._submitted.clear()
         self.close()
 
     def close(self) -> None:

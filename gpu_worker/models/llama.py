@@ -7,6 +7,12 @@ Tokens of all requests of a step are flattened into one dimension (no batch dim)
 Pre-norm blocks keep the residual stream separate and fuse its add into the next norm
 (`RMSNorm.add_and_norm`). Logits are computed only for the rows the sampler needs
 (`compute_logits`), never for every prompt token by default.
+
+Pipeline parallelism: a model built inside `pipeline_parallel(stage)` holds only that
+stage's layers (the others are `StageMissing` placeholders, so parameter names keep
+their global layer index and checkpoint names match), the embedding on the first stage
+and the final norm + LM head on the last (which also holds the embedding when the head
+is tied to it). A stage before the last returns (hidden, residual) for the next one.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from kvflow.gpu_worker.layers.linear import (
 )
 from kvflow.gpu_worker.layers.norm import RMSNorm
 from kvflow.gpu_worker.layers.rotary import Rope, RotaryEmbedding, apply_rotary, rope_parameters
+from kvflow.gpu_worker.parallel_state import get_pp_group
+
+Activations = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) between stages
 
 
 @dataclass(frozen=True)
@@ -127,29 +136,63 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class StageMissing(nn.Module):
+    """A layer another pipeline stage holds: no parameters, never called."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec, backend: AttentionBackend) -> None:
         super().__init__()
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        stage = get_pp_group()
+        self.is_first, self.is_last = stage.is_first, stage.is_last
+        self.start, self.end = stage.layer_range(config.num_hidden_layers)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if self.is_first or (self.is_last and tied):  # the last: for its tied head
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
             head_dim, rope_parameters(config), config.max_position_embeddings
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, spec, i, backend) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, spec, i, backend)
+            if self.start <= i < self.end
+            else StageMissing()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary_emb(positions, hidden.dtype)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, received: Activations | None = None
+    ) -> Any:
+        """The last stage (or the only one): normed hidden [T, hidden]. A stage before
+        it: (hidden, residual) for the next. A stage after the first starts from what
+        it `received`."""
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        if received is None:
+            assert self.embed_tokens is not None
+            hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        else:
+            hidden, residual = received
+        rope = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers[self.start : self.end]:
             hidden, residual = layer(hidden, residual, rope)
-        assert residual is not None, "a model has at least one layer"
+        assert residual is not None, "a stage has at least one layer"
+        if self.norm is None:
+            return hidden, residual
         return self.norm.add_and_norm(hidden, residual)[0]
+
+    def holds_weight(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` (under `model.`) belongs to this stage."""
+        if name.startswith("layers."):
+            return self.start <= int(name.split(".")[1]) < self.end
+        if name.startswith("embed_tokens."):
+            return self.embed_tokens is not None
+        if name.startswith("norm."):
+            return self.norm is not None
+        return True
 
 
 class LlamaForCausalLM(nn.Module):
@@ -167,9 +210,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.decoder_spec(config), backend)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head: ParallelLMHead | None = None
+        if self.model.is_last:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if getattr(config, "tie_word_embeddings", False):
+                assert self.model.embed_tokens is not None
+                self.lm_head.tie_to(self.model.embed_tokens)
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
@@ -182,13 +228,23 @@ class LlamaForCausalLM(nn.Module):
             sliding_windows=DecoderSpec.sliding_windows_of(config),
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> hidden [T, hidden]; inside forward_context()."""
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, received: Activations | None = None
+    ) -> Any:
+        """input_ids, positions [T] int64 -> hidden [T, hidden]; inside forward_context().
+        A pipeline stage: see LlamaModel.forward."""
+        return self.model(input_ids, positions, received)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        """hidden [N, hidden] -> logits [N, vocab] float32 (the last stage)."""
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head.compute_logits(hidden)
+
+    def skips_weight(self, name: str) -> bool:
+        """Checkpoint tensors another pipeline stage loads (weights.load_weights)."""
+        if name.startswith("lm_head."):
+            return self.lm_head is None
+        return name.startswith("model.") and not self.model.holds_weight(name[len("model.") :])
 
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.modules() if isinstance(m, Attention)]

@@ -61,6 +61,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "(default $KVFLOW_VLLM_PYTHON, else ~/.cache/kvflow-peers/venv-vllm/bin/python)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--trace-file",
+        default=None,
+        help="write the measured run's steps as a Chrome/Perfetto trace; with pipeline "
+        "stages also report each stage's idle share (the bubble)",
+    )
 
 
 def random_token_prompts(
@@ -73,15 +79,20 @@ def random_token_prompts(
     return ids.tolist()
 
 
-def run_kvflow(llm: Any, prompts: list[list[int]], output_len: int) -> ThroughputResult:
+def run_kvflow(
+    llm: Any, prompts: list[list[int]], output_len: int, trace_file: str | None = None
+) -> ThroughputResult:
     from kvflow.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     llm.engine.roofline.reset()  # the measured run only
+    if trace_file is not None:
+        llm.engine.start_trace(trace_file)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    llm.engine.stop_trace()
     return ThroughputResult(
         name="kvflow",
         num_requests=len(prompts),
@@ -163,8 +174,13 @@ def run(args: argparse.Namespace) -> int:
         list(tokenizer.all_special_ids),
         args.bench_seed,
     )
-    results = [run_kvflow(llm, prompts, args.output_len)]
+    results = [run_kvflow(llm, prompts, args.output_len, args.trace_file)]
     roofline = roofline_section(llm.engine)
+    bubble: dict[int, float] = {}
+    if args.trace_file is not None:
+        from kvflow.services.bench.pipeline_bubble import idle_shares, read_stage_spans
+
+        bubble = idle_shares(read_stage_spans(args.trace_file))
     if args.compare == "transformers":
         model_dir = str(llm.engine.model_dir)
         dtype = llm.engine.config.model.dtype
@@ -176,15 +192,22 @@ def run(args: argparse.Namespace) -> int:
         env = peer_env(device.device, device.num_threads)
         llm.close()  # the peer gets the cores (and on CUDA the memory) to itself
         results.append(run_vllm_peer(python, job, env))
-    _report(results, roofline, args.json)
+    _report(results, roofline, args.json, bubble)
     return 0
 
 
-def _report(results: list[ThroughputResult], roofline: dict[str, Any], as_json: bool) -> None:
+def _report(
+    results: list[ThroughputResult],
+    roofline: dict[str, Any],
+    as_json: bool,
+    bubble: dict[int, float] | None = None,
+) -> None:
     from kvflow.services.bench.roofline import roofline_lines
 
     report: dict[str, Any] = {r.name: r.summary() for r in results}
     report["roofline"] = roofline
+    if bubble:  # pipeline stages: each one's idle share over the measured run
+        report["pipeline_idle_share"] = {str(s): round(v, 4) for s, v in sorted(bubble.items())}
     if len(results) == 2:
         report["speedup_output_tokens_per_s"] = round(
             results[0].output_tokens_per_s / results[1].output_tokens_per_s, 2
@@ -202,3 +225,5 @@ def _report(results: list[ThroughputResult], roofline: dict[str, Any], as_json: 
         ratio = report["speedup_output_tokens_per_s"]
         print(f"kvflow / {results[1].name} output tok/s: {ratio}x")
     print("\n".join(roofline_lines(roofline)))
+    for stage, share in report.get("pipeline_idle_share", {}).items():
+        print(f"pipeline stage {stage}: {100 * share:.1f}% idle")

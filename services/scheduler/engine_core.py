@@ -260,6 +260,7 @@ class EngineCore:
         if not self.in_flight or self.in_flight[0].plan.step_id != result.step_id:
             raise ValueError(f"result of step {result.step_id} was not awaited")
         step = self.in_flight.popleft()
+        self.scheduler.on_step_returned(step.plan)
         if len(step.live) < len(result.req_ids):
             result = _only_live(result, step.live)
         deltas = self.scheduler.update_from_output(step.plan, result, now=now)
@@ -347,4 +348,5 @@ def _only_live(result: StepResult, live: set[str]) -> StepResult:
         prompt_logprobs_start={k: v for k, v in result.prompt_logprobs_start.items() if k in live},
         execute_time_s=result.execute_time_s,
         kv_transfer=result.kv_transfer,
+        stage_spans=result.stage_spans,
     )

@@ -232,11 +232,13 @@ class SchedulerLoop:
             return
         finished_at = time.perf_counter()
         if step.batch.num_tokens:
-            self._measure_step(step, finished_at - self._step_started)
+            self._measure_step(step, finished_at - self._step_started, result.stage_spans)
         self._step_started = finished_at  # the next step in flight, if any, runs from here
         self._send_deltas(deltas)
 
-    def _measure_step(self, step: StepInFlight, seconds: float) -> None:
+    def _measure_step(
+        self, step: StepInFlight, seconds: float, stage_spans: list[list[float]]
+    ) -> None:
         """Roofline totals always; the trace only when it is on (KV usage after the
         step's update, before the next plan allocates)."""
         cost = self.instruments.roofline.record(step.batch, seconds)
@@ -263,6 +265,7 @@ class SchedulerLoop:
                 num_waiting=len(scheduler.waiting),
                 kv_cache_usage=scheduler.kv_cache.usage,
                 num_preemptions=scheduler.num_preemptions,
+                stage_spans=stage_spans,
             )
             self.instruments.trace.record_step(sample)
 

@@ -158,12 +158,18 @@ def _serve(
         config.kv_transfer.kv_load_failure_policy,
     )
     scheduler = Scheduler(
-        config.scheduler, kv_cache, info.max_model_len, info.vocab_size, speculator, kv_connector
+        config.scheduler,
+        kv_cache,
+        info.max_model_len,
+        info.vocab_size,
+        speculator,
+        kv_connector,
+        pipeline_depth=config.parallel.pipeline_parallel_size,
     )
     core = EngineCore(
         scheduler,
         limits,
-        config.scheduler.max_steps_in_flight,
+        config.max_steps_in_flight,
         grammar_compiler(limits, lambda: load_tokenizer(model_dir)),
         config.scheduler.grammar_compile_timeout,
     )

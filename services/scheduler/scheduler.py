@@ -29,6 +29,7 @@ from kvflow.services.kv_transfer.remote_loads import RemoteKVLoads
 from kvflow.services.scheduler.grammar_matcher import build_bitmask
 from kvflow.services.scheduler.jump_forward import jump_forward
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
+from kvflow.services.scheduler.micro_batches import MicroBatches, is_decode, unsent_token_ids
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
 from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters, Speculator
@@ -75,8 +76,10 @@ class Scheduler:
         vocab_size: int = 0,  # the logits' width: guided decoding's bitmask rows
         speculator: Speculator | None = None,
         kv_connector: KVConnectorScheduler | None = None,
+        pipeline_depth: int = 1,  # pipeline stages: micro_batches.py's rules when > 1
     ) -> None:
         self.config = config
+        self.micro_batches = MicroBatches(pipeline_depth) if pipeline_depth > 1 else None
         self.speculator = speculator
         self.kv_connector = kv_connector  # disaggregated prefill/decode (services/kv_transfer)
         self.remote_loads: RemoteKVLoads | None = None  # connectors that load asynchronously
@@ -193,7 +196,14 @@ class Scheduler:
         )
         self._worker_forget = []
         self._worker_forced = {}
+        if self.micro_batches is not None:
+            self.micro_batches.on_planned(plan.scheduled_req_ids)
         return plan
+
+    def on_step_returned(self, plan: StepPlan) -> None:
+        """The result of `plan` is back (pipeline parallelism: its requests may run again)."""
+        if self.micro_batches is not None:
+            self.micro_batches.on_returned(plan.scheduled_req_ids)
 
     def _count_prompt_work(
         self, request: Request, num_tokens: int, prompts_done: list[Request]
@@ -231,9 +241,16 @@ class Scheduler:
         return min(num_new, budget)
 
     def _schedule_running(self, step: _StepBuilder) -> None:
+        micro = self.micro_batches
+        decodes_left = micro.decode_cap(len(self.running)) if micro is not None else -1
         index = 0
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
+            if micro is not None and (
+                micro.busy(request) or (decodes_left == 0 and is_decode(request))
+            ):
+                index += 1
+                continue
             num_new = self._num_new_tokens(request, step.budget)
             if num_new == 0:
                 index += 1
@@ -249,9 +266,14 @@ class Scheduler:
                 num_new += len(step.spec_tokens[request.request_id])
             if new_block_ids is None:
                 break  # the request itself was preempted: nothing further fits
-            step.cached_requests.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            cached = CachedRequestData(
+                request.request_id, new_block_ids, request.num_computed_tokens
             )
+            if micro is not None:
+                decodes_left -= is_decode(request)
+                forced = self._worker_forced.get(request.request_id, [])
+                cached.new_token_ids = unsent_token_ids(request, len(forced))
+            step.cached_requests.append(cached)
             step.add(request, num_new)
             index = self.running.index(request) + 1  # victims may have been removed
 
@@ -340,6 +362,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if self.micro_batches is not None and self.micro_batches.busy(request):
+                break  # preempted with a step in flight: it resumes once that is back
             admitted = self._allocate_waiting(request, step.budget)
             if admitted is None:
                 break
@@ -529,6 +553,8 @@ class Scheduler:
             for request in reversed(self.remote_loads.drop_all()):
                 self.waiting.push_front(request)
         self._worker_forced = {}  # nor their tokens: each resumes with all of them
+        if self.micro_batches is not None:
+            self.micro_batches.clear()  # their steps never return
         reset = self.kv_cache.reset_prefix_cache()
         assert reset, "a block is still held after every request was preempted"
         return len(running)

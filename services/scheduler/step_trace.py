@@ -15,6 +15,13 @@ result received, with its numbers in `args`, and counter ("C") events at its sta
 the tracks tokens, requests, kv_cache_usage_perc and preemptions. Timestamps are
 wall-clock microseconds (they line up with request timestamps and other processes).
 
+With pipeline parallelism each stage gets a track of its own ("pipeline stage S", one
+thread id per stage) with two "X" events per step, from the workers' own wall clocks
+(StepResult.stage_spans): "prepare" (the plan applied, inputs built) and "compute"
+(from its input's arrival to its hand-off or sample). The bubble, where a stage waits
+for its predecessor's activations or for the next plan, shows as the gaps.
+`python -m kvflow.services.bench.pipeline_bubble TRACE` prints each stage's idle share.
+
 The closing `]` is written by `close()`, so the file is valid JSON after a clean stop;
 after a crash it lacks only that bracket, which the Chrome and Perfetto viewers accept.
 The loop calls `record_step` only when tracing is on: off, tracing costs one `if`.
@@ -23,7 +30,7 @@ The loop calls `record_step` only when tracing is on: off, tracing costs one `if
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +52,12 @@ class StepSample:
     num_waiting: int
     kv_cache_usage: float  # 0..1, with this step's blocks allocated
     num_preemptions: int  # cumulative
+    # Pipeline parallelism: [stage, start_s, end_s] of each stage's compute (wall clock).
+    stage_spans: list[list[float]] = field(default_factory=list)
+
+
+STAGE_TID_BASE = 1  # pipeline stage S is thread id 1 + S (0: the engine's steps)
+STAGE_PARTS = ("prepare", "compute")  # a stage's two spans of a step
 
 
 class StepTrace:
@@ -55,6 +68,7 @@ class StepTrace:
         self._pid = os.getpid()
         self._first = True
         self._last_preemptions = 0
+        self._stage_tracks: set[int] = set()
         self._write({"ph": "M", "name": "process_name", "args": {"name": process_name}})
         self._write({"ph": "M", "name": "thread_name", "args": {"name": "engine steps"}})
 
@@ -89,13 +103,34 @@ class StepTrace:
         self._counter("requests", ts, {**requests, "waiting": sample.num_waiting})
         self._counter("kv_cache_usage_perc", ts, {"usage": round(100 * sample.kv_cache_usage, 2)})
         self._counter("preemptions", ts, {"total": sample.num_preemptions})
+        for index, (stage, start_s, end_s) in enumerate(sample.stage_spans):
+            part = STAGE_PARTS[index % 2]  # two spans per stage, in order
+            self._stage_span(int(stage), part, start_s, end_s, sample.step_id)
+
+    def _stage_span(
+        self, stage: int, part: str, start_s: float, end_s: float, step_id: int
+    ) -> None:
+        tid = STAGE_TID_BASE + stage
+        if stage not in self._stage_tracks:
+            self._stage_tracks.add(stage)
+            name = {"name": f"pipeline stage {stage}"}
+            self._write({"ph": "M", "name": "thread_name", "args": name}, tid)
+        event = {
+            "ph": "X",
+            "name": part,
+            "cat": "stage",
+            "ts": start_s * 1e6,
+            "dur": (end_s - start_s) * 1e6,
+            "args": {"step_id": step_id, "stage": stage},
+        }
+        self._write(event, tid)
 
     def _counter(self, name: str, ts: float, values: dict[str, Any]) -> None:
         self._write({"ph": "C", "name": name, "ts": ts, "args": values})
 
-    def _write(self, event: dict[str, Any]) -> None:
+    def _write(self, event: dict[str, Any], tid: int = 0) -> None:
         event["pid"] = self._pid
-        event["tid"] = 0
+        event["tid"] = tid
         self._file.write(b"[\n" if self._first else b",\n")
         self._file.write(self._encoder.encode(event))
         self._first = False

@@ -65,9 +65,18 @@ def test_generate_streams_the_reply(tiny_model_dir: Path, offline: LLM) -> None:
 
 
 def test_generate_with_two_tensor_parallel_ranks(tiny_model_dir: Path, offline: LLM) -> None:
-    # README, "Tensor parallelism": `kvflow generate --tensor-parallel-size 2` (two ranks).
+    # README, "Tensor and pipeline parallelism": `--tensor-parallel-size 2` (two ranks).
     question = "Write a haiku about TPUs"
     flags = ["generate", question, "--tensor-parallel-size", "2", "--num-threads", "1"]
+    result = run_cli(tiny_model_dir, flags, dict(os.environ))
+    assert "rank 1 of 2 joined tcp://127.0.0.1:" in result.stderr
+    assert result.stdout == expected_reply(offline, [{"role": "user", "content": question}]) + "\n"
+
+
+def test_generate_with_two_pipeline_stages(tiny_model_dir: Path, offline: LLM) -> None:
+    # README, "Tensor and pipeline parallelism": `--pipeline-parallel-size 2` (a layer each).
+    question = "Write a haiku about pipelines"
+    flags = ["generate", question, "--pipeline-parallel-size", "2", "--num-threads", "1"]
     result = run_cli(tiny_model_dir, flags, dict(os.environ))
     assert "rank 1 of 2 joined tcp://127.0.0.1:" in result.stderr
     assert result.stdout == expected_reply(offline, [{"role": "user", "content": question}]) + "\n"

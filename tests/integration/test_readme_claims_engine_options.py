@@ -109,7 +109,17 @@ def test_policy_orders_admission(tiny_model_dir: Path, policy: str, order: list[
     assert finished == order
 
 
-def test_pipeline_parallel_size_above_one_is_refused_not_ignored(tiny_model_dir: Path) -> None:
-    # Tensor parallelism runs (tests/e2e/test_tensor_parallel_offline.py); PP is not built.
-    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
-        LLM(str(tiny_model_dir), **BASE, num_blocks=32, pipeline_parallel_size=2)
+def test_pipeline_parallel_with_speculative_decoding_is_refused_not_ignored(
+    tiny_model_dir: Path,
+) -> None:
+    # Pipeline parallelism runs (tests/e2e/test_pipeline_parallel_offline.py); drafts
+    # across stages are not built.
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match="speculative decoding"):
+        LLM(
+            str(tiny_model_dir),
+            **BASE,
+            num_blocks=32,
+            pipeline_parallel_size=2,
+            speculative_config=spec,
+        )

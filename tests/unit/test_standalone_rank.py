@@ -51,12 +51,12 @@ def test_a_rank_of_one_is_not_a_group_member() -> None:
         worker_rank_init(_config(), 1, None)
 
 
-def test_the_world_is_tensor_times_pipeline_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Nothing here is TP-specific: once pipeline parallelism is accepted
-    (check_parallelism), T x P ranks meet at one address, standalone or launched."""
-    monkeypatch.setattr("kvflow.services.worker_group.check_parallelism", lambda parallel: None)
+def test_the_world_is_tensor_times_pipeline_ranks() -> None:
+    """Nothing here is TP-specific: T x P ranks meet at one address, standalone or
+    launched, and each knows the stages."""
     config = _config(tp=2, pp=2)
-    assert worker_rank_init(config, 3, RENDEZVOUS) == RankInit(RENDEZVOUS, 4, 3)
+    expected = RankInit(RENDEZVOUS, 4, 3, pipeline_parallel_size=2)
+    assert worker_rank_init(config, 3, RENDEZVOUS) == expected
     with pytest.raises(SystemExit, match="outside the group of 4"):
         worker_rank_init(config, 4, RENDEZVOUS)
     args = worker_rank_args(config, ServiceAddresses.ipc("/tmp/x"), Path("/m"))
@@ -66,12 +66,16 @@ def test_the_world_is_tensor_times_pipeline_ranks(monkeypatch: pytest.MonkeyPatc
     assert len({i.init_method for i in inits if i is not None}) == 1
 
 
-def test_pipeline_parallelism_follows_the_launcher() -> None:
-    """Refused with the launcher's own message while PP is not built; a member of the
-    T x P group once it is (so this test holds on either side of that change)."""
-    try:
-        init = worker_rank_init(_config(pp=2), 1, RENDEZVOUS)
-    except ConfigError as exc:
-        assert "pipeline" in str(exc)
-    else:
-        assert init == RankInit(RENDEZVOUS, 2, 1)
+def test_a_pipeline_stage_joins_with_the_launchers_checks() -> None:
+    """A stage is a member of the T x P group; what the launcher refuses (speculative
+    decoding across stages) a standalone stage refuses the same way."""
+    assert worker_rank_init(_config(pp=2), 1, RENDEZVOUS) == RankInit(
+        RENDEZVOUS, 2, 1, pipeline_parallel_size=2
+    )
+    config = EngineConfig.create(
+        device="cpu",
+        pipeline_parallel_size=2,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+    )
+    with pytest.raises(ConfigError, match="pipeline"):
+        worker_rank_init(config, 1, RENDEZVOUS)

@@ -9,9 +9,15 @@ import pytest
 from kvflow.config import EngineConfig, ParallelConfig
 from kvflow.errors import ConfigError
 from kvflow.gpu_worker.distributed import RankInit, rank_inits, threads_per_rank
+from kvflow.gpu_worker.parallel_state import PPGroup, partition_layers
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.services.children import RestartPolicy
-from kvflow.services.worker_group import check_parallelism, restart_policy, worker_rank_args
+from kvflow.services.worker_group import (
+    check_layer_partition,
+    check_parallelism,
+    restart_policy,
+    worker_rank_args,
+)
 
 
 def test_one_rank_joins_no_group() -> None:
@@ -37,12 +43,62 @@ def test_threads_split_the_cores_unless_given(monkeypatch: pytest.MonkeyPatch) -
     assert threads_per_rank(1, None) is None  # one rank: torch's own default
 
 
-def test_pipeline_parallelism_is_refused_tensor_parallelism_is_not() -> None:
-    check_parallelism(ParallelConfig(tensor_parallel_size=4))
-    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
-        check_parallelism(ParallelConfig(pipeline_parallel_size=2))
+def test_speculative_decoding_with_stages_is_refused_bad_sizes_too() -> None:
+    check_parallelism(EngineConfig.create(device="cpu", tensor_parallel_size=4))
+    check_parallelism(EngineConfig.create(device="cpu", pipeline_parallel_size=2))
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    with pytest.raises(ConfigError, match="speculative decoding"):
+        check_parallelism(
+            EngineConfig.create(device="cpu", pipeline_parallel_size=2, speculative_config=spec)
+        )
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        check_parallelism(ParallelConfig(tensor_parallel_size=0))
+        check_parallelism(EngineConfig.create(device="cpu", tensor_parallel_size=0))
+    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
+        ParallelConfig(pipeline_parallel_size=0)
+
+
+def test_layer_partition_is_parsed_and_checked(tmp_path: Path) -> None:
+    assert ParallelConfig(pipeline_parallel_size=2, pp_layer_partition="1,2").layer_partition == (
+        1,
+        2,
+    )
+    as_list = ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=[2, 1])  # type: ignore[arg-type]
+    assert as_list.pp_layer_partition == "2,1" and as_list.layer_partition == (2, 1)
+    for bad in ("1,x", "0,3", ""):
+        with pytest.raises(ConfigError, match="pp_layer_partition"):
+            ParallelConfig(pipeline_parallel_size=2, pp_layer_partition=bad)
+    with pytest.raises(ConfigError, match="names 3 stages"):
+        ParallelConfig(pipeline_parallel_size=2, pp_layer_partition="1,1,1")
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 3}')
+    check_layer_partition(ParallelConfig(pipeline_parallel_size=2), tmp_path)
+    with pytest.raises(ConfigError, match="sum to the model's 3 layers"):
+        check_layer_partition(
+            ParallelConfig(pipeline_parallel_size=2, pp_layer_partition="2,2"), tmp_path
+        )
+    with pytest.raises(ConfigError, match="exceeds the model's 3 layers"):
+        check_layer_partition(ParallelConfig(pipeline_parallel_size=4), tmp_path)
+
+
+def test_layers_split_evenly_the_first_stages_take_the_remainder() -> None:
+    assert partition_layers(3, 2) == [2, 1]
+    assert partition_layers(10, 4) == [3, 3, 2, 2]
+    assert partition_layers(3, 2, (1, 2)) == [1, 2]
+    stages = [PPGroup(size=3, stage=s) for s in range(3)]
+    assert [g.layer_range(7) for g in stages] == [(0, 3), (3, 5), (5, 7)]
+    assert stages[0].is_first and not stages[0].is_last and stages[2].is_last
+
+
+def test_ranks_are_stage_major_and_carry_the_pipeline_shape() -> None:
+    config = EngineConfig.create(
+        device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2, pp_layer_partition="1,2"
+    )
+    inits = [a[4] for a in worker_rank_args(config, ServiceAddresses.ipc("/tmp/x"), Path("/m"))]
+    assert [i.rank for i in inits] == [0, 1, 2, 3]  # type: ignore[union-attr]
+    assert all(i.world_size == 4 and i.tensor_parallel_size == 2 for i in inits)  # type: ignore[union-attr]
+    assert all(i.layer_partition == (1, 2) for i in inits)  # type: ignore[union-attr]
+    assert config.max_steps_in_flight == 2  # one micro-batch per stage
+    assert EngineConfig.create(device="cpu", async_scheduling=True).max_steps_in_flight == 2
+    assert EngineConfig.create(device="cpu").max_steps_in_flight == 1
 
 
 def test_each_rank_gets_its_rank_and_the_group_address() -> None:
