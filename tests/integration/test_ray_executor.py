@@ -1,7 +1,8 @@
 """`kvflow serve --distributed-executor-backend ray` on a local Ray cluster of two nodes
 (127.0.0.1): the head has the CPUs of one TP=1 engine (2), the second node those of one
-TP=2 engine (3). A TP=2 engine's bundle (3 CPUs) fits the second node only: it is placed
-there whole, both ranks under its one actor, and serves what TP=1 computes. Then two
+two-rank engine (3). A TP=2 (or PP=2) engine's bundle (3 CPUs) fits the second node
+only: it is placed there whole, both ranks under its one actor, and serves what one
+rank computes. Then two
 TP=1 engines (2 CPUs each) must land on different nodes: greedy outputs equal one
 engine's, both nodes serve, and the loss of one node takes its engine out of routing
 while the other keeps serving.
@@ -150,11 +151,14 @@ def _children_names(pid: int) -> set[str]:
     return names
 
 
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_a_tp_engine_is_placed_whole_on_the_node_that_fits_it(
-    ray_cluster: tuple[Any, Any], tiny_model_dir: Path, tmp_path: Path
+    ray_cluster: tuple[Any, Any], tiny_model_dir: Path, tmp_path: Path, tp: int, pp: int
 ) -> None:
+    """Two ranks, of one TP group or of two pipeline stages: one bundle either way."""
     cluster, second = ray_cluster
-    args = ["--tensor-parallel-size", "2", "--block-size", "16", "--num-threads", "1"]
+    args = ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+    args += ["--block-size", "16", "--num-threads", "1"]
     args += ["--distributed-executor-backend", "ray", "--ray-address", cluster.address]
     server = start_server(tiny_model_dir, tmp_path, *args)
     try:
