@@ -52,6 +52,7 @@ class RequestGrammar:
         # look for a forced token, and the next plan's bitmask reuses it.
         self._row: np.ndarray | None = None  # [1, words] int32
         self._row_restricts = False
+        self._row_one_word: bool | None = None  # one nonzero word (None: not counted)
         self._row_valid = False
         self._words = (compiled.tokenizer_info.vocab_size + 31) // 32  # logits' width
 
@@ -84,6 +85,7 @@ class RequestGrammar:
             row = self._row_buffer()
             row.fill(-1)
             self._row_restricts = bool(self.matcher.fill_next_token_bitmask(row, 0))
+            self._row_one_word = None
             self._row_valid = True
         assert self._row is not None
         return self._row, self._row_restricts
@@ -92,10 +94,12 @@ class RequestGrammar:
     def row_is_stale(self) -> bool:
         return not self._row_valid
 
-    def set_row(self, row: np.ndarray) -> None:
-        """Take the next token's mask [words] filled elsewhere (`fill_rows`)."""
+    def set_row(self, row: np.ndarray, restricts: bool, one_word: bool) -> None:
+        """Take the next token's mask [words] filled elsewhere (`fill_rows`), with
+        whether it restricts anything and whether one word holds all its set bits."""
         self._row_buffer()[0] = row
-        self._row_restricts = not bool((row == -1).all())
+        self._row_restricts = restricts
+        self._row_one_word = one_word
         self._row_valid = True
 
     def _row_buffer(self) -> np.ndarray:
@@ -109,7 +113,7 @@ class RequestGrammar:
         if self.matcher.is_terminated():
             return None
         row, restricts = self.next_row()
-        if not restricts:
+        if not restricts or self._row_one_word is False:  # a choice: no scan needed
             return None
         words = np.flatnonzero(row[0])
         if len(words) != 1:
@@ -158,8 +162,11 @@ def fill_rows(grammars: list[RequestGrammar]) -> None:
     assert len(words) == 1, words  # one engine, one vocabulary
     rows = _FillBuffer.take(len(stale), words.pop())
     _batch_matcher().batch_fill_next_token_bitmask([g.matcher for g in stale], rows)
-    for grammar, row in zip(stale, rows, strict=True):
-        grammar.set_row(row)
+    # Whole-batch checks: jump-forward then scans only rows that may force one token.
+    restricts = (rows != -1).any(axis=1)
+    one_word = np.count_nonzero(rows, axis=1) == 1
+    for i, grammar in enumerate(stale):
+        grammar.set_row(rows[i], bool(restricts[i]), bool(one_word[i]))
 
 
 def build_bitmask(requests: list[Request], vocab_size: int) -> GrammarBitmask | None:

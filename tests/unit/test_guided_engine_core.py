@@ -299,3 +299,23 @@ def test_batched_fill_equals_one_row_at_a_time(tokenizer: Any) -> None:
     assert batched[0].row_is_stale and np.array_equal(
         batched[0].next_row()[0], alone[1].next_row()[0]
     )
+
+
+def test_batched_fill_finds_the_same_forced_tokens(tokenizer: Any) -> None:
+    """Jump-forward's probe on batch-filled rows (which skips rows with more than one
+    nonzero word) forces what it forces on rows filled one at a time."""
+    from kvflow.services.scheduler.grammar_matcher import fill_rows
+
+    choice = compiler_for(tokenizer).submit(StructuredOutputsParams(choice=["alpha", "beta"]))
+    compiled = choice.result(timeout=60)
+    text = tokenizer.encode("alpha", add_special_tokens=False)
+    batched, alone = [], []
+    for prefix in range(len(text) + 1):
+        for group in (batched, alone):
+            grammar = RequestGrammar(compiled)
+            assert all(grammar.accept(t) for t in text[:prefix])
+            group.append(grammar)
+    fill_rows(batched)
+    forced = [g.forced_token() for g in batched]
+    assert forced == [g.forced_token() for g in alone]
+    assert forced[-1] == tokenizer.eos_token_id  # after "alpha" only the stop token
