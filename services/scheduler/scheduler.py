@@ -26,7 +26,7 @@ from kvflow.proto.step import (
 )
 from kvflow.services.kv_transfer.connector import KVConnectorScheduler, PromptDone
 from kvflow.services.kv_transfer.remote_loads import RemoteKVLoads
-from kvflow.services.scheduler.grammar_matcher import build_bitmask
+from kvflow.services.scheduler.grammar_matcher import build_bitmask, fill_rows
 from kvflow.services.scheduler.jump_forward import jump_forward
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvflow.services.scheduler.micro_batches import MicroBatches, is_decode, unsent_token_ids
@@ -443,7 +443,7 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, free finished requests."""
         for req_id, chunk in result.prompt_logprobs.items():
             self._collect_prompt_logprobs(req_id, result.prompt_logprobs_start[req_id], chunk)
-        deltas = []
+        applied: list[tuple[Request, list[int], list[TokenLogprobs]]] = []
         for index, req_id in enumerate(result.req_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -459,7 +459,13 @@ class Scheduler:
                 if request.check_stop(self.max_model_len):
                     break
             logprobs = result.logprobs[index][: len(new_token_ids)] if result.logprobs else []
-            if self.config.grammar_jump_forward and request.grammar is not None:
+            applied.append((request, new_token_ids, logprobs))
+        jump = self.config.grammar_jump_forward
+        if jump:  # its probes read the next masks: fill them all in one batched call
+            fill_rows([r.grammar for r, _, _ in applied if r.grammar and not r.is_finished])
+        deltas = []
+        for request, new_token_ids, logprobs in applied:
+            if jump and request.grammar is not None:
                 new_token_ids += self._jump_forward(request)
             deltas.append(self._make_delta(request, new_token_ids, logprobs, result, now))
             if request.is_finished:

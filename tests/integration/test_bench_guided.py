@@ -23,6 +23,9 @@ def test_guided_bench_reports_both_rates(tiny_model_dir: Path) -> None:
         assert row["plain_tok_s"] > 0 and row["guided_tok_s"] > 0
         ratio = row["guided_tok_s"] / row["plain_tok_s"]  # the rates are rounded to 0.1
         assert abs(row["guided_over_plain"] - ratio) < 0.01 + 0.1 / row["plain_tok_s"]
+        cpu_ratio = row["guided_tok_cpu_s"] / row["plain_tok_cpu_s"]  # per CPU second
+        assert abs(row["guided_over_plain_cpu"] - cpu_ratio) < 0.01 + 0.1 / row["plain_tok_cpu_s"]
+        assert row["plain_tok_cpu_s"] > 0 and row["guided_tok_cpu_s"] > 0
     goals = report["goals"]
     assert goals["valid"]["requests"] == 3
     assert goals["valid"]["valid"] + goals["valid"]["cut_by_max_tokens"] <= 3

@@ -68,3 +68,44 @@ def test_no_mask_is_a_no_op() -> None:
     before = logits.clone()
     apply_grammar_bitmask(logits, ["a", "b"], None)
     assert torch.equal(logits, before)
+
+
+def test_cpu_path_masks_nan_and_inf_and_keeps_allowed_values() -> None:
+    """A disallowed logit is -inf whatever it was (NaN, +inf); an allowed one keeps its
+    value (a NaN becomes +inf: it still wins argmax, as the NaN did)."""
+    mask = random_mask(["x"], 64, seed=3)
+    bitmask = unpack_bitmask(mask)
+    allowed = [(int(bitmask[0, t // 32]) >> (t % 32)) & 1 == 1 for t in range(64)]
+    logits = torch.randn(1, 64)
+    logits[0, ::3] = float("nan")
+    logits[0, 1::7] = float("inf")
+    before = logits.clone()
+    apply_bitmask_cpu(logits, bitmask, [0], 64)
+    for token in range(64):
+        value, was = float(logits[0, token]), float(before[0, token])
+        if not allowed[token]:
+            assert value == float("-inf"), token
+        elif was != was:  # NaN
+            assert value == float("inf"), token
+        else:
+            assert value == was, token
+
+
+def test_cpu_path_bfloat16_equals_reference() -> None:
+    mask = random_mask(["x", "y"], VOCAB, seed=4)
+    bitmask = unpack_bitmask(mask)
+    base = torch.randn(3, VOCAB).to(torch.bfloat16)
+    cpu, ref = base.clone(), base.clone()
+    apply_bitmask_cpu(cpu, bitmask, [2, 0], VOCAB)
+    apply_bitmask_ref(ref, bitmask, [2, 0], VOCAB)
+    assert torch.equal(cpu, ref)
+
+
+def test_cpu_path_on_inference_mode_logits() -> None:
+    """The worker's logits are inference tensors (execute runs under inference_mode)."""
+    mask = random_mask(["a"], VOCAB, seed=5)
+    with torch.inference_mode():
+        logits = torch.randn(2, VOCAB)
+        want = expected(logits, ["b", "a"], mask)
+        apply_grammar_bitmask(logits[:2], ["b", "a"], mask)
+    assert torch.equal(logits, want)

@@ -271,3 +271,51 @@ def test_jump_forward_skips_logprobs_and_owed_min_tokens(
     forced = jump_forward(request, MAX_MODEL_LEN)
     assert forced == ([tokenizer.eos_token_id] if jumps else [])
     assert request.is_finished == jumps
+
+
+def test_batched_fill_equals_one_row_at_a_time(tokenizer: Any) -> None:
+    """`fill_rows` (xgrammar's batched filler into a shared buffer) gives each grammar
+    the row and the restricts flag that filling it alone gives, in every state: after
+    each prefix of the regex's output, none included."""
+    from kvflow.services.scheduler.grammar_matcher import fill_rows
+
+    compiler = compiler_for(tokenizer)
+    regex = compiler.submit(StructuredOutputsParams(regex=REGEX)).result(timeout=60)
+    text = tokenizer.encode("abc-1234", add_special_tokens=False)
+    batched, alone = [], []
+    for prefix in range(len(text) + 1):
+        for group in (batched, alone):
+            grammar = RequestGrammar(regex)
+            assert all(grammar.accept(t) for t in text[:prefix])
+            group.append(grammar)
+    fill_rows(batched)
+    assert not any(g.row_is_stale for g in batched)
+    for mine, theirs in zip(batched, alone, strict=True):
+        row, restricts = mine.next_row()  # not filled again: the batched row
+        want_row, want_restricts = theirs.next_row()
+        assert np.array_equal(row, want_row) and restricts == want_restricts
+    assert all(restricts for _, restricts in (g.next_row() for g in batched))
+    batched[0].accept(text[0])  # moved: stale again, refilled alone on demand
+    assert batched[0].row_is_stale and np.array_equal(
+        batched[0].next_row()[0], alone[1].next_row()[0]
+    )
+
+
+def test_batched_fill_finds_the_same_forced_tokens(tokenizer: Any) -> None:
+    """Jump-forward's probe on batch-filled rows (which skips rows with more than one
+    nonzero word) forces what it forces on rows filled one at a time."""
+    from kvflow.services.scheduler.grammar_matcher import fill_rows
+
+    choice = compiler_for(tokenizer).submit(StructuredOutputsParams(choice=["alpha", "beta"]))
+    compiled = choice.result(timeout=60)
+    text = tokenizer.encode("alpha", add_special_tokens=False)
+    batched, alone = [], []
+    for prefix in range(len(text) + 1):
+        for group in (batched, alone):
+            grammar = RequestGrammar(compiled)
+            assert all(grammar.accept(t) for t in text[:prefix])
+            group.append(grammar)
+    fill_rows(batched)
+    forced = [g.forced_token() for g in batched]
+    assert forced == [g.forced_token() for g in alone]
+    assert forced[-1] == tokenizer.eos_token_id  # after "alpha" only the stop token
