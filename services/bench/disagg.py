@@ -51,6 +51,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prompt", type=int, default=default.long_prompt)
     parser.add_argument("--long-output", type=int, default=default.long_output)
     parser.add_argument("--load-seed", type=int, default=0, help="seed of the prompts")
+    parser.add_argument(
+        "--colocated-threads",
+        type=int,
+        default=None,
+        help="threads of the colocated instance (default --num-threads): a control run",
+    )
     parser.add_argument("--no-pin", action="store_true", help="do not pin instances to cores")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds per instance")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -71,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
         args.long_every, args.long_prompt, args.long_output, args.load_seed,
     )  # fmt: skip
     split = core_split(num_threads, sorted(os.sched_getaffinity(0)), pin=not args.no_pin)
+    if args.colocated_threads is not None:  # e.g. 1 on a loaded machine: see docs/benchmarks.md
+        split["num_threads"]["colocated"] = args.colocated_threads
+        if split["cpus"]["colocated"] is not None:
+            split["cpus"]["colocated"] = split["cpus"]["colocated"][: args.colocated_threads]
     report = measure(serve_flags(options), load, split, args.start_timeout)
     print(json.dumps(report) if args.json else "\n".join(report_lines(report)))
     return 0
