@@ -11,7 +11,7 @@ model on this machine, one after the other, on 127.0.0.1 free ports:
 so both use N cores for their compute (c = the cores this process may run on; with
 fewer than N of them, or --no-pin, nothing is pinned). The proxy and this client are
 not pinned. Each set-up gets one short and one long warm-up request first. Reported
-per set-up: the short requests' ITL p50/p99 and TTFT p50/p99, the long prompts' TTFT
+per set-up: the short requests' ITL p50/p99/max and TTFT p50/p99, the long prompts' TTFT
 p50/max (ms), and the load average around the run (the machine may be shared).
 """
 
@@ -196,13 +196,13 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         f"{load['short_output']} out) + a {load['long_prompt']}-token prompt every "
         f"{load['long_every_s']} s, {load['duration_s']} s; threads {split['num_threads']}, "
         f"cores {split['cpus']}",
-        f"{'':>14} {'ITL p50':>9} {'ITL p99':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'':>14} {'ITL p50':>9} {'ITL p99':>9} {'ITL max':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'long TTFT p50':>14} {'max':>9}  load avg   failed",
     ]
     for name in ("colocated", "disaggregated"):
         r = report[name]
         itl, ttft, long = r["short_itl_ms"], r["short_ttft_ms"], r["long_ttft_ms"]
-        cells = [itl["p50"], itl["p99"], ttft["p50"], ttft["p99"]]
+        cells = [itl["p50"], itl["p99"], itl["max"], ttft["p50"], ttft["p99"]]
         avg = r["load_average"]
         lines.append(
             f"{name:>14} " + " ".join(_ms(c, 9) for c in cells)

@@ -45,10 +45,10 @@ def test_summary_pools_the_short_gaps_and_counts_failures() -> None:
     ]
     longs = [RequestOutput(30, success=True, ttft=2.0), RequestOutput(30, success=True, ttft=4.0)]
     summary = summarize({"short": shorts, "long": longs})
-    assert summary["short_itl_ms"] == {"p50": 20.0, "p99": pytest.approx(29.8)}
+    assert summary["short_itl_ms"] == {"p50": 20.0, "p99": pytest.approx(29.8), "max": 30.0}
     assert summary["short_ttft_ms"] == {"p50": 200.0, "p99": pytest.approx(298.0)}
     assert summary["long_ttft_ms"] == {"p50": 3000.0, "max": 4000.0}
     assert (summary["short_requests"], summary["long_requests"]) == (2, 2)
     assert (summary["failed_requests"], summary["first_error"]) == (1, "HTTP 500: boom")
     empty = summarize({"short": [], "long": []})
-    assert empty["short_itl_ms"] == {"p50": None, "p99": None}
+    assert empty["short_itl_ms"] == {"p50": None, "p99": None, "max": None}
