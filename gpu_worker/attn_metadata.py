@@ -21,7 +21,7 @@ sees context positions 0 .. seq_len - q_len + i.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -52,20 +52,28 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+# Called by each attention layer with its KV cache view once the step's K/V are stored
+# in it: a KV connector saves layer by layer (gpu_worker/kv_connector/layer_save.py).
+AfterLayer = Callable[[torch.Tensor], None]
+
+
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
+    after_layer: AfterLayer | None = None
 
 
 _current: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(metadata: AttentionMetadata) -> Iterator[ForwardContext]:
+def forward_context(
+    metadata: AttentionMetadata, after_layer: AfterLayer | None = None
+) -> Iterator[ForwardContext]:
     """Install `metadata` for one forward pass; nesting is a bug, and it always clears."""
     global _current
     assert _current is None, "forward_context does not nest"
-    _current = ForwardContext(metadata)
+    _current = ForwardContext(metadata, after_layer)
     try:
         yield _current
     finally:

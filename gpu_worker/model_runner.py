@@ -200,7 +200,10 @@ class ModelRunner:
         draft_probs = self._draft(plan)
         inputs = self.batch.prepare_inputs(plan)
         graphs = self.decode_graphs
-        with forward_context(inputs.metadata):
+        after_layer = None  # a producer's saves: copied out layer by layer, during the forward
+        if connector is not None and plan.kv_connector is not None:
+            after_layer = connector.start_save_kv(plan.kv_connector)
+        with forward_context(inputs.metadata, after_layer):
             if self.stage_link is not None:
                 hidden = self._stage_forward(inputs)
                 if hidden is None:  # handed on to the next stage

@@ -88,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     kvt = bench_sub.add_parser("kv-transfer", help="zmq KV connector GB/s vs a memcpy")
     kv_transfer.add_args(kvt)
     kvt.set_defaults(handler=kv_transfer.run)
+    from kvflow.services.bench import kv_save
+
+    kvs = bench_sub.add_parser("kv-save", help="producer step time: KV saved by layer vs after")
+    kv_save.add_args(kvs)
+    add_engine_args(kvs)
+    kvs.set_defaults(handler=kv_save.run)
+    from kvflow.services.bench import disagg
+
+    pd = bench_sub.add_parser("disagg", help="decode ITL under long prompts: colocated vs 1P+1D")
+    disagg.add_args(pd)
+    add_engine_args(pd)
+    pd.set_defaults(handler=disagg.run)
     from kvflow.services.bench import routing
 
     rt = bench_sub.add_parser("routing", help="data-parallel routing cost per request")

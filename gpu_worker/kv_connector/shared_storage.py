@@ -13,15 +13,10 @@ import uuid
 
 import torch
 
-from kvflow.gpu_worker.kv_connector.block_io import (
-    decode_block,
-    encode_block,
-    gather_block,
-    scatter_block,
-)
+from kvflow.gpu_worker.kv_connector.block_io import decode_block, encode_block, scatter_block
 from kvflow.gpu_worker.kv_connector.connector import KVConnectorWorker, KVLoadError
 from kvflow.kv_transfer_config import block_file_path
-from kvflow.proto.kv_transfer import KVConnectorMeta
+from kvflow.proto.kv_transfer import KVBlockTransfer, KVConnectorMeta
 
 
 class SharedStorageWorker(KVConnectorWorker):
@@ -46,20 +41,32 @@ class SharedStorageWorker(KVConnectorWorker):
                 num_bytes += len(data)
         return num_bytes
 
-    def _save(self, meta: KVConnectorMeta) -> int:
+    def _to_save(self, saves: list[KVBlockTransfer]) -> list[KVBlockTransfer]:
+        """Only the blocks without a file: saved before by another request or instance."""
+        missing = []
+        for transfer in saves:
+            pairs = [
+                (block_id, key)
+                for block_id, key in zip(transfer.block_ids, transfer.keys)
+                if not os.path.exists(self._path(key))
+            ]
+            if pairs:
+                block_ids, keys = zip(*pairs)
+                missing.append(KVBlockTransfer(transfer.req_id, list(block_ids), list(keys)))
+        return missing
+
+    def _store(self, transfers: list[KVBlockTransfer], blocks: torch.Tensor) -> int:
         num_bytes = 0
-        for transfer in meta.saves:
-            for block_id, key in zip(transfer.block_ids, transfer.keys):
-                path = self._path(key)
-                if os.path.exists(path):
-                    continue  # saved meanwhile by another request or instance
-                data = encode_block(gather_block(self.caches, block_id))
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-                num_bytes += len(data)
+        keys = [key for transfer in transfers for key in transfer.keys]
+        for index, key in enumerate(keys):
+            path = self._path(key)
+            data = encode_block(blocks[index])
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            num_bytes += len(data)
         return num_bytes
 
     def _path(self, key: str) -> str:

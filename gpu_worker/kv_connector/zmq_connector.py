@@ -1,7 +1,8 @@
 """The zmq connector, worker side: KV blocks as raw multipart frames between instances.
 
-Producer: after the forward that completes a prompt, its blocks are copied out of the
-paged cache into a buffer (keyed by block key), and a server thread answers pulls::
+Producer: during the forward that completes a prompt, its blocks are copied out of the
+paged cache layer by layer (layer_save.py), then kept in a buffer (keyed by block key)
+from which a server thread answers pulls::
 
     consumer DEALER ──KVPull(req_id, keys)──▶ producer ROUTER (tcp://kv_host:kv_port)
                     ◀── KVBlocksHeader(req_id, keys, dtype, shape), block 0, block 1 …
@@ -34,7 +35,7 @@ import msgspec
 import torch
 import zmq
 
-from kvflow.gpu_worker.kv_connector.block_io import gather_blocks, scatter_blocks
+from kvflow.gpu_worker.kv_connector.block_io import scatter_blocks
 from kvflow.gpu_worker.kv_connector.connector import KVConnectorWorker
 from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.proto.kv_transfer import (
@@ -83,6 +84,7 @@ class ZmqWorker(KVConnectorWorker):
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2.0)
+        super().close()
 
     # ---- the step's side -------------------------------------------------------------
 
@@ -107,14 +109,13 @@ class ZmqWorker(KVConnectorWorker):
     def _load(self, meta: KVConnectorMeta) -> int:
         raise AssertionError("zmq loads run in the pull thread")
 
-    def _save(self, meta: KVConnectorMeta) -> int:
+    def _store(self, transfers: list[KVBlockTransfer], blocks: torch.Tensor) -> int:
         num_bytes = 0
-        for transfer in meta.saves:
-            blocks = gather_blocks(self.caches, transfer.block_ids)  # the one copy out
-            for index, key in enumerate(transfer.keys):
-                payload = blocks[index].view(torch.uint8).numpy()  # sent as is: zero-copy
-                self._buffer.put(key, payload)
-                num_bytes += payload.nbytes
+        keys = [key for transfer in transfers for key in transfer.keys]
+        for index, key in enumerate(keys):
+            payload = blocks[index].view(torch.uint8).numpy()  # sent as is: zero-copy
+            self._buffer.put(key, payload)
+            num_bytes += payload.nbytes
         return num_bytes
 
     # ---- producer: the server thread ------------------------------------------------

@@ -36,8 +36,16 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, KH, D] -> [T, H * D]; must run inside forward_context()."""
-        metadata = get_forward_context().attn_metadata
+        context = get_forward_context()
         out = self.backend.forward(
-            q, k, v.contiguous(), self.kv_cache, metadata, self.scale, self.sliding_window
+            q,
+            k,
+            v.contiguous(),
+            self.kv_cache,
+            context.attn_metadata,
+            self.scale,
+            self.sliding_window,
         )  # [T, H, D]
+        if context.after_layer is not None:  # this layer's K/V are in the cache now
+            context.after_layer(self.kv_cache)
         return out.view(-1, self.num_heads * self.head_dim)

@@ -5,13 +5,14 @@ The scheduler calls it at three points of a step (scheduler.py), and never sees 
     _schedule_waiting:  local prefix hit ─▶ get_num_new_matched_tokens ─▶ allocate_slots
                                                                        └▶ update_state_after_alloc
     schedule (end):     build_meta ─▶ StepPlan.kv_connector ─▶ the worker side loads
-                                                               before, saves after the forward
+                                                               before, saves during the forward
+                                                               (layer by layer)
     a request leaves:   request_finished
 
-Loads here are synchronous with the step that needs them: the worker loads the blocks
-before that step's forward pass, so a request never waits in a state of its own and
-blocks nobody. (A transport with real latency, instance to instance, would park the
-request until its blocks arrive; that connector is not built yet.)
+Shared-storage loads are synchronous with the step that needs them: the worker loads
+the blocks before that step's forward pass. zmq loads have real latency (instance to
+instance): the request waits in a state of its own (remote_loads.py) until its pull
+ends, and blocks nobody.
 """
 
 from __future__ import annotations

@@ -109,3 +109,39 @@ def test_config_refusals() -> None:
         LLM(kv_transfer_config={"kv_role": "kv_consumer", "kv_connector": "shared-storage"})
     with pytest.raises(ConfigError, match="kv_role"):
         LLM(kv_transfer_config='{"kv_role": "decoder", "kv_connector": "shared-storage"}')
+
+
+@pytest.mark.slow
+def test_producer_copies_each_layer_during_the_forward(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Every attention layer hands its blocks over from inside the forward, and the
+    files are byte for byte those of one copy after the forward."""
+    prefill = [SamplingParams(max_tokens=1, temperature=0.0)] * len(PROMPTS)
+    folders = {True: tmp_path / "by_layer", False: tmp_path / "after_forward"}
+    for layer_by_layer, folder in folders.items():
+        producer = _llm(tiny_model_dir, _kv("kv_producer", folder))
+        connector = producer.engine.runner.kv_connector
+        assert connector is not None
+        connector.layer_by_layer = layer_by_layer
+        for cache in connector.caches:  # a partial tail block's unused slots: not garbage
+            cache.zero_()
+        copier, handed = connector._copier, []
+        submit = copier.submit
+
+        def counting(save: Any, layer: int, submit: Any = submit, handed: Any = handed) -> Any:
+            handed.append(layer)
+            return submit(save, layer)
+
+        copier.submit = counting  # type: ignore[method-assign]
+        producer.generate(PROMPTS, prefill)
+        num_layers = len(connector.caches)
+        if layer_by_layer:  # one saving step at least, each with every layer in order
+            assert handed and handed == list(range(num_layers)) * (len(handed) // num_layers)
+        else:
+            assert handed == []
+    files = {True: sorted(folders[True].rglob("*.kv")), False: sorted(folders[False].rglob("*.kv"))}
+    assert len(files[True]) == len(files[False]) > len(PROMPTS)
+    for a, b in zip(files[True], files[False]):
+        assert a.relative_to(folders[True]) == b.relative_to(folders[False])
+        assert a.read_bytes() == b.read_bytes()
