@@ -215,9 +215,9 @@ class BlockPool:
         in_queue: set[int] = set()
         for block in self._free_queue:
             known = 0 <= block.block_id < self.num_blocks and self.blocks[block.block_id] is block
-            check_invariant(known, f"foreign {block} in the free queue")
-            check_invariant(block.block_id not in in_queue, f"{block} twice in the free queue")
-            check_invariant(block.ref_cnt == 0, f"{block} is in the free queue but referenced")
+            check_invariant(known, "foreign %s in the free queue", block)
+            check_invariant(block.block_id not in in_queue, "%s twice in the free queue", block)
+            check_invariant(block.ref_cnt == 0, "%s is in the free queue but referenced", block)
             in_queue.add(block.block_id)
             check_invariant(len(in_queue) <= self.num_blocks, "free queue has a cycle")
         check_invariant(len(in_queue) == len(self._free_queue), "free queue length is wrong")
@@ -227,14 +227,18 @@ class BlockPool:
         )
         for block in self.blocks:
             listed = block.prev_free is not None
-            check_invariant(listed == (block.block_id in in_queue), f"{block} has stale free links")
+            check_invariant(
+                listed == (block.block_id in in_queue), "%s has stale free links", block
+            )
             if block.block_hash is not None:
-                check_invariant(self._cached.get(block.block_hash) is block, f"{block} not in map")
+                check_invariant(self._cached.get(block.block_hash) is block, "%s not in map", block)
         for block_hash, block in self._cached.items():
-            check_invariant(block.block_hash == block_hash, f"map entry of {block} is stale")
+            check_invariant(block.block_hash == block_hash, "map entry of %s is stale", block)
 
 
-def check_invariant(condition: bool, message: str) -> None:
-    """An invariant check that survives `python -O` (unlike assert)."""
+def check_invariant(condition: bool, message: str, *args: object) -> None:
+    """An invariant check that survives `python -O` (unlike assert). The message is
+    formatted (`message % args`) only when the check fails: checks run once per block,
+    and a block's repr on every pass would cost more than the checks themselves."""
     if not condition:
-        raise AssertionError(message)
+        raise AssertionError(message % args if args else message)

@@ -183,17 +183,17 @@ class KVCacheManager:
         holders = Counter(chain.from_iterable(self._req_block_ids.values()))
         for block in pool.blocks:
             refs = holders.get(block.block_id, 0)
-            check_invariant(block.ref_cnt == refs, f"{block} has {refs} holders")
+            check_invariant(block.ref_cnt == refs, "%s has %s holders", block, refs)
         check_invariant(self._cache_marks.keys() <= self._req_block_ids.keys(), "stale marks")
         for request_id, block_ids in self._req_block_ids.items():
-            check_invariant(len(set(block_ids)) == len(block_ids), f"{request_id}: dup block")
+            check_invariant(len(set(block_ids)) == len(block_ids), "%s: dup block", request_id)
             committed, cached = self._cache_marks.get(request_id, (0, 0))
-            check_invariant(0 <= committed <= cached <= len(block_ids), f"{request_id}: marks")
+            check_invariant(0 <= committed <= cached <= len(block_ids), "%s: marks", request_id)
             hashes = self._req_hashes.get(request_id, [])
             for index, block_id in enumerate(block_ids):
                 block_hash = pool.blocks[block_id].block_hash
                 ok = block_hash is None or (index < len(hashes) and hashes[index] == block_hash)
-                check_invariant(ok, f"{request_id}: block {index} cached under another hash")
+                check_invariant(ok, "%s: block %s cached under another hash", request_id, index)
 
     def _block_hashes(self, request: CacheableRequest) -> list[BlockHash]:
         hashes = self._req_hashes.setdefault(request.request_id, [])

@@ -55,6 +55,10 @@ logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.5  # also the frontends' heartbeat of this engine
 GRAMMAR_POLL_S = 0.002  # how often an idle loop looks for finished grammar compiles
 INTEGRITY_INTERVAL_S = 1.0
+# The idle self-check walks every block (~0.5 us each): above this many blocks one walk
+# would delay a request that arrives meanwhile by more than ~50 ms, so it is skipped
+# (the unit and integration tests run the check directly, on pools of every size).
+IDLE_INTEGRITY_MAX_BLOCKS = 65_536
 _MAX_DRAIN = 4096  # messages handled between two steps at most
 _MAX_RECENT_STEPS = 64  # steps per stats message for the web UI's timeline (newest kept)
 
@@ -337,9 +341,11 @@ class SchedulerLoop:
             if self.instruments.trace is not None:
                 self.instruments.trace.flush()  # a live trace file lags by 0.5 s at most
         idle = not self.core.in_flight and not self.core.has_unfinished_requests()
-        if idle and now >= self._next_integrity:
+        kv_cache = self.core.scheduler.kv_cache
+        small = kv_cache.num_blocks <= IDLE_INTEGRITY_MAX_BLOCKS
+        if idle and small and now >= self._next_integrity:
             self._next_integrity = now + INTEGRITY_INTERVAL_S
-            self.core.scheduler.kv_cache.check_integrity()
+            kv_cache.check_integrity()
 
     def stats_message(self) -> SchedulerStats:
         stats = self.core.scheduler.snapshot()

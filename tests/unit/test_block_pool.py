@@ -204,3 +204,16 @@ def test_extend_block_hashes_is_incremental_and_skips_partial_blocks() -> None:
     assert salted[0] == hash_block_tokens(None, [0, 1, 2, 3], ("tenant-a",))
     assert all(s != h for s, h in zip(salted, hashes))  # the salt reaches every block
     assert extend_block_hashes([], tokens, 4, "") == hashes  # empty salt = no salt
+
+
+def test_invariant_messages_are_formatted_only_on_failure() -> None:
+    """The checks run once per block: a block's repr on every pass would dominate."""
+    from kvflow.services.scheduler.block_pool import check_invariant
+
+    class Loud:
+        def __repr__(self) -> str:
+            raise RuntimeError("formatted although the check passed")
+
+    check_invariant(True, "%s is fine", Loud())
+    with pytest.raises(AssertionError, match="block 7 is stale"):
+        check_invariant(False, "block %s is %s", 7, "stale")
