@@ -140,6 +140,17 @@ class StageMissing(nn.Module):
     """A layer another pipeline stage holds: no parameters, never called."""
 
 
+def lm_head_cost(config: Any) -> float:
+    """The LM head's weights in decoder layers' worth (the pipeline's split balances
+    the weights each stage reads per decode step; parallel_state.partition_layers)."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o; k, v
+    mlp = 3 * hidden * config.intermediate_size  # gate, up, down
+    return config.vocab_size * hidden / (attention + mlp)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec, backend: AttentionBackend) -> None:
         super().__init__()
@@ -148,7 +159,7 @@ class LlamaModel(nn.Module):
         )
         stage = get_pp_group()
         self.is_first, self.is_last = stage.is_first, stage.is_last
-        self.start, self.end = stage.layer_range(config.num_hidden_layers)
+        self.start, self.end = stage.layer_range(config.num_hidden_layers, lm_head_cost(config))
         tied = bool(getattr(config, "tie_word_embeddings", False))
         self.embed_tokens: VocabParallelEmbedding | None = None
         if self.is_first or (self.is_last and tied):  # the last: for its tied head

@@ -79,6 +79,31 @@ def test_layer_partition_is_parsed_and_checked(tmp_path: Path) -> None:
         check_layer_partition(ParallelConfig(pipeline_parallel_size=4), tmp_path)
 
 
+def test_the_split_balances_the_lm_head_against_layers() -> None:
+    """The last stage's head counts as layers: SmolLM2-135M's is worth 8 of them, so
+    two stages get 19 + 11 layers (both ~19 layers of weights), three 13 + 13 + 4."""
+    assert partition_layers(30, 2, head_cost=8.0) == [19, 11]
+    assert partition_layers(30, 3, head_cost=8.0) == [13, 13, 4]
+    assert partition_layers(32, 4, head_cost=2.4) == [9, 9, 8, 6]
+    assert partition_layers(2, 2, head_cost=8.0) == [1, 1]  # every stage keeps a layer
+    assert partition_layers(30, 2, (15, 15), head_cost=8.0) == [15, 15]  # asked: kept
+
+
+def test_the_embedded_models_head_is_worth_eight_layers() -> None:
+    from types import SimpleNamespace
+
+    from kvflow.gpu_worker.models.llama import lm_head_cost
+
+    smollm2 = SimpleNamespace(
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+    )
+    assert lm_head_cost(smollm2) == pytest.approx(8.0, abs=0.05)
+
+
 def test_layers_split_evenly_the_first_stages_take_the_remainder() -> None:
     assert partition_layers(3, 2) == [2, 1]
     assert partition_layers(10, 4) == [3, 3, 2, 2]
