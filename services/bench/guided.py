@@ -21,6 +21,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvflow.services.bench import guided_goals
@@ -44,6 +45,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--compile-corpus",
+        default=None,
+        help="a JSON list of {'name', 'schema'}: compile each once (cold) and report the "
+        "first-compile time's p50/p99/max (e.g. tests/data/json_schema_corpus.json)",
+    )
     guided_goals.add_args(parser)
 
 
@@ -55,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(**engine_options(args))
     special = list(llm.tokenizer.all_special_ids)
     report: dict[str, Any] = {"compile": _compile_times(llm), "batches": []}
+    if args.compile_corpus:
+        report["corpus"] = _corpus_compile_times(llm, args.compile_corpus)
     for batch in args.batch_sizes:
         prompts = random_token_prompts(batch, args.input_len, llm.engine.vocab_size, special, 0)
         plain, guided = _best_of(llm, prompts, args.output_len, args.repeats)
@@ -131,6 +140,36 @@ def _compile_times(llm: Any) -> dict[str, float]:
     return times
 
 
+def _corpus_compile_times(llm: Any, path: str) -> dict[str, Any]:
+    """Each schema of the corpus compiled once, one after another, on the engine's
+    compiler (its tokenizer table already built by `_compile_times`): the time to
+    compile a schema the server has not seen. Schemas xgrammar refuses are counted."""
+    import numpy as np
+
+    from kvflow.sampling_params import StructuredOutputsParams
+
+    compiler = llm.engine.core.grammars
+    seconds, refused = [], 0
+    for entry in json.loads(Path(path).read_text()):
+        start = time.perf_counter()
+        try:
+            compiler.submit(StructuredOutputsParams(json=entry["schema"])).result()
+        except Exception:
+            refused += 1
+            continue
+        finally:
+            compiler.collect()
+        seconds.append(time.perf_counter() - start)
+    ms = np.array(seconds) * 1000
+    return {
+        "schemas": len(seconds),
+        "refused": refused,
+        "p50_ms": round(float(np.percentile(ms, 50)), 2),
+        "p99_ms": round(float(np.percentile(ms, 99)), 2),
+        "max_ms": round(float(ms.max()), 2),
+    }
+
+
 def _print(report: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(report))
@@ -140,6 +179,12 @@ def _print(report: dict[str, Any], as_json: bool) -> None:
         f"schema compile: first {compile_times['first_s'] * 1000:.1f} ms, "
         f"cached {compile_times['cached_s'] * 1000:.2f} ms"
     )
+    if "corpus" in report:
+        c = report["corpus"]
+        print(
+            f"corpus ({c['schemas']} schemas, {c['refused']} refused): first compile "
+            f"p50 {c['p50_ms']:.1f} ms, p99 {c['p99_ms']:.1f} ms, max {c['max_ms']:.1f} ms"
+        )
     print(f"{'':>5} {'per wall-clock second':^40} {'per CPU second (this process)':^40}")
     header = f"{'plain tok/s':>12} {'guided tok/s':>13} {'guided/plain':>13}"
     print(f"{'batch':>5} {header} {header}")

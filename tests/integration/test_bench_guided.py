@@ -9,8 +9,12 @@ from pathlib import Path
 from serve_harness import KVFLOW
 
 
-def test_guided_bench_reports_both_rates(tiny_model_dir: Path) -> None:
+def test_guided_bench_reports_both_rates(tiny_model_dir: Path, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.json"
+    schemas = [{"type": "integer"}, {"type": "string", "maxLength": 4}, {"type": "nonsense"}]
+    corpus.write_text(json.dumps([{"name": str(i), "schema": s} for i, s in enumerate(schemas)]))
     command = [str(KVFLOW), "bench", "guided", "--model", str(tiny_model_dir)]
+    command += ["--compile-corpus", str(corpus)]
     command += ["--dtype", "float32", "--device", "cpu", "--num-blocks", "64"]
     command += ["--batch-sizes", "1", "3", "--output-len", "12", "--repeats", "1", "--json"]
     command += ["--goals", "--goals-batch", "3", "--goals-max-tokens", "16"]
@@ -18,6 +22,9 @@ def test_guided_bench_reports_both_rates(tiny_model_dir: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["compile"]["first_s"] > report["compile"]["cached_s"] >= 0
+    compiled = report["corpus"]
+    assert (compiled["schemas"], compiled["refused"]) == (2, 1)  # "nonsense" is no type
+    assert 0 < compiled["p50_ms"] <= compiled["p99_ms"] <= compiled["max_ms"]
     assert [row["batch"] for row in report["batches"]] == [1, 3]
     for row in report["batches"]:
         assert row["plain_tok_s"] > 0 and row["guided_tok_s"] > 0
