@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from typing import Any
@@ -46,67 +47,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from kvflow.services.bench import (
-        guided,
-        host_time,
-        latency,
-        serve,
-        spec_decode,
-        startup,
-        throughput,
-    )
-
-    tp = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
-    throughput.add_args(tp)
-    add_engine_args(tp)
-    tp.set_defaults(handler=throughput.run)
-    lat = bench_sub.add_parser("latency", help="offline end-to-end latency of one batch")
-    latency.add_args(lat)
-    add_engine_args(lat)
-    lat.set_defaults(handler=latency.run)
-    host = bench_sub.add_parser("host-time", help="worker host time per decode step")
-    host_time.add_args(host)
-    add_engine_args(host)
-    host.set_defaults(handler=host_time.run)
-    gd = bench_sub.add_parser("guided", help="per-step cost of guided decoding (JSON schema)")
-    guided.add_args(gd)
-    add_engine_args(gd)
-    gd.set_defaults(handler=guided.run)
-    srv = bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server")
-    serve.add_args(srv)
-    srv.set_defaults(handler=serve.run)
-    up = bench_sub.add_parser("startup", help="time `kvflow serve` to ready and first token")
-    startup.add_args(up)
-    add_engine_args(up)
-    up.set_defaults(handler=startup.run)
-    spec = bench_sub.add_parser("spec-decode", help="single-stream tok/s with speculation")
-    spec_decode.add_args(spec)
-    add_engine_args(spec)
-    spec.set_defaults(handler=spec_decode.run)
-    from kvflow.services.bench import kv_transfer
-
-    kvt = bench_sub.add_parser("kv-transfer", help="zmq KV connector GB/s vs a memcpy")
-    kv_transfer.add_args(kvt)
-    kvt.set_defaults(handler=kv_transfer.run)
-    from kvflow.services.bench import kv_save
-
-    kvs = bench_sub.add_parser("kv-save", help="producer step time: KV saved by layer vs after")
-    kv_save.add_args(kvs)
-    add_engine_args(kvs)
-    kvs.set_defaults(handler=kv_save.run)
-    from kvflow.services.bench import disagg
-
-    pd = bench_sub.add_parser("disagg", help="decode ITL under long prompts: colocated vs 1P+1D")
-    disagg.add_args(pd)
-    add_engine_args(pd)
-    pd.set_defaults(handler=disagg.run)
-    from kvflow.services.bench import routing
-
-    rt = bench_sub.add_parser("routing", help="data-parallel routing cost per request")
-    routing.add_args(rt)
-    rt.set_defaults(handler=routing.run)
+    for name, module, help_text, engine in _BENCHES:
+        bench_module = importlib.import_module(f"kvflow.services.bench.{module}")
+        command = bench_sub.add_parser(name, help=help_text)
+        bench_module.add_args(command)
+        if engine:  # it builds an engine itself: every engine option applies
+            add_engine_args(command)
+        command.set_defaults(handler=bench_module.run)
     _add_kernel_bench(bench_sub)
     return parser
+
+
+# `kvflow bench NAME`: (name, module under services/bench, help, takes engine options)
+_BENCHES = [
+    ("throughput", "throughput", "offline throughput on random prompts", True),
+    ("latency", "latency", "offline end-to-end latency of one batch", True),
+    ("host-time", "host_time", "worker host time per decode step", True),
+    ("guided", "guided", "per-step cost of guided decoding (JSON schema)", True),
+    ("serve", "serve", "load-test any OpenAI-compatible server", False),
+    ("startup", "startup", "time `kvflow serve` to ready and first token", True),
+    ("spec-decode", "spec_decode", "single-stream tok/s with speculation", True),
+    ("kv-transfer", "kv_transfer", "zmq KV connector GB/s vs a memcpy", False),
+    ("kv-save", "kv_save", "producer step time: KV saved by layer vs after", True),
+    ("disagg", "disagg", "decode ITL under long prompts: colocated vs 1P+1D", True),
+    ("routing", "routing", "data-parallel routing cost per request", False),
+]
 
 
 def _add_kernel_bench(bench_sub: Any) -> None:
