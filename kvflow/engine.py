@@ -248,22 +248,11 @@ class LLMEngine:
         spans = result.stage_spans
         end = max((e for _, _, e in spans), default=time.time())
         start = min((s for _, s, _ in spans), default=end - result.execute_time_s)
-        scheduler = self.scheduler
         assert self.trace is not None
-        self.trace.record_step(
-            StepSample(
-                step_id=step.plan.step_id,
-                start_s=start,
-                duration_s=end - start,
-                batch=step.batch,
-                cost=cost,
-                num_running=len(scheduler.running),
-                num_waiting=len(scheduler.waiting),
-                kv_cache_usage=scheduler.kv_cache.usage,
-                num_preemptions=scheduler.num_preemptions,
-                stage_spans=spans,
-            )
+        sample = StepSample.of_step(
+            self.scheduler, step.plan.step_id, step.batch, cost, (start, end - start), spans
         )
+        self.trace.record_step(sample)
 
     def recover_from_failed_step(self) -> None:
         """A step raised (a bug, an interrupt): the results of the steps in flight will

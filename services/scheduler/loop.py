@@ -258,18 +258,13 @@ class SchedulerLoop:
         )
         self._preemptions_seen = preemptions
         if self.instruments.trace is not None:
-            scheduler = self.core.scheduler
-            sample = StepSample(
-                step_id=step.plan.step_id,
-                start_s=time.time() - seconds,
-                duration_s=seconds,
-                batch=step.batch,
-                cost=cost,
-                num_running=len(scheduler.running),
-                num_waiting=len(scheduler.waiting),
-                kv_cache_usage=scheduler.kv_cache.usage,
-                num_preemptions=scheduler.num_preemptions,
-                stage_spans=stage_spans,
+            sample = StepSample.of_step(
+                self.core.scheduler,
+                step.plan.step_id,
+                step.batch,
+                cost,
+                (time.time() - seconds, seconds),
+                stage_spans,
             )
             self.instruments.trace.record_step(sample)
 

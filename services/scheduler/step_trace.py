@@ -55,6 +55,29 @@ class StepSample:
     # Pipeline parallelism: [stage, start_s, end_s] of each stage's compute (wall clock).
     stage_spans: list[list[float]] = field(default_factory=list)
 
+    @classmethod
+    def of_step(
+        cls,
+        scheduler: Any,  # services/scheduler/scheduler.py Scheduler: its state after the step
+        step_id: int,
+        batch: StepBatch,
+        cost: StepCost,
+        span: tuple[float, float],  # (start_s, duration_s)
+        stage_spans: list[list[float]],
+    ) -> StepSample:
+        return cls(
+            step_id=step_id,
+            start_s=span[0],
+            duration_s=span[1],
+            batch=batch,
+            cost=cost,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=scheduler.kv_cache.usage,
+            num_preemptions=scheduler.num_preemptions,
+            stage_spans=stage_spans,
+        )
+
 
 STAGE_TID_BASE = 1  # pipeline stage S is thread id 1 + S (0: the engine's steps)
 STAGE_PARTS = ("prepare", "compute")  # a stage's two spans of a step
