@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from parallel_models import FIRST, SECOND, save_uneven_qwen2
 
 from kvflow import LLM, SamplingParams
 
@@ -33,9 +33,6 @@ ENGINE = dict(
     block_size=8,
     max_num_batched_tokens=16,
 )
-PREFIX = "In a quiet village by the sea there lived an old fisherman who every morning "
-FIRST = [PREFIX + "went out", "Hello", "The list of the primes begins with two, three, five"]
-SECOND = [PREFIX + "sang", PREFIX + "counted the boats", "Hi"]
 
 
 @pytest.fixture(scope="module")
@@ -43,25 +40,7 @@ def three_layer_model_dir(
     tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path
 ) -> Path:
     """Qwen2, 3 layers, 1 KV head for 4 query heads, vocabulary = tokenizer + 1 (odd)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir))
-    config = Qwen2Config(
-        vocab_size=len(tokenizer) + 1,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(1)
-    path = tmp_path_factory.mktemp("tiny-3-layers")
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_uneven_qwen2(tmp_path_factory.mktemp("tiny-3-layers"), embedded_model_dir, 3)
 
 
 def _run(model_dir: Path, stop: str | None, **parallel: Any) -> tuple[list[Any], int, int]:
