@@ -9,23 +9,12 @@ seconds, /health turns 503, and `kvflow serve` exits 1 with no process left behi
 from __future__ import annotations
 
 import json
-import os
 import re
-import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from serve_harness import child_pid, group_members, start_server, stop_server, wait_for
-from test_serve_tensor_parallel import (
-    DEADLINE_S,
-    FAIL_WITHIN_S,
-    _health,
-    _offline_tp1,
-    _served,
-    _stream_until_error,
-)
+from serve_harness import child_pid, group_members, start_server, stop_server
+from test_serve_tensor_parallel import FAIL_WITHIN_S, _offline_tp1, _served, kill_during_a_stream
 
 pytestmark = pytest.mark.slow
 
@@ -45,18 +34,7 @@ def test_served_pp2_equals_offline_and_a_killed_stage_ends_the_engine(
         got = _served(server.base_url, stop)
         stage0 = child_pid(server.pid, "kvflow-worker0")
         assert stage0 is not None and child_pid(server.pid, "kvflow-worker1") is not None
-        started = threading.Event()
-        result: dict[str, Any] = {}
-        streamer = threading.Thread(
-            target=lambda: result.update(_stream_until_error(server.base_url, started))
-        )
-        streamer.start()
-        assert started.wait(DEADLINE_S)
-        os.kill(stage0, 9)
-        killed_at = time.monotonic()
-        saw_503 = wait_for(lambda: _health(server.base_url) == 503, FAIL_WITHIN_S, interval_s=0.05)
-        streamer.join(DEADLINE_S)
-        code = server.process.wait(DEADLINE_S)  # the engine is dead: it exits on its own
+        saw_503, result, killed_at, code = kill_during_a_stream(server, stage0)
     finally:
         stop_code, survivors = stop_server(server)
     assert got == want

@@ -107,18 +107,7 @@ def test_served_tp2_equals_offline_tp1_and_a_killed_rank_ends_the_engine(
         got = _served(server.base_url, stop)
         rank1 = child_pid(server.pid, "kvflow-worker1")
         assert rank1 is not None and child_pid(server.pid, "kvflow-worker0") is not None
-        started = threading.Event()
-        result: dict[str, Any] = {}
-        streamer = threading.Thread(
-            target=lambda: result.update(_stream_until_error(server.base_url, started))
-        )
-        streamer.start()
-        assert started.wait(DEADLINE_S)
-        os.kill(rank1, signal.SIGKILL)
-        killed_at = time.monotonic()
-        saw_503 = wait_for(lambda: _health(server.base_url) == 503, FAIL_WITHIN_S, interval_s=0.05)
-        streamer.join(DEADLINE_S)
-        code = server.process.wait(DEADLINE_S)  # the engine is dead: it exits on its own
+        saw_503, result, killed_at, code = kill_during_a_stream(server, rank1)
     finally:
         stop_code, survivors = stop_server(server)
     assert got == want
@@ -129,6 +118,25 @@ def test_served_tp2_equals_offline_tp1_and_a_killed_rank_ends_the_engine(
     assert result["ended"] - killed_at < FAIL_WITHIN_S
     assert code == stop_code == 1, server.log_tail()
     assert survivors == [] and group_members(server.pid) == [], server.log_tail()
+
+
+def kill_during_a_stream(server: Any, pid: int) -> tuple[bool, dict[str, Any], float, int]:
+    """SIGKILL `pid` (a worker rank) while a stream runs: (whether /health turned 503
+    within FAIL_WITHIN_S, the stream's outcome, when the kill was sent, the server's own
+    exit code: the engine is dead, so it exits by itself)."""
+    started = threading.Event()
+    result: dict[str, Any] = {}
+    streamer = threading.Thread(
+        target=lambda: result.update(_stream_until_error(server.base_url, started))
+    )
+    streamer.start()
+    assert started.wait(DEADLINE_S)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    saw_503 = wait_for(lambda: _health(server.base_url) == 503, FAIL_WITHIN_S, interval_s=0.05)
+    streamer.join(DEADLINE_S)
+    code = server.process.wait(DEADLINE_S)
+    return saw_503, result, killed_at, code
 
 
 def _health(base_url: str) -> int | None:
