@@ -74,6 +74,7 @@ def load_model(
     from kvflow.gpu_worker.block_weights import attach_block_weights
     from kvflow.gpu_worker.models.registry import get_model_class
     from kvflow.gpu_worker.quantization import quantize_model
+    from kvflow.gpu_worker.weight_packing import pack_weights
     from kvflow.gpu_worker.weights import iterate_safetensors, load_weights
 
     config = load_hf_config(model_dir)
@@ -84,4 +85,5 @@ def load_model(
     load_weights(model, iterate_safetensors(model_dir))
     attach_block_weights(model, model_dir)  # a converted GGUF's blocks, for small batches
     quantize_model(model, quantization)
+    pack_weights(model)  # CPU: oneDNN's layout, once (the plain weights are freed)
     return model.eval().requires_grad_(False)

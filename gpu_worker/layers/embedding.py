@@ -60,6 +60,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     blocks: BlockWeights | None = None  # GGUF blocks of `weight` (block_weights.py)
     quant: QuantWeights | None = None  # `--quantization` (gpu_worker/quantization.py)
+    onednn_weight: torch.Tensor | None = (
+        None  # `weight` packed for oneDNN (gpu_worker/weight_packing.py)
+    )
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         assert embedding.weight.shape == self.weight.shape
@@ -67,7 +70,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
-        logits = linear(hidden, self.weight, None, self.blocks, self.quant)  # [num_rows, per_rank]
+        logits = linear(
+            hidden, self.weight, None, self.blocks, self.quant, self.onednn_weight
+        )  # [num_rows, per_rank]
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()

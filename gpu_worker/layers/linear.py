@@ -66,6 +66,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = new_parameter((out,), self.weight_loader, shard_ids) if bias else None
         self.blocks: BlockWeights | None = None  # GGUF blocks of `weight` (block_weights.py)
         self.quant: QuantWeights | None = None  # `--quantization` (gpu_worker/quantization.py)
+        self.onednn_weight: torch.Tensor | None = (
+            None  # packed `weight` (gpu_worker/weight_packing.py)
+        )
 
     def shard_range(self, shard_id: Any) -> tuple[int, int, int]:
         """(offset in the packed local param, local size, start row in the checkpoint)."""
@@ -81,7 +84,9 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.blocks, self.quant)  # fastest CPU route
+        return linear(
+            x, self.weight, self.bias, self.blocks, self.quant, self.onednn_weight
+        )  # fastest CPU route
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -141,6 +146,9 @@ class RowParallelLinear(nn.Module):
         self.bias = new_parameter((output_size,), copy_checked_loader) if bias else None
         self.blocks: BlockWeights | None = None  # GGUF blocks of `weight` (block_weights.py)
         self.quant: QuantWeights | None = None  # `--quantization` (gpu_worker/quantization.py)
+        self.onednn_weight: torch.Tensor | None = (
+            None  # packed `weight` (gpu_worker/weight_packing.py)
+        )
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
@@ -150,8 +158,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, self.blocks, self.quant)
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.blocks, self.quant))
+            return linear(x, self.weight, self.bias, self.blocks, self.quant, self.onednn_weight)
+        y = self.tp.all_reduce(
+            linear(x, self.weight, None, self.blocks, self.quant, self.onednn_weight)
+        )
         return y if self.bias is None else y + self.bias
 
 

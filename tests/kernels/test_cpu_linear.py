@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.kernels.cpu import linear as module
-from kvflow.kernels.cpu import skinny_linear
+from kvflow.kernels.cpu import packed_linear, skinny_linear
 from kvflow.kernels.cpu.linear import linear, onednn_applies
 
 needs_onednn = pytest.mark.skipif(
@@ -91,3 +91,40 @@ def test_other_calls_go_to_f_linear(case, monkeypatch):
 def test_empty_batch() -> None:
     x, weight, b = _inputs(0, torch.float32, bias=True)
     assert linear(x, weight, b).shape == (0, 1000)
+
+
+needs_packing = pytest.mark.skipif(
+    not packed_linear.available(torch.float32), reason="torch built without oneDNN"
+)
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 8, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_give_f_linear_results(rows, dtype):
+    """bfloat16: bit for bit (F.linear runs the same oneDNN kernel on the plain weight).
+    float32: F.linear goes to MKL, so up to summation order."""
+    if not packed_linear.available(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} here")
+    x, weight, b = _inputs(rows, dtype, bias=True)
+    onednn_weight = packed_linear.pack(weight)
+    assert onednn_weight is not None
+    actual = linear(x, torch.empty(0, dtype=dtype), b, onednn_weight=onednn_weight)
+    assert actual.shape == (rows, 1000) and actual.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(actual, F.linear(x, weight, b))
+    else:
+        torch.testing.assert_close(actual, F.linear(x, weight, b), atol=1e-4, rtol=1e-4)
+
+
+@needs_packing
+def test_a_packed_layer_refuses_input_it_cannot_take():
+    x, weight, _ = _inputs(4, torch.float32, bias=False)
+    onednn_weight = packed_linear.pack(weight)
+    with pytest.raises(ValueError, match="packed"):
+        linear(x.bfloat16(), weight, onednn_weight=onednn_weight)
+
+
+def test_only_cpu_float_weights_are_packed():
+    assert packed_linear.pack(torch.zeros(4, 4, dtype=torch.float16)) is None
+    assert packed_linear.pack(torch.zeros(4, dtype=torch.float32)) is None
