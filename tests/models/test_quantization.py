@@ -90,9 +90,7 @@ def test_q8_0_stays_close_to_the_float_model(
 
 
 def test_every_linear_layer_and_the_lm_head_get_quantized_weights(tiny_model_dir) -> None:
-    model = load_model(
-        tiny_model_dir("qwen2"), torch.float32, torch.device("cpu"), "torch", "q8_0"
-    )
+    model = load_model(tiny_model_dir("qwen2"), torch.float32, torch.device("cpu"), "torch", "q8_0")
     quantized = [m for m in model.modules() if getattr(m, "quant", None) is not None]
     assert len(quantized) == 2 * 4 + 1  # qkv, o, gate_up, down; LM head
     assert model.lm_head.quant is not None
