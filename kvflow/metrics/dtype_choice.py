@@ -17,8 +17,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from kvflow.cache_dir import cpu_model, default_cache_dir, read_json, write_json_atomically
 
@@ -64,16 +66,16 @@ def measure_cpu_dtype(threads: int | None = None) -> DTypeChoice:
     if threads is not None:
         torch.set_num_threads(threads)
     m, k, n = MATMUL_SHAPE
-    operands = {
-        dtype: (torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype))
+    matmuls = {
+        dtype: _layer_matmul(torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype))
         for dtype in (torch.float32, torch.bfloat16)
     }
-    best = {dtype: float("inf") for dtype in operands}
+    best = {dtype: float("inf") for dtype in matmuls}
     deadline = time.perf_counter() + _BUDGET_S
     for round_index in range(_ROUNDS + 1):  # round 0 warms up: page faults, kernel choice
-        for dtype, (a, b) in operands.items():
+        for dtype, matmul in matmuls.items():
             start = time.perf_counter()
-            torch.matmul(a, b)
+            matmul()
             elapsed = time.perf_counter() - start
             if round_index > 0:
                 best[dtype] = min(best[dtype], elapsed)
@@ -82,6 +84,25 @@ def measure_cpu_dtype(threads: int | None = None) -> DTypeChoice:
     flops = 2 * m * k * n
     fp32, bf16 = flops / best[torch.float32] / 1e9, flops / best[torch.bfloat16] / 1e9
     return DTypeChoice(faster_dtype(fp32, bf16), fp32, bf16, "measured")
+
+
+def _layer_matmul(x: Any, weight: Any) -> Callable[[], object]:
+    """x @ weight.T as the worker's linear layers run it: on a weight packed once for
+    oneDNN where torch can (kernels/cpu/packed_linear.py, which this core module may not
+    import), else F.linear."""
+    import torch
+    import torch.nn.functional as F
+
+    ops = torch.ops.mkldnn
+    packable = (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and (x.dtype != torch.bfloat16 or ops._is_mkldnn_bf16_supported())
+    )
+    if not packable:
+        return lambda: F.linear(x, weight)
+    packed = ops._reorder_linear_weight(weight)
+    return lambda: ops._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def faster_dtype(float32_gflops: float, bfloat16_gflops: float) -> str:
@@ -93,7 +114,8 @@ def default_cache_file() -> Path:
 
 
 def _cache_key(threads: int | None) -> str:
-    return f"{cpu_model()}|{threads or os.cpu_count()} threads"
+    # "packed": choices timed before the worker packed its weights are measured again.
+    return f"{cpu_model()}|{threads or os.cpu_count()} threads|packed"
 
 
 def _store(cache_file: Path, key: str, choice: DTypeChoice) -> None:
