@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
+from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, cpu_flags, load_bound
 
 _SIGNATURE = [ctypes.c_int, *[POINTER] * 7, INT64, POINTER, *[INT64] * 8, ctypes.c_float]
 
@@ -156,3 +156,11 @@ def load_paged_decode(march: str = "native") -> PagedDecodeAttention | None:
     signatures = {"kvflow_paged_decode_attention": _SIGNATURE}
     library = load_bound("paged_decode_attention", signatures, march)
     return PagedDecodeAttention(library) if library is not None else None
+
+
+def load_portable_paged_decode() -> PagedDecodeAttention | None:
+    """The kernel built for AVX2 (-march=x86-64-v3: its portable f32x8 loops, what CPUs
+    without AVX-512 run), where this CPU can run it; for benchmarks against native."""
+    if not {"avx2", "fma", "bmi2", "movbe"} <= cpu_flags():
+        return None
+    return load_paged_decode("x86-64-v3")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvflow.kernels.cpu.native_build import cpu_flags
 from kvflow.kernels.cpu.paged_decode import load_paged_decode, paged_decode_attention_ref
 
 kernel = load_paged_decode()
@@ -98,15 +99,6 @@ def test_rejects_what_would_read_out_of_bounds(change, message):
         kernel(**(args | change), scale=1.0)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            line = next(line for line in cpuinfo if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return set()
-    return set(line.split(":", 1)[1].split())
-
-
 # The kernel's three paths: AVX512_BF16 dot products (native on this CPU if it has them),
 # AVX-512 without them (x86-64-v4), and the portable f32x8 loops (x86-64-v3 = AVX2). An
 # older -march is built and run only where this CPU can execute it.
@@ -118,7 +110,8 @@ _MARCH_NEEDS = {
 
 
 def _kernel_for(march: str):
-    if not _MARCH_NEEDS[march] <= _cpu_flags() or (march != "native" and not _cpu_flags()):
+    flags = cpu_flags()
+    if not _MARCH_NEEDS[march] <= flags or (march != "native" and not flags):
         pytest.skip(f"this CPU cannot run -march={march} code")
     built = load_paged_decode(march)
     if built is None:
