@@ -7,8 +7,10 @@
 // each request is one task that walks its blocks in order (the G = H / KH query heads
 // of a KV head share every K/V row read), scores are kept for the whole context (two
 // passes: softmax needs the max), and the tasks run on torch's own OpenMP thread pool
-// (same libgomp). Vectors of 8 floats and a vectorizable exp come from vec.h; a
-// head_dim that is not a multiple of 8 takes the scalar loops.
+// (same libgomp). Where -march enables AVX-512 and head_dim is a multiple of 32, the
+// inner loops are paged_decode_avx512.h's (tiles of 16 rows, AVX512_BF16 where present);
+// elsewhere vectors of 8 floats and a vectorizable exp come from vec.h, and a head_dim
+// that is not a multiple of 8 takes the scalar loops.
 //
 // Built at first use by native_build.py; the torch reference is
 // paged_decode_attention_ref in paged_decode.py.
