@@ -152,10 +152,18 @@ def test_every_path_and_head_group(march, dtype, group):
 @pytest.mark.parametrize("march", list(_MARCH_NEEDS))
 @pytest.mark.parametrize(
     ("head_dim", "block_size", "window"),
-    [(32, 1, None), (64, 16, None), (64, 16, 20), (128, 32, 17), (48, 8, None), (80, 16, 9)],
+    [
+        (32, 1, None),
+        (64, 16, None),
+        (64, 16, 20),
+        (128, 32, 17),
+        (256, 16, None),
+        (48, 8, None),
+        (80, 16, 9),
+    ],
 )
 def test_every_path_head_dims_and_windows(march, head_dim, block_size, window):
-    """head_dim 32..128 (48 and 80 are not multiples of 32: the portable loops even on
+    """head_dim 32..256 (48 and 80 are not multiples of 32: the portable loops even on
     AVX-512), block sizes 1..32, sliding windows that start mid-tile and mid-block."""
     kern = _kernel_for(march)
     for dtype in (torch.float32, torch.bfloat16):
