@@ -58,6 +58,12 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo names; empty where unknown)."""
+    line = _cpu_flags()
+    return set(line.split(":", 1)[1].split()) if line.startswith("flags") else set()
+
+
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 

@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
+from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, cpu_flags, load_bound
 
 _SIGNATURE = [ctypes.c_int, *[POINTER] * 7, INT64, POINTER, *[INT64] * 8, ctypes.c_float]
 
@@ -43,16 +43,20 @@ class PagedDecodeAttention:
         per step rather than once per layer)."""
         _, num_heads, head_dim = query.shape
         _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-        if query.device.type != "cpu" or query.dtype not in DTYPE_CODES:
-            raise ValueError(f"CPU float32/bfloat16 only, got {query.dtype} on {query.device}")
-        if kv_cache.dtype != query.dtype or out.dtype != query.dtype:
+        dtype = query.dtype
+        if query.device.type != "cpu" or dtype not in DTYPE_CODES:
+            raise ValueError(f"CPU float32/bfloat16 only, got {dtype} on {query.device}")
+        if kv_cache.dtype != dtype or out.dtype != dtype:
             raise ValueError("query, kv_cache and out must share one dtype")
         if cache_head_dim != head_dim or num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads of {head_dim} vs cache {kv_cache.shape}")
-        for name, t in (("query", query), ("out", out)):
-            if t.stride(2) != 1 or t.stride(1) != head_dim:
-                raise ValueError(f"{name} must have contiguous [heads, head_dim] rows")
-        if not (kv_cache[0].is_contiguous() and kv_cache[1].is_contiguous()):
+        q_strides, out_strides = query.stride(), out.stride()
+        if q_strides[1:] != (head_dim, 1) or out_strides[1:] != (head_dim, 1):
+            raise ValueError("query and out must have contiguous [heads, head_dim] rows")
+        # Strides rather than kv_cache[0].is_contiguous(): a view costs more than the
+        # kernel's whole call at batch 1.
+        row = num_kv_heads * head_dim
+        if kv_cache.stride()[1:] != (block_size * row, row, head_dim, 1):
             raise ValueError("each of K and V of kv_cache must be contiguous")
         for name, t in (
             ("block_tables", block_tables),
@@ -66,24 +70,25 @@ class PagedDecodeAttention:
             check_indices(
                 query.shape[0], block_tables, seq_lens, req_indices, token_rows, block_size
             )
+        k_ptr = kv_cache.data_ptr()
         status = self._fn(
-            DTYPE_CODES[query.dtype],
+            DTYPE_CODES[dtype],
             query.data_ptr(),
-            kv_cache[0].data_ptr(),
-            kv_cache[1].data_ptr(),
+            k_ptr,
+            k_ptr + kv_cache.stride(0) * kv_cache.element_size(),
             block_tables.data_ptr(),
             seq_lens.data_ptr(),
             req_indices.data_ptr(),
             token_rows.data_ptr(),
-            req_indices.numel(),
+            req_indices.shape[0],
             out.data_ptr(),
             num_heads,
             num_kv_heads,
             head_dim,
             block_size,
             block_tables.shape[1],
-            query.stride(0),
-            out.stride(0),
+            q_strides[0],
+            out_strides[0],
             window or 0,
             scale,
         )
@@ -145,7 +150,17 @@ def check_indices(
         raise ValueError("a decode's seq_len is below 1 or beyond its block table")
 
 
-def load_paged_decode() -> PagedDecodeAttention | None:
-    """The native kernel, or None where it cannot be built (see native_build)."""
-    library = load_bound("paged_decode_attention", {"kvflow_paged_decode_attention": _SIGNATURE})
+def load_paged_decode(march: str = "native") -> PagedDecodeAttention | None:
+    """The native kernel, or None where it cannot be built (see native_build). Tests pass
+    an older `march` to run the paths of CPUs without AVX512_BF16 or AVX-512."""
+    signatures = {"kvflow_paged_decode_attention": _SIGNATURE}
+    library = load_bound("paged_decode_attention", signatures, march)
     return PagedDecodeAttention(library) if library is not None else None
+
+
+def load_portable_paged_decode() -> PagedDecodeAttention | None:
+    """The kernel built for AVX2 (-march=x86-64-v3: its portable f32x8 loops, what CPUs
+    without AVX-512 run), where this CPU can run it; for benchmarks against native."""
+    if not {"avx2", "fma", "bmi2", "movbe"} <= cpu_flags():
+        return None
+    return load_paged_decode("x86-64-v3")

@@ -7,8 +7,10 @@
 // each request is one task that walks its blocks in order (the G = H / KH query heads
 // of a KV head share every K/V row read), scores are kept for the whole context (two
 // passes: softmax needs the max), and the tasks run on torch's own OpenMP thread pool
-// (same libgomp). Vectors of 8 floats and a vectorizable exp come from vec.h; a
-// head_dim that is not a multiple of 8 takes the scalar loops.
+// (same libgomp). Where -march enables AVX-512 and head_dim is a multiple of 32, the
+// inner loops are paged_decode_avx512.h's (tiles of 16 rows, AVX512_BF16 where present);
+// elsewhere vectors of 8 floats and a vectorizable exp come from vec.h, and a head_dim
+// that is not a multiple of 8 takes the scalar loops.
 //
 // Built at first use by native_build.py; the torch reference is
 // paged_decode_attention_ref in paged_decode.py.
@@ -21,6 +23,9 @@
 #include <vector>
 
 #include "vec.h"
+#if defined(__AVX512F__)
+#include "paged_decode_avx512.h"
+#endif
 
 namespace {
 
@@ -37,6 +42,8 @@ struct Shape {
 struct Scratch {
     std::vector<f32x8> q, acc;  // [heads, head_dim / 8] (vector path)
     std::vector<float> q_flat, acc_flat, scores, denom;
+    std::vector<uint16_t> q_bf16;  // [heads, head_dim] (AVX-512 BF16 path)
+    std::vector<int64_t> slots;    // [n]: the cache slot of each visible position
 };
 
 // Calls f(i, slot, count, next) for each run of consecutive slots (at most a block)
@@ -219,6 +226,93 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
     }
 }
 
+#if defined(__AVX512F__)
+// attend_one with the AVX-512 tiles (paged_decode_avx512.h); head_dim % 32 == 0.
+template <typename T>
+void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
+                       int64_t seq_len, int64_t kv_begin, int64_t kv_end, T* out,
+                       const Shape& s, Scratch& w) {
+    namespace x = avx512;
+    const int64_t G = s.num_heads / s.num_kv_heads, D = s.head_dim, KH = s.num_kv_heads;
+    const int64_t heads = (kv_end - kv_begin) * G, h0 = kv_begin * G;
+    const int64_t first = s.window > 0 ? std::max<int64_t>(0, seq_len - s.window) : 0;
+    const int64_t n = seq_len - first, row_bytes = (kv_end - kv_begin) * D * sizeof(T);
+    w.slots.resize(n);
+    for_each_run(table, first, seq_len, s.block_size,
+                 [&](int64_t i0, int64_t slot, int64_t count, int64_t) {
+                     for (int64_t i = 0; i < count; ++i) w.slots[i0 + i] = (slot + i) * KH * D;
+                 });
+    w.scores.resize(heads * n);
+    w.denom.resize(heads);
+    w.q_flat.resize(heads * D);
+    w.q_bf16.resize(heads * D);
+    w.acc_flat.assign(heads * D, 0.0f);
+    for (int64_t h = 0; h < heads; ++h)
+        x::prepare_query(q + (h0 + h) * D, D, s.scale, w.q_flat.data() + h * D,
+                         w.q_bf16.data() + h * D);
+    const float post_scale = x::deferred_scale<T>(s.scale);
+    float* scores = w.scores.data();
+    const int64_t* slots = w.slots.data();
+
+    // The tile from t0 in `cache` at KV head kv_begin; rows past count repeat row t0.
+    auto tile_rows = [&](const T* cache, int64_t t0, int count, const T** rows) {
+        for (int r = 0; r < x::kTile; ++r)
+            rows[r] = cache + slots[t0 + (r < count ? r : 0)] + kv_begin * D;
+    };
+    // Asks for the rows of the tile from t0 (if any) to be brought to the L2 ahead of their
+    // use: the block table scatters the context over the cache, which the hardware
+    // prefetchers do not follow.
+    auto prefetch_tile = [&](const T* cache, int64_t t0) {
+        for (int64_t t = t0; t < std::min(n, t0 + x::kTile); ++t)
+            x::prefetch_l2(cache + slots[t] + kv_begin * D, row_bytes);
+    };
+    const int64_t kv_heads = kv_end - kv_begin;
+    // Calls f(t0, count, rows) per tile of `cache`, having asked for the tile two ahead to
+    // be brought to the L2 while this one is worked on (K's last tile asks for V's first
+    // two, so the second pass starts with its rows on the way).
+    constexpr int64_t kAhead = 2 * x::kTile;
+    prefetch_tile(k_cache, 0);
+    prefetch_tile(k_cache, x::kTile);
+    auto for_each_tile = [&](const T* cache, auto&& f) {
+        const T* rows[x::kTile];
+        for (int64_t t0 = 0; t0 < n; t0 += x::kTile) {
+            const int count = static_cast<int>(std::min<int64_t>(x::kTile, n - t0));
+            prefetch_tile(cache, t0 + kAhead);
+            if (cache == k_cache && t0 + x::kTile >= n) {
+                prefetch_tile(v_cache, 0);
+                prefetch_tile(v_cache, x::kTile);
+            }
+            tile_rows(cache, t0, count, rows);
+            f(t0, count, rows);
+        }
+    };
+    for_each_tile(k_cache, [&](int64_t t0, int count, const T* const* rows) {
+        const T* kv_rows[x::kTile];
+        for (int64_t kh = 0; kh < kv_heads; ++kh) {
+            for (int r = 0; r < x::kTile; ++r) kv_rows[r] = rows[r] + kh * D;
+            for (int64_t h = kh * G; h < (kh + 1) * G; ++h)
+                x::score_tile(kv_rows, count, D, w.q_flat.data() + h * D,
+                              w.q_bf16.data() + h * D, post_scale, scores + h * n + t0);
+        }
+    });
+    x::softmax_numerators<x::bf16_weights<T>()>(scores, heads, n, w.denom.data());
+    for_each_tile(v_cache, [&](int64_t t0, int count, const T* const* rows) {
+        const T* kv_rows[x::kTile];
+        for (int64_t kh = 0; kh < kv_heads; ++kh) {
+            for (int r = 0; r < x::kTile; ++r) kv_rows[r] = rows[r] + kh * D;
+            x::accumulate_tile(kv_rows, count, D, G, scores + kh * G * n + t0, n,
+                               w.acc_flat.data() + kh * G * D);
+        }
+    });
+    for (int64_t h = 0; h < heads; ++h) {
+        const float inv = 1.0f / w.denom[h];
+        const float* acc = w.acc_flat.data() + h * D;
+        for (int64_t d = 0; d < D; ++d)
+            store(out + (h0 + h) * D + d, acc[x::acc_index<T>(d)] * inv);
+    }
+}
+#endif
+
 template <typename T>
 void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                   const int32_t* seq_lens, const int32_t* req_indices, const int32_t* token_rows,
@@ -236,9 +330,19 @@ void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int32_t*
         for (int64_t task = 0; task < tasks; ++task) {
             const int64_t i = task / splits, split = task % splits;
             const int64_t req = req_indices[i], row = token_rows[i];
-            attend_one(q + row * s.q_token_stride, k_cache, v_cache,
-                       block_tables + req * s.max_blocks, seq_lens[req], split * per_split,
-                       (split + 1) * per_split, out + row * s.out_token_stride, s, scratch);
+            const T* q_row = q + row * s.q_token_stride;
+            const int32_t* table = block_tables + req * s.max_blocks;
+            const int64_t kv_begin = split * per_split, kv_end = (split + 1) * per_split;
+            T* out_row = out + row * s.out_token_stride;
+#if defined(__AVX512F__)
+            if (s.head_dim % 32 == 0) {
+                attend_one_avx512(q_row, k_cache, v_cache, table, seq_lens[req], kv_begin,
+                                  kv_end, out_row, s, scratch);
+                continue;
+            }
+#endif
+            attend_one(q_row, k_cache, v_cache, table, seq_lens[req], kv_begin, kv_end,
+                       out_row, s, scratch);
         }
     }
 }

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.kernels import activation, grammar_bitmask, rms_norm, rotary, store_kv
-from kvflow.kernels.cpu.paged_decode import load_paged_decode
+from kvflow.kernels.cpu.paged_decode import load_paged_decode, load_portable_paged_decode
 from kvflow.kernels.paged_attention import paged_attention, paged_attention_ref
 
 
@@ -141,14 +141,17 @@ def _decode_attention_case(a: argparse.Namespace, dev: torch.device, dt: torch.d
         k, v = (torch.stack([p.gather(r, i) for r in range(b)]).transpose(1, 2) for i in (0, 1))
         return F.scaled_dot_product_attention(q4, k, v, scale=p.scale, enable_gqa=h != kvh)
 
-    native = load_paged_decode() if dev.type == "cpu" else None
     rows = torch.arange(b, dtype=torch.int32)
     out = torch.empty_like(p.query)
-    cpu_native = {} if native is None or not native.supports(p.query) else {
-        "cpu-native": lambda: native(
-            p.query, p.kv_cache, p.block_tables, p.seq_lens, rows, rows, out, p.scale
-        )
-    }  # fmt: skip
+    cpu_native = {}
+    # The native build, and (x86) its AVX2 build: the loops of CPUs without AVX-512.
+    for name, load in (("cpu-native", load_paged_decode),
+                       ("cpu-native(avx2 build)", load_portable_paged_decode)):  # fmt: skip
+        kernel = load() if dev.type == "cpu" else None
+        if kernel is not None and kernel.supports(p.query):
+            cpu_native[name] = functools.partial(
+                kernel, p.query, p.kv_cache, p.block_tables, p.seq_lens, rows, rows, out, p.scale
+            )
     return Case(
         f"decode_attention b{b} ctx{seq}",
         2 * b * seq * kvh * d * _elt(dt) + 2 * b * h * d * _elt(dt),

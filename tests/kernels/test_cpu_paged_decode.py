@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvflow.kernels.cpu.native_build import cpu_flags
 from kvflow.kernels.cpu.paged_decode import load_paged_decode, paged_decode_attention_ref
 
 kernel = load_paged_decode()
@@ -96,3 +97,92 @@ def test_rejects_what_would_read_out_of_bounds(change, message):
     }
     with pytest.raises(ValueError, match=message):
         kernel(**(args | change), scale=1.0)
+
+
+# The kernel's three paths: AVX512_BF16 dot products (native on this CPU if it has them),
+# AVX-512 without them (x86-64-v4), and the portable f32x8 loops (x86-64-v3 = AVX2). An
+# older -march is built and run only where this CPU can execute it.
+_MARCH_NEEDS = {
+    "native": set(),
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+    "x86-64-v3": {"avx2", "fma", "bmi2", "movbe"},
+}
+
+
+def _kernel_for(march: str):
+    flags = cpu_flags()
+    if not _MARCH_NEEDS[march] <= flags or (march != "native" and not flags):
+        pytest.skip(f"this CPU cannot run -march={march} code")
+    built = load_paged_decode(march)
+    if built is None:
+        pytest.skip(f"no -march={march} build here")
+    return built
+
+
+def _check_against_reference(kern, num_heads, num_kv_heads, head_dim, block_size, seq_lens,
+                             dtype, window=None):  # fmt: skip
+    gen = torch.Generator().manual_seed(num_heads * 100 + head_dim + block_size)
+    query, kv_cache, block_tables, lens = _random_case(
+        num_heads, num_kv_heads, head_dim, block_size, seq_lens, dtype, gen
+    )
+    rows = torch.arange(len(seq_lens), dtype=torch.int32)
+    expected = torch.zeros(query.shape, dtype=torch.float32)
+    actual = torch.full_like(query, 7.0)
+    args = (kv_cache, block_tables, lens, rows, rows)
+    scale = head_dim**-0.5
+    paged_decode_attention_ref(query, *args, expected, scale, window)
+    kern(query, *args, actual, scale, window)
+    n = len(seq_lens)
+    torch.testing.assert_close(actual[:n].float(), expected[:n], **TOLERANCES[dtype])
+    assert (actual[n:] == 7.0).all()
+    return actual[:n].float(), expected[:n]
+
+
+@pytest.mark.parametrize("march", list(_MARCH_NEEDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_every_path_and_head_group(march, dtype, group):
+    """GQA ratios 1..8 (the AVX-512 weights go by groups of at most 4 heads), on each of
+    the kernel's paths; lengths around the 16-row tile (1, 15, 16, 17, 33) on blocks of 5,
+    so tiles span blocks; head_dim 96 = a 64-column and a 32-column group."""
+    kern = _kernel_for(march)
+    _check_against_reference(kern, 2 * group, 2, 96, 5, [1, 15, 16, 17, 33, 70], dtype)
+
+
+@pytest.mark.parametrize("march", list(_MARCH_NEEDS))
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "window"),
+    [
+        (32, 1, None),
+        (64, 16, None),
+        (64, 16, 20),
+        (128, 32, 17),
+        (256, 16, None),
+        (48, 8, None),
+        (80, 16, 9),
+    ],
+)
+def test_every_path_head_dims_and_windows(march, head_dim, block_size, window):
+    """head_dim 32..256 (48 and 80 are not multiples of 32: the portable loops even on
+    AVX-512), block sizes 1..32, sliding windows that start mid-tile and mid-block."""
+    kern = _kernel_for(march)
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_against_reference(kern, 6, 2, head_dim, block_size, [3, 16, 45, 100], dtype, window)
+
+
+@pytest.mark.parametrize("march", list(_MARCH_NEEDS))
+def test_bf16_error_is_that_of_bf16_rounding(march):
+    """bfloat16 on each path: the weights of V may be rounded to bf16 (AVX512_BF16, as
+    FlashAttention and torch's CPU flash attention do), which must cost less than the
+    bf16 rounding of the output itself (measured: 1.4x the error of that rounding alone,
+    1.0x without AVX512_BF16); float32 stays far tighter."""
+    kern = _kernel_for(march)
+    actual, expected = _check_against_reference(
+        kern, 9, 3, 64, 16, [300, 290, 64, 7], torch.bfloat16
+    )
+    rounding_error = (expected.bfloat16().float() - expected).abs().mean()
+    assert (actual - expected).abs().mean() < 1.6 * rounding_error
+    f32_actual, f32_expected = _check_against_reference(
+        kern, 9, 3, 64, 16, [300, 290, 64, 7], torch.float32
+    )
+    assert (f32_actual - f32_expected).abs().max() < 1e-5
