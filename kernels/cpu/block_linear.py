@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+import platform
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,16 +24,22 @@ MAX_ROWS = 48  # measured crossover with oneDNN on float32 weights: between 48 a
 BLOCK = 32  # weights per block, every format
 # GGUF type name -> (kernel format code, bytes per raw GGUF block).
 FORMATS = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20)}
+TILE = 4  # weight rows per tile of the packed layout (block_linear.cpp)
+# What tests build to check the portable path on any machine of the architecture.
+PORTABLE_MARCH = "x86-64" if platform.machine() in ("x86_64", "AMD64") else "armv8-a"
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _library(march: str = "native") -> ctypes.CDLL | None:
+    """The kernel built for `march`: "native" in production; tests also build older
+    ISAs (PORTABLE_MARCH, AVX2 without AVX-512) to check every path on one machine."""
     return load_bound(
         "block_linear",
         {
-            "kvflow_block_linear": [ctypes.c_int, *[POINTER] * 6, *[INT64] * 4],
-            "kvflow_block_dequantize": [ctypes.c_int, *[POINTER] * 4, INT64, INT64],
+            "kvflow_block_linear": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 4],
+            "kvflow_block_dequantize": [ctypes.c_int, POINTER, POINTER, INT64, INT64],
         },
+        march,
     )
 
 
@@ -40,24 +47,32 @@ def available() -> bool:
     return _library() is not None
 
 
+def _code_bytes(format: str) -> int:  # codes of one row's block
+    return BLOCK if format == "Q8_0" else BLOCK // 2
+
+
 @dataclass(frozen=True)
 class BlockWeights:
-    """W [out_features, in_features] in a block format, in the kernel's layout."""
+    """W [out_features, in_features] in a block format, in the kernel's tiled layout:
+    per tile of TILE rows and block of 32 columns one record, [d x 4 | m x 4 (Q4_1) |
+    codes of the 4 rows] (float32 d and m, GGUF-ordered codes), tiles back to back. A
+    thread then reads its share of W as one sequential stream."""
 
     format: str  # a key of FORMATS
-    codes: torch.Tensor  # int8 [N, K] (Q8_0) or uint8 [N, K / 2] (Q4_*)
-    scales: torch.Tensor  # float32 [N, K / 32]
-    mins: torch.Tensor | None  # float32 [N, K / 32], Q4_1 only
+    packed: torch.Tensor  # uint8 [tiles, K / 32, record bytes]
     in_features: int
+    out_features: int
+    # What every call passes, looked up once (a decode step makes ~120 calls).
+    code: int = field(init=False, repr=False)  # the kernel's format code
+    address: int = field(init=False, repr=False)  # packed.data_ptr()
 
-    @property
-    def out_features(self) -> int:
-        return int(self.scales.shape[0])
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "code", FORMATS[self.format][0])
+        object.__setattr__(self, "address", self.packed.data_ptr())
 
     @property
     def nbytes(self) -> int:
-        parts = (self.codes, self.scales, self.mins)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return self.packed.numel()
 
     @classmethod
     def from_gguf(cls, format: str, raw: torch.Tensor, in_features: int) -> BlockWeights:
@@ -71,58 +86,75 @@ class BlockWeights:
             raise ValueError(f"{format} blocks need uint8 [N, K/32*{block_bytes}], K % 32 == 0")
         if raw.shape[1] != row_bytes:
             raise ValueError(f"{format} blocks of shape {tuple(raw.shape)} for K={in_features}")
-        blocks = raw.reshape(raw.shape[0], in_features // BLOCK, block_bytes)
+        n, blocks = raw.shape[0], in_features // BLOCK
+        padded = torch.zeros(-(-n // TILE) * TILE, blocks, block_bytes, dtype=torch.uint8)
+        padded[:n] = raw.reshape(n, blocks, block_bytes)
 
-        def half(offset: int) -> torch.Tensor:  # float16 field at `offset` of every block
-            return blocks[:, :, offset : offset + 2].contiguous().view(torch.float16)[..., 0]
+        def tiled(field: torch.Tensor) -> torch.Tensor:  # [rows, blocks, b] -> [tiles, blocks, 4b]
+            tiles = field.reshape(-1, TILE, blocks, field.shape[-1]).transpose(1, 2)
+            return tiles.reshape(tiles.shape[0], blocks, -1)
+
+        def half(offset: int) -> torch.Tensor:  # float16 field at `offset`, as float32 bytes
+            field = padded[:, :, offset : offset + 2].contiguous().view(torch.float16)
+            return tiled(field.float().view(torch.uint8))
 
         header = 4 if format == "Q4_1" else 2
-        codes = blocks[:, :, header:].reshape(raw.shape[0], -1).contiguous()
-        return cls(
-            format=format,
-            codes=codes.view(torch.int8) if format == "Q8_0" else codes,
-            scales=half(0).float().contiguous(),
-            mins=half(2).float().contiguous() if format == "Q4_1" else None,
-            in_features=in_features,
-        )
+        parts = [half(0), *([half(2)] if format == "Q4_1" else []), tiled(padded[:, :, header:])]
+        return cls(format, torch.cat(parts, dim=-1).contiguous(), in_features, n)
 
-    def pointers(self) -> tuple[int, int, int | None]:
-        return (
-            self.codes.data_ptr(),
-            self.scales.data_ptr(),
-            None if self.mins is None else self.mins.data_ptr(),
-        )
+    def _field(self, start: int, size: int) -> torch.Tensor:
+        """Bytes [start, start + size) of each row's part of every record: [N, K / 32, size]."""
+        tiles, blocks = self.packed.shape[:2]
+        part = self.packed[:, :, start : start + TILE * size].reshape(tiles, blocks, TILE, size)
+        return part.transpose(1, 2).reshape(-1, blocks, size)[: self.out_features]
+
+    @property
+    def scales(self) -> torch.Tensor:  # float32 [N, K / 32]
+        return self._field(0, 4).contiguous().view(torch.float32)[..., 0]
+
+    @property
+    def mins(self) -> torch.Tensor | None:  # float32 [N, K / 32], Q4_1 only
+        if self.format != "Q4_1":
+            return None
+        return self._field(4 * TILE, 4).contiguous().view(torch.float32)[..., 0]
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """int8 [N, K] (Q8_0) or uint8 [N, K / 2] (Q4_*), GGUF's order within a block."""
+        header = 4 * TILE * (2 if self.format == "Q4_1" else 1)
+        codes = self._field(header, _code_bytes(self.format)).reshape(self.out_features, -1)
+        return codes.contiguous().view(torch.int8) if self.format == "Q8_0" else codes.contiguous()
 
 
-def dequantize(blocks: BlockWeights) -> torch.Tensor:
+def dequantize(blocks: BlockWeights, march: str = "native") -> torch.Tensor:
     """The float32 weights [N, K] the blocks encode, by the kernel's own arithmetic."""
-    library = _library()
+    library = _library(march)
     if library is None:
         raise RuntimeError("native CPU kernels unavailable")
     out = torch.empty(blocks.out_features, blocks.in_features)
     status = library.kvflow_block_dequantize(
-        FORMATS[blocks.format][0], *blocks.pointers(), out.data_ptr(),
-        blocks.in_features, blocks.out_features,
-    )  # fmt: skip
+        blocks.code, blocks.address, out.data_ptr(), blocks.in_features, blocks.out_features
+    )
     if status != 0:
         raise RuntimeError(f"native block dequantize failed with status {status}")
     return out
 
 
 def applies(x: torch.Tensor, blocks: BlockWeights, bias: torch.Tensor | None) -> bool:
-    """Whether the native kernel takes this call."""
+    """Whether the native kernel takes this call (cheapest checks first: it runs on
+    every linear call of a decode step)."""
     return (
-        x.dim() == 2
+        x.dtype == torch.float32
+        and x.is_cpu
+        and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.shape[1] == blocks.in_features
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
         and x.stride(1) == 1
         and (
             bias is None
             or (
-                bias.shape == (blocks.out_features,)
-                and bias.dtype == torch.float32
+                bias.dtype == torch.float32
+                and bias.shape == (blocks.out_features,)
                 and bias.is_contiguous()
             )
         )
@@ -134,6 +166,7 @@ def block_linear(
     x: torch.Tensor,  # float32 [rows, in_features], rows <= MAX_ROWS
     blocks: BlockWeights,  # W [out_features, in_features]
     bias: torch.Tensor | None = None,  # float32 [out_features]
+    march: str = "native",
 ) -> torch.Tensor:  # float32 [rows, out_features]
     """F.linear(x, dequantize(blocks), bias), for a call `applies` accepted (the
     dispatcher checked it: only the shape is checked again here)."""
@@ -141,12 +174,11 @@ def block_linear(
         raise ValueError(f"block_linear does not take x {tuple(x.shape)} {x.dtype}")
     rows = x.shape[0]
     y = torch.empty(rows, blocks.out_features)
-    library = _library()
+    library = _library(march)
     assert library is not None  # applies() checked it
     status = library.kvflow_block_linear(
-        FORMATS[blocks.format][0], x.data_ptr(), *blocks.pointers(),
-        None if bias is None else bias.data_ptr(), y.data_ptr(),
-        rows, blocks.in_features, blocks.out_features, x.stride(0),
+        blocks.code, x.data_ptr(), blocks.address, None if bias is None else bias.data_ptr(),
+        y.data_ptr(), rows, blocks.in_features, blocks.out_features, x.stride(0),
     )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"native block linear failed with status {status}")

@@ -1,5 +1,7 @@
 """The native GGUF block kernel: its weights equal gguf's dequantization bit for bit, and
-its products equal F.linear on those weights; it steps aside where it does not apply."""
+its products equal F.linear on those weights; it steps aside where it does not apply.
+Checked on the build for this CPU (AVX-512 where present), an AVX2 build (where the CPU
+runs one) and the portable build (`-march=x86-64`), so every path is tested on one machine."""
 
 from __future__ import annotations
 
@@ -15,13 +17,18 @@ from kvflow.kernels.cpu import block_linear as module
 from kvflow.kernels.cpu import linear as linear_module
 from kvflow.kernels.cpu.block_linear import (
     MAX_ROWS,
+    PORTABLE_MARCH,
     BlockWeights,
     applies,
     block_linear,
     dequantize,
 )
+from kvflow.kernels.cpu.native_build import _cpu_flags
 
 pytestmark = pytest.mark.native(module.available())
+
+AVX2_BUILD = ["haswell"] if " avx2" in _cpu_flags() and " fma" in _cpu_flags() else []
+BUILDS = ["native", *AVX2_BUILD, PORTABLE_MARCH]
 
 
 def _quantized(block_format: str, out_features: int, in_features: int, seed: int = 0):
@@ -35,26 +42,54 @@ def _quantized(block_format: str, out_features: int, in_features: int, seed: int
     return blocks, torch.from_numpy(np.ascontiguousarray(expected)).reshape(weight.shape)
 
 
+@pytest.mark.parametrize("march", BUILDS)
 @pytest.mark.parametrize("block_format", sorted(module.FORMATS))
-def test_dequantize_is_bit_exact(block_format: str) -> None:
+def test_dequantize_is_bit_exact(block_format: str, march: str) -> None:
     blocks, expected = _quantized(block_format, 37, 160)
-    actual = dequantize(blocks)
+    actual = dequantize(blocks, march)
     assert torch.equal(actual.view(torch.int32), expected.view(torch.int32))
 
 
 @pytest.mark.parametrize("block_format", sorted(module.FORMATS))
+def test_tiled_layout_keeps_the_gguf_fields(block_format: str) -> None:
+    """The packed tiles give back GGUF's codes, scales and offsets row by row (what the
+    int8 kernel's `QuantWeights.from_blocks` reads), the padding rows of the last tile
+    dropped."""
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((37, 96), dtype=np.float32)
+    raw = gguf_quantize(weight, gguf.GGMLQuantizationType[block_format])
+    blocks = BlockWeights.from_gguf(block_format, torch.from_numpy(raw), 96)
+    assert blocks.packed.shape[0] == 10  # 37 rows in tiles of 4
+    fields = torch.from_numpy(raw).reshape(37, 3, module.FORMATS[block_format][1])
+    half = 4 if block_format == "Q4_1" else 2
+    codes = fields[:, :, half:].reshape(37, -1)
+    assert torch.equal(blocks.codes.view(torch.uint8), codes)
+    scales = fields[:, :, :2].contiguous().view(torch.float16)[..., 0].float()
+    assert torch.equal(blocks.scales, scales)
+    if block_format == "Q4_1":
+        assert blocks.mins is not None
+        assert torch.equal(
+            blocks.mins, fields[:, :, 2:4].contiguous().view(torch.float16)[..., 0].float()
+        )
+    else:
+        assert blocks.mins is None
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize("block_format", sorted(module.FORMATS))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, MAX_ROWS])
-def test_matches_f_linear_on_dequantized_weights(block_format: str, rows: int) -> None:
-    blocks, weight = _quantized(block_format, 37, 96, seed=rows)  # 37: not a multiple of R
+def test_matches_f_linear_on_dequantized_weights(block_format: str, rows: int, march: str) -> None:
+    blocks, weight = _quantized(block_format, 37, 96, seed=rows)  # 37: not a multiple of 4
     gen = torch.Generator().manual_seed(rows)
     wide = torch.randn(rows, 96 + 16, generator=gen)
     x = wide[:, 8 : 8 + 96]  # a row stride larger than in_features
     bias = torch.randn(37, generator=gen)
     assert applies(x, blocks, bias)
-    actual = block_linear(x, blocks, bias)
+    actual = block_linear(x, blocks, bias, march)
     assert actual.shape == (rows, 37)
     torch.testing.assert_close(actual, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(block_linear(x, blocks), F.linear(x, weight), atol=1e-4, rtol=1e-4)
+    expected = F.linear(x, weight)
+    torch.testing.assert_close(block_linear(x, blocks, None, march), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_dispatcher_routes_rows_to_the_blocks_until_max_rows(monkeypatch) -> None:
