@@ -2,8 +2,10 @@
 
 One token budget per step and no prefill/decode modes: running requests first (each
 takes what it still needs to compute: 1 token for a decode, the rest of a prompt for
-a prefill, capped by `long_prefill_token_threshold`), then waiting requests in queue
-order, whose prompts are split into chunks when they do not fit the budget. When the
+a prefill, capped by `long_prefill_token_threshold`), then waiting requests in the
+prefill policy's order (prefill_order.py: queue order, or shortest prompt first), whose
+prompts are split into chunks when they do not fit the budget; while requests decode,
+the policy may cap the step's prefill tokens. When the
 KV pool is full, the lowest-priority running request (the newest under FCFS) is
 preempted by recompute: its blocks are freed and it goes back to the waiting queue.
 The scheduler never touches block internals; `KVCacheManager` does.
@@ -30,6 +32,7 @@ from kvflow.services.scheduler.grammar_matcher import build_bitmask, fill_rows
 from kvflow.services.scheduler.jump_forward import jump_forward
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvflow.services.scheduler.micro_batches import MicroBatches, is_decode, unsent_token_ids
+from kvflow.services.scheduler.prefill_order import PrefillPolicy
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
 from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters, Speculator
@@ -60,9 +63,16 @@ class _StepBuilder:
     cached_requests: list[CachedRequestData]
     scheduled: dict[str, int]  # req_id -> tokens, insertion order = batch order
     preempted: list[Request]
+    prefill_room: int  # prefill tokens the step may still take (<= budget)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> drafts
 
+    def room(self, request: Request) -> int:
+        """Tokens `request` may take now: a prefill is held to the prefill room too."""
+        return self.budget if is_decode(request) else min(self.budget, self.prefill_room)
+
     def add(self, request: Request, num_tokens: int) -> None:
+        if not is_decode(request):
+            self.prefill_room -= num_tokens
         self.scheduled[request.request_id] = num_tokens
         self.budget -= num_tokens
 
@@ -89,6 +99,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.waiting = make_request_queue(config.policy)
+        self.prefill = PrefillPolicy(config.prefill_order, config.max_prefill_tokens_with_decodes)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -163,7 +174,9 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------
 
     def schedule(self, now: float = 0.0) -> StepPlan:
-        step = _StepBuilder(self.config.max_num_batched_tokens, [], [], {}, [])
+        budget = self.config.max_num_batched_tokens
+        decoding = any(is_decode(r) for r in self.running)
+        step = _StepBuilder(budget, [], [], {}, [], self.prefill.prefill_room(budget, decoding))
         self._schedule_running(step)
         if not step.preempted:  # admitting new work while preempting would thrash
             self._schedule_waiting(step, now)
@@ -251,7 +264,7 @@ class Scheduler:
             ):
                 index += 1
                 continue
-            num_new = self._num_new_tokens(request, step.budget)
+            num_new = self._num_new_tokens(request, step.room(request))
             if num_new == 0:
                 index += 1
                 continue
@@ -332,7 +345,10 @@ class Scheduler:
         self.running.remove(request)
         planned = request.request_id in step.scheduled
         if planned:  # already planned this step: take it back
-            step.budget += step.scheduled.pop(request.request_id)
+            num_tokens = step.scheduled.pop(request.request_id)
+            step.budget += num_tokens
+            if not is_decode(request):
+                step.prefill_room += num_tokens
             step.spec_tokens.pop(request.request_id, None)
             step.cached_requests = [
                 c for c in step.cached_requests if c.req_id != request.request_id
@@ -356,19 +372,21 @@ class Scheduler:
         )
 
     def _schedule_waiting(self, step: _StepBuilder, now: float) -> None:
-        while (
-            len(self.waiting) > 0
-            and step.budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting.peek()
+        if len(self.waiting) == 0:
+            return
+        admitted: list[Request] = []
+        for request in self.prefill.admission_order(self.waiting):
+            room = step.room(request)
+            if room <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             if self.micro_batches is not None and self.micro_batches.busy(request):
                 break  # preempted with a step in flight: it resumes once that is back
-            admitted = self._allocate_waiting(request, step.budget)
-            if admitted is None:
-                break
-            num_new, parked = admitted
-            self.waiting.pop()
+            allocated = self._allocate_waiting(request, room)
+            if allocated is None:
+                break  # nobody behind it jumps the queue for lack of KV blocks
+            num_new, parked = allocated
+            self._take_waiting(request)
+            admitted.append(request)
             self._scheduled_time.setdefault(request.request_id, now)
             if parked:  # its KV arrives in the background: no step until it has
                 assert self.remote_loads is not None
@@ -378,6 +396,13 @@ class Scheduler:
             self.running.append(request)
             step.new_requests.append(self._new_request_data(request))
             step.add(request, num_new)
+        self.prefill.on_admitted(admitted)
+
+    def _take_waiting(self, request: Request) -> None:
+        if self.waiting.peek() is request:
+            self.waiting.pop()
+        else:  # admitted ahead of its queue position (prefill order `shortest`)
+            self.waiting.remove(request)
 
     def _allocate_waiting(self, request: Request, budget: int) -> tuple[int, bool] | None:
         """Blocks for a waiting request's next chunk (after its prefix-cache hit and
@@ -541,6 +566,7 @@ class Scheduler:
         self._first_token_time.pop(request.request_id, None)
         self._prompt_logprobs.pop(request.request_id, None)
         self._worker_forced.pop(request.request_id, None)
+        self.prefill.forget(request.request_id)
         self._worker_forget.append(request.request_id)
 
     def preempt_all(self) -> int:

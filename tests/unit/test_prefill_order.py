@@ -1,0 +1,113 @@
+"""Prefill policy: admission order (fcfs / shortest with a starvation bound) and the
+cap on prefill tokens in steps that decode, alone and inside the scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.config import SchedulerConfig
+from kvflow.errors import ConfigError
+from kvflow.services.scheduler.prefill_order import MAX_BYPASSES, PrefillPolicy
+from kvflow.services.scheduler.request import RequestStatus
+from tests.unit.test_scheduler import make_request, make_scheduler, run_step
+
+
+def ids(requests: list) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def test_fcfs_keeps_the_queue_order() -> None:
+    queue = [make_request("long", 40), make_request("short", 4)]
+    assert ids(PrefillPolicy("fcfs", 0).admission_order(queue)) == ["long", "short"]
+
+
+def test_shortest_orders_by_remaining_prompt_then_arrival() -> None:
+    queue = [make_request("a", 40), make_request("b", 4), make_request("c", 12)]
+    queue.append(make_request("d", 4, start=500))
+    assert ids(PrefillPolicy("shortest", 0).admission_order(queue)) == ["b", "d", "c", "a"]
+
+
+def test_shortest_keeps_resuming_requests_first() -> None:
+    preempted = make_request("preempted", 40)
+    preempted.status = RequestStatus.PREEMPTED
+    queue = [preempted, make_request("short", 4)]
+    assert ids(PrefillPolicy("shortest", 0).admission_order(queue)) == ["preempted", "short"]
+
+
+def test_a_request_passed_over_max_bypasses_steps_goes_first() -> None:
+    policy = PrefillPolicy("shortest", 0)
+    long = make_request("long", 40)
+    for step in range(MAX_BYPASSES):
+        short = make_request(f"s{step}", 4)
+        order = policy.admission_order([long, short])
+        assert ids(order) == [short.request_id, "long"]
+        policy.on_admitted([short])  # the step admits the short one only
+    assert ids(policy.admission_order([long, make_request("s", 4)])) == ["long", "s"]
+    policy.on_admitted([long])
+    assert ids(policy.admission_order([make_request("x", 40), make_request("y", 4)])) == [
+        "y",
+        "x",
+    ]
+
+
+def test_prefill_room_is_capped_only_while_decoding() -> None:
+    policy = PrefillPolicy("fcfs", 64)
+    assert policy.prefill_room(512, decoding=True) == 64
+    assert policy.prefill_room(512, decoding=False) == 512
+    assert policy.prefill_room(32, decoding=True) == 32
+    assert PrefillPolicy("fcfs", 0).prefill_room(512, decoding=True) == 512
+
+
+def test_config_refuses_bad_combinations() -> None:
+    with pytest.raises(ConfigError, match="max_prefill_tokens_with_decodes"):
+        SchedulerConfig(max_prefill_tokens_with_decodes=-1)
+    with pytest.raises(ConfigError, match="policy fcfs only"):
+        SchedulerConfig(prefill_order="shortest", policy="priority")
+
+
+def test_scheduler_admits_the_shortest_prompts_within_the_budget() -> None:
+    scheduler = make_scheduler(budget=16, prefill_order="shortest")
+    scheduler.add_request(make_request("long", 20))
+    scheduler.add_request(make_request("short", 6, start=300))
+    scheduler.add_request(make_request("mid", 8, start=500))
+    plan, deltas = run_step(scheduler)
+    assert plan.scheduled_req_ids == ["short", "mid", "long"]
+    assert plan.num_scheduled_tokens == [6, 8, 2]  # long's first chunk takes the rest
+    assert ids(scheduler.waiting) == []
+    assert {d.req_id for d in deltas} == {"short", "mid"}
+    fcfs = make_scheduler(budget=16)
+    for request in (make_request("long", 20), make_request("short", 6, start=300)):
+        fcfs.add_request(request)
+    plan, deltas = run_step(fcfs)
+    assert plan.scheduled_req_ids == ["long"] and deltas == []
+
+
+def test_scheduler_caps_prefill_tokens_while_others_decode() -> None:
+    scheduler = make_scheduler(budget=32, max_prefill_tokens_with_decodes=4)
+    scheduler.add_request(make_request("a", 10))
+    plan, _ = run_step(scheduler)
+    assert plan.num_scheduled_tokens == [10]  # nothing decodes yet: the whole budget
+    scheduler.add_request(make_request("b", 10, start=300))
+    scheduler.add_request(make_request("c", 10, start=500))
+    plan, _ = run_step(scheduler)
+    assert plan.scheduled_req_ids == ["a", "b"]
+    assert plan.num_scheduled_tokens == [1, 4]  # a decodes: b's chunk is capped
+    plan, _ = run_step(scheduler)
+    assert plan.scheduled_req_ids == ["a", "b"]  # b's next chunk uses the room; c waits
+    assert plan.num_scheduled_tokens == [1, 4]
+    plan, _ = run_step(scheduler)
+    assert plan.scheduled_req_ids == ["a", "b", "c"]
+    assert plan.num_scheduled_tokens == [1, 2, 2]
+
+
+def test_aborted_waiting_request_is_forgotten_by_the_policy() -> None:
+    scheduler = make_scheduler(budget=16, prefill_order="shortest", max_seqs=2)
+    scheduler.add_request(make_request("running", 4))
+    run_step(scheduler)
+    scheduler.add_request(make_request("long", 20, start=300))
+    scheduler.add_request(make_request("short", 4, start=500))
+    plan, _ = run_step(scheduler)  # one free slot: short jumps long
+    assert plan.scheduled_req_ids == ["running", "short"]
+    assert scheduler.prefill._bypasses == {"long": 1}
+    scheduler.finish_requests(["long"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.prefill._bypasses == {}
