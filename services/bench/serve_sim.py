@@ -74,6 +74,7 @@ def simulate(
     concurrency: int,
     cost: StepCostModel,
     gap_s: float = 0.005,
+    jitter_s: float = 0.0,  # each turnaround gets uniform [0, jitter_s) more (seeded)
     block_size: int = 16,
 ) -> SimResult:
     num_blocks = sum(-(-(p + o) // block_size) for p, o in lengths) + 1  # never preempts
@@ -108,7 +109,8 @@ def simulate(
             result.num_output_tokens += 1
             if finished:
                 for index, (prompt, output) in itertools.islice(specs, 1):
-                    arrivals.append((now + gap_s, index, prompt, output))
+                    turnaround = gap_s + rng.uniform(0.0, jitter_s)
+                    arrivals.append((now + turnaround, index, prompt, output))
     result.duration_s = now
     return result
 
@@ -161,7 +163,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--orders", nargs="+", default=["fcfs", "shortest"])
     parser.add_argument("--prefill-caps", type=int, nargs="+", default=[0])
+    default = CPU_SMOLLM2
+    parser.add_argument("--fixed-ms", type=float, default=default.fixed_s * 1e3)
+    parser.add_argument("--per-decode-ms", type=float, default=default.per_decode_s * 1e3)
+    parser.add_argument(
+        "--per-prefill-token-ms", type=float, default=default.per_prefill_token_s * 1e3
+    )
+    parser.add_argument("--gap-ms", type=float, default=5.0, help="client turnaround")
+    parser.add_argument("--jitter-ms", type=float, default=0.0, help="turnaround spread")
     args = parser.parse_args(argv)
+    cost = StepCostModel(
+        args.fixed_ms / 1e3, args.per_decode_ms / 1e3, args.per_prefill_token_ms / 1e3
+    )
     lengths = workload(args.workload, args.num_prompts)
     print("budget order cap | out tok/s | TTFT p50 / p99 s | ITL p50 / p99 ms")
     for budget, order, cap in itertools.product(args.budgets, args.orders, args.prefill_caps):
@@ -170,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
             prefill_order=order,  # type: ignore[arg-type]
             max_prefill_tokens_with_decodes=cap,
         )
-        s = simulate(config, lengths, args.concurrency, CPU_SMOLLM2).summary()
+        s = simulate(
+            config, lengths, args.concurrency, cost, args.gap_ms / 1e3, args.jitter_ms / 1e3
+        ).summary()
         print(
             f"{budget} {order} {cap} | {s['out_tok_s']:.0f} | {s['ttft_p50_s']:.2f} / "
             f"{s['ttft_p99_s']:.2f} | {s['itl_p50_s'] * 1e3:.0f} / {s['itl_p99_s'] * 1e3:.0f}"
