@@ -78,11 +78,6 @@ class SchedulerConfig:
         "order in which a step admits waiting prompts: fcfs (queue order) or shortest "
         "(fewest prompt tokens first; a request passed over 32 steps goes first)",
     )
-    max_prefill_tokens_with_decodes: int = _opt(
-        0,
-        "cap on the prefill tokens of a step that also decodes, bounding running "
-        "requests' inter-token latency (0 = no cap: the step's budget)",
-    )
     async_scheduling: bool = _opt(
         False, "plan the next step while the worker runs the current one (2 steps in flight)"
     )
@@ -114,8 +109,6 @@ class SchedulerConfig:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0")
-        if self.max_prefill_tokens_with_decodes < 0:
-            raise ConfigError("max_prefill_tokens_with_decodes must be >= 0")
         if self.prefill_order == "shortest" and self.policy == "priority":
             # shortest-first would override the priorities the client asked for
             raise ConfigError("prefill_order shortest works with policy fcfs only")

@@ -162,7 +162,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--orders", nargs="+", default=["fcfs", "shortest"])
-    parser.add_argument("--prefill-caps", type=int, nargs="+", default=[0])
     default = CPU_SMOLLM2
     parser.add_argument("--fixed-ms", type=float, default=default.fixed_s * 1e3)
     parser.add_argument("--per-decode-ms", type=float, default=default.per_decode_s * 1e3)
@@ -176,18 +175,14 @@ def main(argv: list[str] | None = None) -> None:
         args.fixed_ms / 1e3, args.per_decode_ms / 1e3, args.per_prefill_token_ms / 1e3
     )
     lengths = workload(args.workload, args.num_prompts)
-    print("budget order cap | out tok/s | TTFT p50 / p99 s | ITL p50 / p99 ms")
-    for budget, order, cap in itertools.product(args.budgets, args.orders, args.prefill_caps):
-        config = SchedulerConfig(
-            max_num_batched_tokens=budget,
-            prefill_order=order,  # type: ignore[arg-type]
-            max_prefill_tokens_with_decodes=cap,
-        )
+    print("budget order | out tok/s | TTFT p50 / p99 s | ITL p50 / p99 ms")
+    for budget, order in itertools.product(args.budgets, args.orders):
+        config = SchedulerConfig(max_num_batched_tokens=budget, prefill_order=order)  # type: ignore[arg-type]
         s = simulate(
             config, lengths, args.concurrency, cost, args.gap_ms / 1e3, args.jitter_ms / 1e3
         ).summary()
         print(
-            f"{budget} {order} {cap} | {s['out_tok_s']:.0f} | {s['ttft_p50_s']:.2f} / "
+            f"{budget} {order} | {s['out_tok_s']:.0f} | {s['ttft_p50_s']:.2f} / "
             f"{s['ttft_p99_s']:.2f} | {s['itl_p50_s'] * 1e3:.0f} / {s['itl_p99_s'] * 1e3:.0f}"
         )
 

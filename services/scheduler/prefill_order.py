@@ -1,8 +1,7 @@
-"""Prefill policy: which waiting prompts a step admits first, and how many prefill
-tokens a step may take while other requests decode.
+"""Prefill order: which waiting prompts a step admits first.
 
-Sans-IO: it reads request counters and returns orders and token counts; the scheduler
-allocates blocks and builds the plan.
+Sans-IO: it reads request counters and returns an order; the scheduler allocates
+blocks and builds the plan.
 
 - Order `fcfs` admits the waiting queue as it stands (arrival order, preempted first).
 - Order `shortest` admits the fewest remaining prompt tokens first within the step's
@@ -11,9 +10,11 @@ allocates blocks and builds the plan.
   was loaded from elsewhere) keep their place at the head: they have waited already.
   A request passed over in `MAX_BYPASSES` steps goes first, so a stream of short
   prompts cannot starve a long one.
-- The prefill cap (`max_prefill_tokens_with_decodes`) bounds the prefill tokens of a
-  step that also decodes: each decoding request waits for the whole step, so the cap
-  bounds their inter-token latency; a step with nothing to decode takes the full budget.
+
+A cap on a step's prefill tokens while others decode was measured too and left out: on
+a CPU a 256-token chunk costs ~4 decode steps, so a cap splits bursts into steps that
+stall every decoding request (inter-token p99 41 -> 221 ms in the W3 pattern: see
+docs/benchmarks.md, "Scheduling for TTFT (CPU)").
 """
 
 from __future__ import annotations
@@ -36,12 +37,11 @@ def remaining_prompt_tokens(request: Request) -> int:
     return max(request.num_tokens - request.num_computed_tokens, 0)
 
 
-class PrefillPolicy:
-    def __init__(self, order: str, max_prefill_tokens_with_decodes: int) -> None:
+class PrefillOrder:
+    def __init__(self, order: str) -> None:
         if order not in ("fcfs", "shortest"):
             raise ValueError(f"unknown prefill order {order!r}")
         self.order = order
-        self.prefill_cap = max_prefill_tokens_with_decodes  # 0 = no cap
         self._bypasses: dict[str, int] = {}  # req_id -> steps passed over (shortest)
         self._window: list[Request] = []  # the last admission_order's queue head
 
@@ -82,11 +82,3 @@ class PrefillPolicy:
     def forget(self, req_id: str) -> None:
         """The request is gone (finished or aborted): drop its count."""
         self._bypasses.pop(req_id, None)
-
-    # ---- prefill tokens per step -------------------------------------------------
-
-    def prefill_room(self, budget: int, decoding: bool) -> int:
-        """Prefill tokens a step may take from a token budget of `budget`."""
-        if decoding and self.prefill_cap > 0:
-            return min(budget, self.prefill_cap)
-        return budget

@@ -4,9 +4,7 @@ One token budget per step and no prefill/decode modes: running requests first (e
 takes what it still needs to compute: 1 token for a decode, the rest of a prompt for
 a prefill, capped by `long_prefill_token_threshold`), then waiting requests in the
 prefill policy's order (prefill_order.py: queue order, or shortest prompt first), whose
-prompts are split into chunks when they do not fit the budget; while requests decode,
-the policy may cap the step's prefill tokens. When the
-KV pool is full, the lowest-priority running request (the newest under FCFS) is
+prompts are split into chunks when they do not fit the budget. When the KV pool is full, the lowest-priority running request (the newest under FCFS) is
 preempted by recompute: its blocks are freed and it goes back to the waiting queue.
 The scheduler never touches block internals; `KVCacheManager` does.
 """
@@ -32,7 +30,7 @@ from kvflow.services.scheduler.grammar_matcher import build_bitmask, fill_rows
 from kvflow.services.scheduler.jump_forward import jump_forward
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvflow.services.scheduler.micro_batches import MicroBatches, is_decode, unsent_token_ids
-from kvflow.services.scheduler.prefill_order import PrefillPolicy
+from kvflow.services.scheduler.prefill_order import PrefillOrder
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
 from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters, Speculator
@@ -63,16 +61,9 @@ class _StepBuilder:
     cached_requests: list[CachedRequestData]
     scheduled: dict[str, int]  # req_id -> tokens, insertion order = batch order
     preempted: list[Request]
-    prefill_room: int  # prefill tokens the step may still take (<= budget)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> drafts
 
-    def room(self, request: Request) -> int:
-        """Tokens `request` may take now: a prefill is held to the prefill room too."""
-        return self.budget if is_decode(request) else min(self.budget, self.prefill_room)
-
     def add(self, request: Request, num_tokens: int) -> None:
-        if not is_decode(request):
-            self.prefill_room -= num_tokens
         self.scheduled[request.request_id] = num_tokens
         self.budget -= num_tokens
 
@@ -99,7 +90,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.waiting = make_request_queue(config.policy)
-        self.prefill = PrefillPolicy(config.prefill_order, config.max_prefill_tokens_with_decodes)
+        self.prefill = PrefillOrder(config.prefill_order)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -174,9 +165,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------
 
     def schedule(self, now: float = 0.0) -> StepPlan:
-        budget = self.config.max_num_batched_tokens
-        decoding = any(is_decode(r) for r in self.running)
-        step = _StepBuilder(budget, [], [], {}, [], self.prefill.prefill_room(budget, decoding))
+        step = _StepBuilder(self.config.max_num_batched_tokens, [], [], {}, [])
         self._schedule_running(step)
         if not step.preempted:  # admitting new work while preempting would thrash
             self._schedule_waiting(step, now)
@@ -264,7 +253,7 @@ class Scheduler:
             ):
                 index += 1
                 continue
-            num_new = self._num_new_tokens(request, step.room(request))
+            num_new = self._num_new_tokens(request, step.budget)
             if num_new == 0:
                 index += 1
                 continue
@@ -345,10 +334,7 @@ class Scheduler:
         self.running.remove(request)
         planned = request.request_id in step.scheduled
         if planned:  # already planned this step: take it back
-            num_tokens = step.scheduled.pop(request.request_id)
-            step.budget += num_tokens
-            if not is_decode(request):
-                step.prefill_room += num_tokens
+            step.budget += step.scheduled.pop(request.request_id)
             step.spec_tokens.pop(request.request_id, None)
             step.cached_requests = [
                 c for c in step.cached_requests if c.req_id != request.request_id
@@ -376,12 +362,11 @@ class Scheduler:
             return
         admitted: list[Request] = []
         for request in self.prefill.admission_order(self.waiting):
-            room = step.room(request)
-            if room <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if self.micro_batches is not None and self.micro_batches.busy(request):
                 break  # preempted with a step in flight: it resumes once that is back
-            allocated = self._allocate_waiting(request, room)
+            allocated = self._allocate_waiting(request, step.budget)
             if allocated is None:
                 break  # nobody behind it jumps the queue for lack of KV blocks
             num_new, parked = allocated

@@ -1,5 +1,5 @@
-"""Prefill policy: admission order (fcfs / shortest with a starvation bound) and the
-cap on prefill tokens in steps that decode, alone and inside the scheduler."""
+"""Prefill order: fcfs, or shortest with resuming requests first and a starvation
+bound, alone and inside the scheduler."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from kvflow.config import SchedulerConfig
 from kvflow.errors import ConfigError
-from kvflow.services.scheduler.prefill_order import MAX_BYPASSES, PrefillPolicy
+from kvflow.services.scheduler.prefill_order import MAX_BYPASSES, PrefillOrder
 from kvflow.services.scheduler.request import RequestStatus
 from tests.unit.test_scheduler import make_request, make_scheduler, run_step
 
@@ -18,24 +18,24 @@ def ids(requests: list) -> list[str]:
 
 def test_fcfs_keeps_the_queue_order() -> None:
     queue = [make_request("long", 40), make_request("short", 4)]
-    assert ids(PrefillPolicy("fcfs", 0).admission_order(queue)) == ["long", "short"]
+    assert ids(PrefillOrder("fcfs").admission_order(queue)) == ["long", "short"]
 
 
 def test_shortest_orders_by_remaining_prompt_then_arrival() -> None:
     queue = [make_request("a", 40), make_request("b", 4), make_request("c", 12)]
     queue.append(make_request("d", 4, start=500))
-    assert ids(PrefillPolicy("shortest", 0).admission_order(queue)) == ["b", "d", "c", "a"]
+    assert ids(PrefillOrder("shortest").admission_order(queue)) == ["b", "d", "c", "a"]
 
 
 def test_shortest_keeps_resuming_requests_first() -> None:
     preempted = make_request("preempted", 40)
     preempted.status = RequestStatus.PREEMPTED
     queue = [preempted, make_request("short", 4)]
-    assert ids(PrefillPolicy("shortest", 0).admission_order(queue)) == ["preempted", "short"]
+    assert ids(PrefillOrder("shortest").admission_order(queue)) == ["preempted", "short"]
 
 
 def test_a_request_passed_over_max_bypasses_steps_goes_first() -> None:
-    policy = PrefillPolicy("shortest", 0)
+    policy = PrefillOrder("shortest")
     long = make_request("long", 40)
     for step in range(MAX_BYPASSES):
         short = make_request(f"s{step}", 4)
@@ -50,17 +50,7 @@ def test_a_request_passed_over_max_bypasses_steps_goes_first() -> None:
     ]
 
 
-def test_prefill_room_is_capped_only_while_decoding() -> None:
-    policy = PrefillPolicy("fcfs", 64)
-    assert policy.prefill_room(512, decoding=True) == 64
-    assert policy.prefill_room(512, decoding=False) == 512
-    assert policy.prefill_room(32, decoding=True) == 32
-    assert PrefillPolicy("fcfs", 0).prefill_room(512, decoding=True) == 512
-
-
-def test_config_refuses_bad_combinations() -> None:
-    with pytest.raises(ConfigError, match="max_prefill_tokens_with_decodes"):
-        SchedulerConfig(max_prefill_tokens_with_decodes=-1)
+def test_config_refuses_shortest_with_priorities() -> None:
     with pytest.raises(ConfigError, match="policy fcfs only"):
         SchedulerConfig(prefill_order="shortest", policy="priority")
 
@@ -80,24 +70,6 @@ def test_scheduler_admits_the_shortest_prompts_within_the_budget() -> None:
         fcfs.add_request(request)
     plan, deltas = run_step(fcfs)
     assert plan.scheduled_req_ids == ["long"] and deltas == []
-
-
-def test_scheduler_caps_prefill_tokens_while_others_decode() -> None:
-    scheduler = make_scheduler(budget=32, max_prefill_tokens_with_decodes=4)
-    scheduler.add_request(make_request("a", 10))
-    plan, _ = run_step(scheduler)
-    assert plan.num_scheduled_tokens == [10]  # nothing decodes yet: the whole budget
-    scheduler.add_request(make_request("b", 10, start=300))
-    scheduler.add_request(make_request("c", 10, start=500))
-    plan, _ = run_step(scheduler)
-    assert plan.scheduled_req_ids == ["a", "b"]
-    assert plan.num_scheduled_tokens == [1, 4]  # a decodes: b's chunk is capped
-    plan, _ = run_step(scheduler)
-    assert plan.scheduled_req_ids == ["a", "b"]  # b's next chunk uses the room; c waits
-    assert plan.num_scheduled_tokens == [1, 4]
-    plan, _ = run_step(scheduler)
-    assert plan.scheduled_req_ids == ["a", "b", "c"]
-    assert plan.num_scheduled_tokens == [1, 2, 2]
 
 
 def test_aborted_waiting_request_is_forgotten_by_the_policy() -> None:

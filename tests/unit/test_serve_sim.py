@@ -54,4 +54,4 @@ def test_workloads_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(32 <= p <= 480 and o == 128 for p, o in mixed) and len(set(mixed)) > 10
     main(["--num-prompts", "4", "--concurrency", "2", "--budgets", "512", "--orders", "fcfs"])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 and lines[1].startswith("512 fcfs 0 | ")
+    assert len(lines) == 2 and lines[1].startswith("512 fcfs | ")
