@@ -20,15 +20,16 @@ docs/benchmarks.md, "Scheduling for TTFT (CPU)").
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterator
 
 from kvflow.services.scheduler.request import Request, RequestStatus
+from kvflow.services.scheduler.request_queue import RequestQueue
 
 # Steps a waiting request may be passed over by later arrivals under `shortest` before
 # it goes first regardless of length (a starvation bound, in steps not seconds: sans-IO).
 MAX_BYPASSES = 32
-# Waiting requests considered for reordering per step: a step admits at most a few
-# hundred requests, and sorting a deep queue every step would cost more than it saves.
+# Waiting requests `shortest` considers per step (so it admits at most this many per
+# step): sorting a deep queue every step would cost more than reordering its head saves.
 WINDOW = 256
 
 
@@ -47,15 +48,16 @@ class PrefillOrder:
 
     # ---- admission order ---------------------------------------------------------
 
-    def admission_order(self, waiting: Iterable[Request]) -> list[Request]:
-        """The waiting requests a step should try, in the order to try them (the head of
-        the queue, `WINDOW` deep)."""
-        window = list(itertools.islice(waiting, WINDOW))
+    def admission_order(self, waiting: RequestQueue) -> Iterator[Request]:
+        """The waiting requests a step should try, in the order to try them. Under fcfs
+        it is the queue's head, read as the step pops it (no copy of a deep queue); under
+        shortest, the head `WINDOW` deep, sorted."""
         if self.order == "fcfs":
-            return window
+            return _queue_head(waiting)
+        window = list(itertools.islice(waiting, WINDOW))
         self._window = window
         position = {id(r): index for index, r in enumerate(window)}
-        return sorted(window, key=lambda r: self._sort_key(r, position[id(r)]))
+        return iter(sorted(window, key=lambda r: self._sort_key(r, position[id(r)])))
 
     def _sort_key(self, request: Request, position: int) -> tuple[int, int, int]:
         resuming = request.status != RequestStatus.WAITING or request.num_computed_tokens > 0
@@ -82,3 +84,10 @@ class PrefillOrder:
     def forget(self, req_id: str) -> None:
         """The request is gone (finished or aborted): drop its count."""
         self._bypasses.pop(req_id, None)
+
+
+def _queue_head(waiting: RequestQueue) -> Iterator[Request]:
+    """The queue's head each time the caller asks: it pops what it admits, and stops at
+    the first it cannot."""
+    while len(waiting) > 0:
+        yield waiting.peek()

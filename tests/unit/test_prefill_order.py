@@ -3,34 +3,52 @@ bound, alone and inside the scheduler."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 
 from kvflow.config import SchedulerConfig
 from kvflow.errors import ConfigError
 from kvflow.services.scheduler.prefill_order import MAX_BYPASSES, PrefillOrder
-from kvflow.services.scheduler.request import RequestStatus
+from kvflow.services.scheduler.request import Request, RequestStatus
+from kvflow.services.scheduler.request_queue import FCFSQueue
 from tests.unit.test_scheduler import make_request, make_scheduler, run_step
 
 
-def ids(requests: list) -> list[str]:
+def ids(requests: Iterable[Request]) -> list[str]:
     return [r.request_id for r in requests]
 
 
-def test_fcfs_keeps_the_queue_order() -> None:
-    queue = [make_request("long", 40), make_request("short", 4)]
-    assert ids(PrefillOrder("fcfs").admission_order(queue)) == ["long", "short"]
+def queue_of(*requests: Request) -> FCFSQueue:
+    queue = FCFSQueue()
+    for request in requests:
+        queue.push(request)
+    return queue
+
+
+def test_fcfs_reads_the_queue_head_as_the_step_pops_it() -> None:
+    queue = queue_of(make_request("long", 40), make_request("short", 4))
+    order = PrefillOrder("fcfs").admission_order(queue)
+    assert next(order).request_id == "long"
+    queue.push_front(make_request("preempted", 8))  # the head changed: it is read anew
+    assert next(order).request_id == "preempted"
+    queue.pop()
+    queue.pop()
+    assert next(order).request_id == "short"
+    queue.pop()
+    assert list(order) == []  # an empty queue ends it
 
 
 def test_shortest_orders_by_remaining_prompt_then_arrival() -> None:
-    queue = [make_request("a", 40), make_request("b", 4), make_request("c", 12)]
-    queue.append(make_request("d", 4, start=500))
+    queue = queue_of(make_request("a", 40), make_request("b", 4), make_request("c", 12))
+    queue.push(make_request("d", 4, start=500))
     assert ids(PrefillOrder("shortest").admission_order(queue)) == ["b", "d", "c", "a"]
 
 
 def test_shortest_keeps_resuming_requests_first() -> None:
     preempted = make_request("preempted", 40)
     preempted.status = RequestStatus.PREEMPTED
-    queue = [preempted, make_request("short", 4)]
+    queue = queue_of(preempted, make_request("short", 4))
     assert ids(PrefillOrder("shortest").admission_order(queue)) == ["preempted", "short"]
 
 
@@ -39,12 +57,12 @@ def test_a_request_passed_over_max_bypasses_steps_goes_first() -> None:
     long = make_request("long", 40)
     for step in range(MAX_BYPASSES):
         short = make_request(f"s{step}", 4)
-        order = policy.admission_order([long, short])
+        order = policy.admission_order(queue_of(long, short))
         assert ids(order) == [short.request_id, "long"]
         policy.on_admitted([short])  # the step admits the short one only
-    assert ids(policy.admission_order([long, make_request("s", 4)])) == ["long", "s"]
+    assert ids(policy.admission_order(queue_of(long, make_request("s", 4)))) == ["long", "s"]
     policy.on_admitted([long])
-    assert ids(policy.admission_order([make_request("x", 40), make_request("y", 4)])) == [
+    assert ids(policy.admission_order(queue_of(make_request("x", 40), make_request("y", 4)))) == [
         "y",
         "x",
     ]
