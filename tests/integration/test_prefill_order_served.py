@@ -26,7 +26,7 @@ from serve_harness import (
 
 pytestmark = pytest.mark.slow
 
-BLOCKER_TOKENS = 400  # holds the seat while the other two queue (seconds on 2 cores)
+BLOCKER_TOKENS = 480  # holds the seat while the other two queue: >= 0.5 s at ~1 ms a step
 
 
 @pytest.fixture(scope="module")
