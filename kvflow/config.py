@@ -73,6 +73,11 @@ class SchedulerConfig:
         0, "cap on prefill tokens one request may take in a step (0 = budget/ no cap)"
     )
     policy: Literal["fcfs", "priority"] = _opt("fcfs", "waiting-queue order")
+    prefill_order: Literal["fcfs", "shortest"] = _opt(
+        "fcfs",
+        "order in which a step admits waiting prompts: fcfs (queue order) or shortest "
+        "(fewest prompt tokens first; a request passed over 32 steps goes first)",
+    )
     async_scheduling: bool = _opt(
         False, "plan the next step while the worker runs the current one (2 steps in flight)"
     )
@@ -104,6 +109,9 @@ class SchedulerConfig:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0")
+        if self.prefill_order == "shortest" and self.policy == "priority":
+            # shortest-first would override the priorities the client asked for
+            raise ConfigError("prefill_order shortest works with policy fcfs only")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ConfigError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.max_queue_delay is not None and not self.max_queue_delay > 0:

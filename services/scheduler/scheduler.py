@@ -2,9 +2,9 @@
 
 One token budget per step and no prefill/decode modes: running requests first (each
 takes what it still needs to compute: 1 token for a decode, the rest of a prompt for
-a prefill, capped by `long_prefill_token_threshold`), then waiting requests in queue
-order, whose prompts are split into chunks when they do not fit the budget. When the
-KV pool is full, the lowest-priority running request (the newest under FCFS) is
+a prefill, capped by `long_prefill_token_threshold`), then waiting requests in the
+prefill policy's order (prefill_order.py: queue order, or shortest prompt first), whose
+prompts are split into chunks when they do not fit the budget. When the KV pool is full, the lowest-priority running request (the newest under FCFS) is
 preempted by recompute: its blocks are freed and it goes back to the waiting queue.
 The scheduler never touches block internals; `KVCacheManager` does.
 """
@@ -30,6 +30,7 @@ from kvflow.services.scheduler.grammar_matcher import build_bitmask, fill_rows
 from kvflow.services.scheduler.jump_forward import jump_forward
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvflow.services.scheduler.micro_batches import MicroBatches, is_decode, unsent_token_ids
+from kvflow.services.scheduler.prefill_order import PrefillOrder
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
 from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters, Speculator
@@ -89,6 +90,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.waiting = make_request_queue(config.policy)
+        self.prefill = PrefillOrder(config.prefill_order)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -356,19 +358,20 @@ class Scheduler:
         )
 
     def _schedule_waiting(self, step: _StepBuilder, now: float) -> None:
-        while (
-            len(self.waiting) > 0
-            and step.budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting.peek()
+        if len(self.waiting) == 0:
+            return
+        admitted: list[Request] = []
+        for request in self.prefill.admission_order(self.waiting):
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             if self.micro_batches is not None and self.micro_batches.busy(request):
                 break  # preempted with a step in flight: it resumes once that is back
-            admitted = self._allocate_waiting(request, step.budget)
-            if admitted is None:
-                break
-            num_new, parked = admitted
-            self.waiting.pop()
+            allocated = self._allocate_waiting(request, step.budget)
+            if allocated is None:
+                break  # nobody behind it jumps the queue for lack of KV blocks
+            num_new, parked = allocated
+            self._take_waiting(request)
+            admitted.append(request)
             self._scheduled_time.setdefault(request.request_id, now)
             if parked:  # its KV arrives in the background: no step until it has
                 assert self.remote_loads is not None
@@ -378,6 +381,13 @@ class Scheduler:
             self.running.append(request)
             step.new_requests.append(self._new_request_data(request))
             step.add(request, num_new)
+        self.prefill.on_admitted(admitted)
+
+    def _take_waiting(self, request: Request) -> None:
+        if self.waiting.peek() is request:
+            self.waiting.pop()
+        else:  # admitted ahead of its queue position (prefill order `shortest`)
+            self.waiting.remove(request)
 
     def _allocate_waiting(self, request: Request, budget: int) -> tuple[int, bool] | None:
         """Blocks for a waiting request's next chunk (after its prefix-cache hit and
@@ -541,6 +551,7 @@ class Scheduler:
         self._first_token_time.pop(request.request_id, None)
         self._prompt_logprobs.pop(request.request_id, None)
         self._worker_forced.pop(request.request_id, None)
+        self.prefill.forget(request.request_id)
         self._worker_forget.append(request.request_id)
 
     def preempt_all(self) -> int:
