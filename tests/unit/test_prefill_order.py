@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import pytest
+from test_scheduler import make_request, make_scheduler, run_step
 
 from kvflow.config import SchedulerConfig
 from kvflow.errors import ConfigError
 from kvflow.services.scheduler.prefill_order import MAX_BYPASSES, PrefillOrder
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import FCFSQueue
-from tests.unit.test_scheduler import make_request, make_scheduler, run_step
 
 
 def ids(requests: Iterable[Request]) -> list[str]:
