@@ -1,18 +1,20 @@
 // Causal prefill attention on CPUs for a prompt with no cached prefix: the q_len query
 // rows attend the step's own K/V rows 0 .. i (top-left causal, no window).
 //
-// Why native code: torch's CPU SDPA (flash path) reaches ~35-60 GFLOP/s of useful work
+// Why native code: torch's CPU SDPA (flash path) reaches ~30-60 GFLOP/s of useful work
 // on one core at 128-2048 tokens, a fraction of what the linear layers reach. Here one
-// task is (KV head, tile of 16 query positions): the G query heads of the KV head make
-// 16 * G query rows that share every K/V block of 32 keys, read from a packed copy made
+// task is (KV head, tile of 32 query positions): the G query heads of the KV head make
+// 32 * G query rows that share every K/V block of 64 keys, read from a packed copy made
 // once per call:
 //   * K transposed so that one vector holds 16 keys (x 2 dims for bf16): a query row's
-//     scores against 32 keys are 2 accumulators filled by broadcasts of the query
+//     scores against a block are up to 4 accumulators filled by broadcasts of the query
 //     (vdpbf16ps on bf16 pairs with AVX512_BF16, FMA otherwise), no horizontal sums;
 //   * V in rows of D (bf16: rows taken in interleaved pairs, so one vdpbf16ps adds two
 //     keys' weighted values, the weights rounded to bf16 as FlashAttention does).
-// Softmax is online (running max and sum per query row, in float32), blocks above the
-// diagonal are skipped, and tasks run on torch's OpenMP pool, largest first.
+// Query rows go by 4 (their scores and a 64-column slice of their outputs stay in
+// registers). Softmax is online (running max and sum per query row, in float32); keys
+// past a group's last position are not computed; tasks run on torch's OpenMP pool.
+// Without AVX512_BF16, bf16 inputs are widened to float32 when packed.
 //
 // Only where -march enables AVX-512 and head_dim % 32 == 0 (kvflow_prefill_attention_
 // supports says so); the caller keeps torch SDPA for everything else, and as reference.
@@ -42,8 +44,9 @@ struct Shape {
 };
 
 #if defined(__AVX512F__)
-constexpr int64_t kQTile = 16;  // query positions per task
-constexpr int64_t kKBlock = 32;  // keys per block (two vectors of scores per row)
+constexpr int64_t kQTile = 32;  // query positions per task
+constexpr int64_t kKBlock = 64;  // keys per block (up to four vectors of scores per row)
+constexpr int kMaxVecs = kKBlock / 16;
 constexpr int kRows = 4;         // query rows whose scores stay in registers together
 
 // Whether bf16 inputs take the vdpbf16ps path (else they are widened to float32).
@@ -56,8 +59,8 @@ constexpr bool dot_bf16() {
 #endif
 }
 
-// The call's packed operands. Float path: q [L, H, D] float, k [KH, blocks, D, 32]
-// float, v [KH, Lpad, D] float. bf16 path: q is the caller's, k [KH, blocks, D / 2, 32,
+// The call's packed operands. Float path: q [L, H, D] float, k [KH, blocks, D, 64]
+// float, v [KH, Lpad, D] float. bf16 path: q is the caller's, k [KH, blocks, D / 2, 64,
 // 2] bf16, v [KH, Lpad / 2, D, 2] bf16. Keys past L are zeros.
 struct Packed {
     std::vector<float> qf, kf, vf;
@@ -107,44 +110,47 @@ void pack(const T* q, const T* k, const T* v, const Shape& s, int64_t blocks, Pa
     }
 }
 
-// Running softmax state and output accumulators of one task's 16 * G query rows.
+// Running softmax state and output accumulators of one task's kQTile * G query rows.
 struct TaskState {
     std::vector<float> acc;         // [rows, D]
     std::vector<float> spare;       // [D]: where a repeated row's accumulators go
-    std::vector<float> max, sum;    // [rows]
-    std::vector<float> weights;     // [kRows, 32] float path
-    std::vector<uint16_t> bweights; // [kRows, 32] bf16 path
+    std::vector<float> max;         // [rows]
+    std::vector<__m512> sum;        // [rows]: 16 partial sums, added up at the end
+    std::vector<float> weights;     // [kRows, kKBlock] float path
+    std::vector<uint16_t> bweights; // [kRows, kKBlock] bf16 path
 };
 
-// Scores of kRows query rows against the 32 keys of one block, into s[r][0..1].
-template <typename T>
-inline void score_block(const void* const* q, const Packed& p, const float* kf,
-                        const uint16_t* kb, int64_t D, __m512 (*s)[2]) {
-    for (int r = 0; r < kRows; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+// Scores of kRows query rows against the first 16 * NK keys of a block, into s[r][0..NK).
+template <int NK, typename T>
+inline void score_block(const void* const* q, const float* kf, const uint16_t* kb, int64_t D,
+                        __m512 (*s)[kMaxVecs]) {
+    for (int r = 0; r < kRows; ++r)
+        for (int v = 0; v < NK; ++v) s[r][v] = _mm512_setzero_ps();
     if constexpr (dot_bf16<T>()) {
 #if defined(__AVX512BF16__)
+        (void)kf;
         for (int64_t c = 0; c < D / 2; ++c) {
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + c * 64);
-            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + c * 64 + 32);
+            __m512bh k[NK];
+            for (int v = 0; v < NK; ++v)
+                k[v] = (__m512bh)_mm512_loadu_si512(kb + (c * kKBlock + 16 * v) * 2);
 #pragma GCC unroll 4
             for (int r = 0; r < kRows; ++r) {
                 uint32_t pair;
                 std::memcpy(&pair, static_cast<const uint16_t*>(q[r]) + 2 * c, 4);
                 const __m512bh qc = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-                s[r][0] = _mm512_dpbf16_ps(s[r][0], k0, qc);
-                s[r][1] = _mm512_dpbf16_ps(s[r][1], k1, qc);
+                for (int v = 0; v < NK; ++v) s[r][v] = _mm512_dpbf16_ps(s[r][v], k[v], qc);
             }
         }
 #endif
     } else {
-        (void)p, (void)kb;
+        (void)kb;
         for (int64_t d = 0; d < D; ++d) {
-            const __m512 k0 = _mm512_loadu_ps(kf + d * 32), k1 = _mm512_loadu_ps(kf + d * 32 + 16);
+            __m512 k[NK];
+            for (int v = 0; v < NK; ++v) k[v] = _mm512_loadu_ps(kf + d * kKBlock + 16 * v);
 #pragma GCC unroll 4
             for (int r = 0; r < kRows; ++r) {
                 const __m512 qd = _mm512_set1_ps(static_cast<const float*>(q[r])[d]);
-                s[r][0] = _mm512_fmadd_ps(qd, k0, s[r][0]);
-                s[r][1] = _mm512_fmadd_ps(qd, k1, s[r][1]);
+                for (int v = 0; v < NK; ++v) s[r][v] = _mm512_fmadd_ps(qd, k[v], s[r][v]);
             }
         }
     }
@@ -153,11 +159,13 @@ inline void score_block(const void* const* q, const Packed& p, const float* kf,
 // acc[r][col .. col + 16 NV) = acc * alpha[r] + sum over the block's keys of weight * v.
 template <int NV, typename T>
 inline void accumulate_block(const float* vf, const uint16_t* vb, int64_t D, int64_t col,
-                             int keys, const TaskState& w, const float* alpha, float* const* acc) {
+                             int keys, const TaskState& w, __m512 alpha, float* const* acc) {
+    alignas(64) float al[16];
+    _mm512_store_ps(al, alpha);
     __m512 a[kRows][NV];
     for (int r = 0; r < kRows; ++r)
         for (int i = 0; i < NV; ++i)
-            a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + col + 16 * i), _mm512_set1_ps(alpha[r]));
+            a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + col + 16 * i), _mm512_set1_ps(al[r]));
     if constexpr (dot_bf16<T>()) {
 #if defined(__AVX512BF16__)
         (void)vf;
@@ -194,7 +202,58 @@ inline __mmask16 visible(int64_t key0, int64_t pos) {
     return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
 }
 
-// One task: query positions [q0, q0 + 16) of the G heads of KV head kh.
+// The online-softmax step of kRows rows over one block's NK score vectors: weights
+// (bf16 or float, per path) into w, new running maxima, and the factor alpha (lane r)
+// by which row r's sum and accumulators are rescaled. pos[r] < 0: a repeated row,
+// weights zero.
+template <int NK, typename T>
+inline __m512 softmax_block(__m512 (*sc)[kMaxVecs], const int64_t* pos, int64_t key0,
+                            float scale, float* max, __m512* sum, TaskState& w) {
+    const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    alignas(64) float old_max[16] = {}, new_max[16] = {};
+    __mmask16 masks[kRows][NK];
+    for (int r = 0; r < kRows; ++r) {
+        __m512 m = lowest;
+        for (int v = 0; v < NK; ++v) {
+            masks[r][v] = pos[r] < 0 ? 0 : visible(key0 + 16 * v, pos[r]);
+            sc[r][v] = _mm512_mask_mul_ps(lowest, masks[r][v], sc[r][v], scale_v);
+            m = _mm512_max_ps(m, sc[r][v]);
+        }
+        // Key key0 <= q0 <= pos is visible to every real row, so its max is finite.
+        old_max[r] = pos[r] < 0 ? 0.0f : max[r];
+        new_max[r] = pos[r] < 0 ? 0.0f : std::max(max[r], _mm512_reduce_max_ps(m));
+        if (pos[r] >= 0) max[r] = new_max[r];
+    }
+    // exp(-inf) = 0 on a row's first block; exp16 clamps to e^-87, so zero it exactly.
+    const __m512 om = _mm512_load_ps(old_max), nm = _mm512_load_ps(new_max);
+    const __mmask16 had = _mm512_cmp_ps_mask(om, lowest, _CMP_NEQ_OQ);
+    const __m512 alpha = _mm512_maskz_mov_ps(had, avx512::exp16(_mm512_sub_ps(om, nm)));
+    alignas(64) float al[16];
+    _mm512_store_ps(al, alpha);
+    for (int r = 0; r < kRows; ++r) {
+        const __m512 mx = _mm512_set1_ps(new_max[r]);
+        __m512 total = _mm512_mul_ps(sum[r], _mm512_set1_ps(al[r]));
+        for (int v = 0; v < NK; ++v) {
+            __m512 e = _mm512_maskz_mov_ps(masks[r][v], avx512::exp16(_mm512_sub_ps(sc[r][v], mx)));
+            if constexpr (dot_bf16<T>()) {
+#if defined(__AVX512BF16__)
+                const __m256bh b = _mm512_cvtneps_pbh(e);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.bweights.data() + r * kKBlock + 16 * v),
+                                    (__m256i)b);
+                e = _mm512_cvtpbh_ps(b);  // the sum of the weights V is multiplied by
+#endif
+            } else {
+                _mm512_storeu_ps(w.weights.data() + r * kKBlock + 16 * v, e);
+            }
+            total = _mm512_add_ps(total, e);
+        }
+        if (pos[r] >= 0) sum[r] = total;
+    }
+    return alpha;
+}
+
+// One task: query positions [q0, q0 + kQTile) of the G heads of KV head kh.
 template <typename T>
 void attend_tile(const T* q, const Packed& p, T* out, const Shape& s, int64_t blocks,
                  int64_t kh, int64_t q0, TaskState& w) {
@@ -204,21 +263,18 @@ void attend_tile(const T* q, const Packed& p, T* out, const Shape& s, int64_t bl
     w.acc.assign(rows * D, 0.0f);
     w.spare.assign(D, 0.0f);
     w.max.assign(rows, -std::numeric_limits<float>::infinity());
-    w.sum.assign(rows, 0.0f);
-    w.weights.resize(kRows * kKBlock);
-    w.bweights.resize(kRows * kKBlock);
-    const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    const __m512 scale = _mm512_set1_ps(s.scale);
+    w.sum.assign(rows, _mm512_setzero_ps());
+    w.weights.assign(kRows * kKBlock, 0.0f);
+    w.bweights.assign(kRows * kKBlock, 0);
     // Row r = position offset r / G, head kh * G + r % G; a group past `rows` repeats row 0.
     auto row_query = [&](int64_t r) -> const void* {
         const int64_t t = q0 + r / G, h = kh * G + r % G;
         if constexpr (dot_bf16<T>()) return q + t * s.q_stride + h * D;
         return p.qf.data() + (t * s.num_heads + h) * D;
     };
-    const int64_t last_block = (q0 + positions - 1) / kKBlock;
-    for (int64_t b = 0; b <= last_block; ++b) {
-        const int64_t key0 = b * kKBlock;
-        const int keys = static_cast<int>(std::min(kKBlock, L - key0) + 1) & ~1;  // pairs
+    const int64_t end = q0 + positions;  // keys past the tile's last position are unseen
+    for (int64_t key0 = 0; key0 < end; key0 += kKBlock) {
+        const int64_t b = key0 / kKBlock;
         const float* kf = dot_bf16<T>() ? nullptr : p.kf.data() + (kh * blocks + b) * kKBlock * D;
         const uint16_t* kb = dot_bf16<T>() ? p.kb.data() + (kh * blocks + b) * kKBlock * D : nullptr;
         const float* vf = dot_bf16<T>() ? nullptr : p.vf.data() + (kh * pad + key0) * D;
@@ -226,47 +282,40 @@ void attend_tile(const T* q, const Packed& p, T* out, const Shape& s, int64_t bl
         for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
             const void* qr[kRows];
             float* acc[kRows];
-            float alpha[kRows];
             int64_t pos[kRows];
+            __m512 sum[kRows];
+            float max[kRows];
             for (int r = 0; r < kRows; ++r) {
-                const int64_t row = r0 + r < rows ? r0 + r : 0;
+                const bool real = r0 + r < rows;
+                const int64_t row = real ? r0 + r : 0;
                 qr[r] = row_query(row);
-                acc[r] = r0 + r < rows ? w.acc.data() + row * D : w.spare.data();
-                pos[r] = r0 + r < rows ? q0 + row / G : -1;  // -1: a repeat, results dropped
+                acc[r] = real ? w.acc.data() + row * D : w.spare.data();
+                pos[r] = real ? q0 + row / G : -1;
+                sum[r] = w.sum[row];
+                max[r] = w.max[row];
             }
-            __m512 sc[kRows][2];
-            score_block<T>(qr, p, kf, kb, D, sc);
-            for (int r = 0; r < kRows; ++r) {
-                const __mmask16 m0 = visible(key0, pos[r]), m1 = visible(key0 + 16, pos[r]);
-                const __m512 s0 = _mm512_mask_mul_ps(lowest, m0, sc[r][0], scale);
-                const __m512 s1 = _mm512_mask_mul_ps(lowest, m1, sc[r][1], scale);
-                if (pos[r] < 0 || m0 == 0) {  // no visible key (key0 <= q0 makes this a repeat)
-                    std::memset(w.weights.data() + r * kKBlock, 0, kKBlock * sizeof(float));
-                    std::memset(w.bweights.data() + r * kKBlock, 0, kKBlock * 2);
-                    alpha[r] = 1.0f;
-                    continue;
-                }
-                const int64_t row = r0 + r;
-                const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-                const float new_max = std::max(w.max[row], block_max);
-                alpha[r] = std::exp(w.max[row] - new_max);  // 0 on the first block
-                w.max[row] = new_max;
-                const __m512 mx = _mm512_set1_ps(new_max);
-                __m512 e0 = _mm512_maskz_mov_ps(m0, avx512::exp16(_mm512_sub_ps(s0, mx)));
-                __m512 e1 = _mm512_maskz_mov_ps(m1, avx512::exp16(_mm512_sub_ps(s1, mx)));
-                if constexpr (dot_bf16<T>()) {
-#if defined(__AVX512BF16__)
-                    const __m512bh both = _mm512_cvtne2ps_pbh(e1, e0);  // keys 0..31 in order
-                    _mm512_storeu_si512(w.bweights.data() + r * kKBlock, (__m512i)both);
-                    // The sum of the weights V is multiplied by: the rounded ones.
-                    e0 = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)both));
-                    e1 = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)both, 1));
-#endif
-                } else {
-                    _mm512_storeu_ps(w.weights.data() + r * kKBlock, e0);
-                    _mm512_storeu_ps(w.weights.data() + r * kKBlock + 16, e1);
-                }
-                w.sum[row] = w.sum[row] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            // Keys past the group's last position are masked for all its rows: not computed.
+            const int64_t last = q0 + std::min(rows - 1, r0 + kRows - 1) / G;
+            const int64_t seen = std::min(kKBlock, last + 1 - key0);
+            const int nk = static_cast<int>((seen + 15) / 16);
+            const int keys = static_cast<int>(seen + 1) & ~1;  // whole pairs (padding: zeros)
+            __m512 sc[kRows][kMaxVecs];
+            __m512 alpha;
+            switch (nk) {
+#define KVFLOW_BLOCK(NK)                                                           \
+    case NK:                                                                       \
+        score_block<NK, T>(qr, kf, kb, D, sc);                                     \
+        alpha = softmax_block<NK, T>(sc, pos, key0, s.scale, max, sum, w);         \
+        break;
+                KVFLOW_BLOCK(1)
+                KVFLOW_BLOCK(2)
+                KVFLOW_BLOCK(3)
+                default: KVFLOW_BLOCK(4)
+#undef KVFLOW_BLOCK
+            }
+            for (int r = 0; r < kRows && r0 + r < rows; ++r) {
+                w.sum[r0 + r] = sum[r];
+                w.max[r0 + r] = max[r];
             }
             for (int64_t col = 0; col < D; col += 64) {
                 if (col + 64 <= D)
@@ -278,7 +327,7 @@ void attend_tile(const T* q, const Packed& p, T* out, const Shape& s, int64_t bl
     }
     for (int64_t row = 0; row < rows; ++row) {
         const int64_t t = q0 + row / G, h = kh * G + row % G;
-        const float inv = 1.0f / w.sum[row];
+        const float inv = 1.0f / _mm512_reduce_add_ps(w.sum[row]);
         const float* a = w.acc.data() + row * D;
         T* o = out + t * s.out_stride + h * D;
         for (int64_t d = 0; d < D; ++d) store(o + d, a[d] * inv);

@@ -68,10 +68,11 @@ def _check(kern, q_len, num_heads, num_kv_heads, head_dim, dtype, scale=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_every_path_and_head_group(march, dtype, group):
-    """GQA ratios 1..8 (query rows go by 4, so every remainder of 16 * G / 4 shows up),
-    lengths around the 16-query tile and the 32-key block."""
+    """GQA ratios 1..8 (query rows go by 4: groups span positions, and with G = 1..3 a
+    short tile has fewer than 4 rows), lengths around the 16-key score vectors, the
+    32-query tile and the 64-key block."""
     kern = _kernel_for(march)
-    for q_len in (1, 15, 16, 17, 33, 70):
+    for q_len in (1, 2, 15, 16, 17, 31, 32, 33, 65, 70):
         _check(kern, q_len, 2 * group, 2, 64, dtype)
 
 
