@@ -32,6 +32,7 @@ def head_dim_32_model(tmp_path_factory: pytest.TempPathFactory, embedded_model_d
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.native(_kernel is not None and _kernel.supports(__import__("torch").zeros(1, 1, 32)))
 def test_native_prefill_matches_sdpa(head_dim_32_model: str, monkeypatch: Any) -> None:
     """Fresh prompts (native kernel) and chunks on a cached prefix (SDPA) in one run, as
