@@ -300,11 +300,13 @@ def _prefill_attention(
 ) -> None:
     rows = slice(prefill.start, prefill.end)
     mask = prefill.mask(window, query.device)
-    if mask is None and kernel is not None and kernel.supports(query):
+    if mask is None and kernel is not None:
         # No cached prefix and no window cutting in: plain causal attention over the
         # step's own rows, which the native kernel computes (SDPA stays the reference).
-        kernel(query[rows], key[rows], value[rows], out[rows], scale)
-        return
+        q, k, v, o = query[rows], key[rows], value[rows], out[rows]
+        if kernel.supports(q, k, v, o):
+            kernel(q, k, v, o, scale)
+            return
     if prefill.block_ids is None:  # no cached prefix: the context is this step's K/V
         k, v = key[rows], value[rows]  # [seq_len, KH, D]
     else:

@@ -27,13 +27,21 @@ class PrefillAttention:
         self._fn = library.kvflow_prefill_attention
         self._supports = library.kvflow_prefill_attention_supports
 
-    def supports(self, query: torch.Tensor) -> bool:
+    def supports(self, query: torch.Tensor, *others: torch.Tensor) -> bool:
         """Whether this build runs `query`'s device, dtype and head_dim (AVX-512 builds,
-        head_dim a multiple of 32); the caller keeps torch SDPA otherwise."""
+        head_dim a multiple of 32), and `others` (key, value, out) have its dtype and
+        contiguous [heads, head_dim] rows; the caller keeps torch SDPA otherwise."""
+        head_dim = query.shape[-1]
         return (
             query.device.type == "cpu"
             and query.dtype in DTYPE_CODES
-            and bool(self._supports(query.shape[-1]))
+            and bool(self._supports(head_dim))
+            and all(
+                t.dtype == query.dtype
+                and t.device == query.device
+                and t.stride()[1:] == (head_dim, 1)
+                for t in (query, *others)
+            )
         )
 
     def __call__(
@@ -47,7 +55,7 @@ class PrefillAttention:
         q_len, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
         dtype = query.dtype
-        if not self.supports(query):
+        if query.device.type != "cpu" or dtype not in DTYPE_CODES or not self._supports(head_dim):
             raise ValueError(f"unsupported here: {dtype} on {query.device}, head_dim {head_dim}")
         for name, t in (("key", key), ("value", value), ("out", out)):
             if t.dtype != dtype or t.device != query.device:

@@ -114,6 +114,10 @@ def test_unsupported_shapes_and_builds_decline():
     """head_dim not a multiple of 32, float16, and builds without AVX-512: `supports`
     is False (the backend keeps SDPA), and a direct call raises."""
     assert not kernel.supports(torch.zeros(4, 2, 48))
+    q = torch.zeros(4, 2, 64)
+    assert kernel.supports(q, q[:, :1], q[:, 1:], q)
+    assert not kernel.supports(q, torch.zeros(4, 64, 2).transpose(1, 2))  # strided rows
+    assert not kernel.supports(q, q.bfloat16())
     assert not kernel.supports(torch.zeros(4, 2, 64, dtype=torch.float16))
     q = torch.zeros(4, 2, 48)
     with pytest.raises(ValueError, match="unsupported"):
