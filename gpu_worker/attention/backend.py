@@ -42,13 +42,17 @@ BACKEND_NAMES = ("torch", "cpu", "triton")
 
 def get_attention_backend(name: str) -> AttentionBackend:
     """A new backend instance: "torch" (any device, the reference), "cpu" (torch with the
-    native paged decode kernel; plain torch where that cannot be built) or "triton" (CUDA).
+    native paged decode and causal prefill kernels; plain torch where they cannot be
+    built) or "triton" (CUDA).
     """
     if name in ("torch", "cpu"):
         from kvflow.gpu_worker.attention.torch_backend import TorchAttentionBackend
         from kvflow.kernels.cpu.paged_decode import load_paged_decode
+        from kvflow.kernels.cpu.prefill_attention import load_prefill_attention
 
-        return TorchAttentionBackend(load_paged_decode() if name == "cpu" else None)
+        if name == "torch":
+            return TorchAttentionBackend()
+        return TorchAttentionBackend(load_paged_decode(), load_prefill_attention())
     if name == "triton":
         # Imported lazily: triton is only needed (and importable) where CUDA kernels run.
         from kvflow.gpu_worker.attention.triton_backend import TritonAttentionBackend

@@ -15,7 +15,10 @@ metadata (no device syncs) and reused by every layer:
 
 With a native decode kernel (the `cpu` backend: kernels/cpu/paged_decode_attention.cpp)
 the decodes skip the gather and read their contexts in place from the paged cache; the
-torch decode path above stays the reference it is tested against.
+torch decode path above stays the reference it is tested against. Likewise, with a native
+prefill kernel (kernels/cpu/prefill_attention.cpp) a prefill with no cached prefix and no
+sliding window runs natively where the kernel supports the shape; every other prefill
+(cached prefix, window, other head_dim or CPU) keeps SDPA.
 
 The cache may be an empty tensor (not bound yet, e.g. a profiling pass): then nothing is
 stored and every request must be a whole prefill.
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
 from kvflow.kernels.cpu.paged_decode import PagedDecodeAttention, check_indices
+from kvflow.kernels.cpu.prefill_attention import PrefillAttention
 
 
 @dataclass
@@ -195,11 +199,18 @@ class TorchAttentionBackend:
 
     `decode_kernel`: the native paged decode attention, used for the decodes whenever
     it supports the dtype and the cache is on the CPU; None = torch ops only.
+    `prefill_kernel`: the native causal prefill attention, for the prefills it supports
+    (see `_prefill_attention`); None = SDPA for every prefill.
     """
 
-    def __init__(self, decode_kernel: PagedDecodeAttention | None = None) -> None:
+    def __init__(
+        self,
+        decode_kernel: PagedDecodeAttention | None = None,
+        prefill_kernel: PrefillAttention | None = None,
+    ) -> None:
         self._plan: _StepPlan | None = None
         self._decode_kernel = decode_kernel
+        self._prefill_kernel = prefill_kernel
 
     def _plan_for(
         self, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_rows: int
@@ -240,7 +251,10 @@ class TorchAttentionBackend:
         elif decode is not None:
             _decode_attention(query, kv_cache, decode, out, scale, sliding_window)
         for prefill in plan.prefills:
-            _prefill_attention(query, key, value, kv_cache, prefill, out, scale, sliding_window)
+            _prefill_attention(
+                query, key, value, kv_cache, prefill, out, scale, sliding_window,
+                self._prefill_kernel,
+            )  # fmt: skip
         return out
 
 
@@ -282,8 +296,17 @@ def _prefill_attention(
     out: torch.Tensor,
     scale: float,
     window: int | None,
+    kernel: PrefillAttention | None = None,
 ) -> None:
     rows = slice(prefill.start, prefill.end)
+    mask = prefill.mask(window, query.device)
+    if mask is None and kernel is not None:
+        # No cached prefix and no window cutting in: plain causal attention over the
+        # step's own rows, which the native kernel computes (SDPA stays the reference).
+        q, k, v, o = query[rows], key[rows], value[rows], out[rows]
+        if kernel.supports(q, k, v, o):
+            kernel(q, k, v, o, scale)
+            return
     if prefill.block_ids is None:  # no cached prefix: the context is this step's K/V
         k, v = key[rows], value[rows]  # [seq_len, KH, D]
     else:
@@ -291,7 +314,6 @@ def _prefill_attention(
         k = kv_cache[0].index_select(0, prefill.block_ids).view(-1, kv_heads, head_dim)
         v = kv_cache[1].index_select(0, prefill.block_ids).view(-1, kv_heads, head_dim)
         k, v = k[: prefill.seq_len], v[: prefill.seq_len]
-    mask = prefill.mask(window, query.device)
     attended = F.scaled_dot_product_attention(
         query[rows].transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
         k.transpose(0, 1).unsqueeze(0),  # [1, KH, seq_len, D]

@@ -147,6 +147,7 @@ def load_bound(
 
 NATIVE_KERNELS = (
     "paged_decode_attention",
+    "prefill_attention",
     "skinny_linear",
     "block_linear",
     "elementwise",

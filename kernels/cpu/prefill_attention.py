@@ -1,0 +1,109 @@
+"""Launcher of the native causal prefill attention (prefill_attention.cpp).
+
+For a prompt with no cached prefix and no sliding window: query row i attends the
+step's own key/value rows 0 .. i. The torch reference is `prefill_attention_ref` (what
+gpu_worker/attention/torch_backend.py runs for every other prefill).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
+
+_SIGNATURES = {
+    "kvflow_prefill_attention": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 8, ctypes.c_float],
+    "kvflow_prefill_attention_supports": [INT64],
+}
+
+
+class PrefillAttention:
+    """The compiled kernel behind a shape-checking call; see `load_prefill_attention`."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fn = library.kvflow_prefill_attention
+        self._supports = library.kvflow_prefill_attention_supports
+
+    def supports(self, query: torch.Tensor, *others: torch.Tensor) -> bool:
+        """Whether this build runs `query`'s device, dtype and head_dim (AVX-512 builds,
+        head_dim a multiple of 32), and `others` (key, value, out) have its dtype and
+        contiguous [heads, head_dim] rows; the caller keeps torch SDPA otherwise."""
+        head_dim = query.shape[-1]
+        return (
+            query.device.type == "cpu"
+            and query.dtype in DTYPE_CODES
+            and bool(self._supports(head_dim))
+            and all(
+                t.dtype == query.dtype
+                and t.device == query.device
+                and t.stride()[1:] == (head_dim, 1)
+                for t in (query, *others)
+            )
+        )
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [q_len, num_heads, head_dim]
+        key: torch.Tensor,  # [q_len, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [q_len, num_kv_heads, head_dim]
+        out: torch.Tensor,  # [q_len, num_heads, head_dim], written
+        scale: float,
+    ) -> None:
+        q_len, num_heads, head_dim = query.shape
+        num_kv_heads = key.shape[1]
+        dtype = query.dtype
+        if query.device.type != "cpu" or dtype not in DTYPE_CODES or not self._supports(head_dim):
+            raise ValueError(f"unsupported here: {dtype} on {query.device}, head_dim {head_dim}")
+        for name, t in (("key", key), ("value", value), ("out", out)):
+            if t.dtype != dtype or t.device != query.device:
+                raise ValueError(f"{name} must share the query's dtype and device")
+        if key.shape != (q_len, num_kv_heads, head_dim) or value.shape != key.shape:
+            raise ValueError(f"key/value {tuple(key.shape)} do not match query {query.shape}")
+        if out.shape != query.shape or q_len < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"bad shapes: query {query.shape}, out {out.shape}, key {key.shape}")
+        for name, t in (("query", query), ("key", key), ("value", value), ("out", out)):
+            if t.stride()[1:] != (head_dim, 1):
+                raise ValueError(f"{name} must have contiguous [heads, head_dim] rows")
+        status = self._fn(
+            DTYPE_CODES[dtype],
+            query.data_ptr(),
+            key.data_ptr(),
+            value.data_ptr(),
+            out.data_ptr(),
+            q_len,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            query.stride(0),
+            key.stride(0),
+            value.stride(0),
+            out.stride(0),
+            scale,
+        )
+        if status != 0:
+            raise RuntimeError(f"native prefill attention failed with status {status}")
+
+
+def prefill_attention_ref(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The spec in float32: top-left causal GQA attention, [q_len, num_heads, head_dim]."""
+    attended = F.scaled_dot_product_attention(
+        query.float().transpose(0, 1),
+        key.float().transpose(0, 1),
+        value.float().transpose(0, 1),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return attended.transpose(0, 1)
+
+
+def load_prefill_attention(march: str = "native") -> PrefillAttention | None:
+    """The native kernel, or None where it cannot be built (see native_build). Tests pass
+    an older `march` to check that non-AVX-512 builds decline (`supports` is False)."""
+    library = load_bound("prefill_attention", _SIGNATURES, march)
+    return PrefillAttention(library) if library is not None else None
