@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
+from kvflow.kernels.cpu import elementwise
 from kvflow.kernels.cpu.paged_decode import PagedDecodeAttention, check_indices
 
 
@@ -124,6 +125,7 @@ class _StepPlan:
     has_cache: bool
     store_rows: torch.Tensor | None  # token rows whose slot >= 0; None = every token
     store_slots: torch.Tensor  # [num_stored] int64
+    all_slots: torch.Tensor  # [num_tokens] int64, -1 = not stored (the native store's)
     num_actual_tokens: int
     decode: _DecodeBatch | None
     prefills: list[_Prefill]
@@ -178,12 +180,14 @@ def _plan_step(md: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
     store_rows = (md.slot_mapping >= 0).nonzero().squeeze(1) if has_cache else None
     if store_rows is not None and store_rows.numel() == md.slot_mapping.numel():
         store_rows = None  # the common case: no padding, store every row without a gather
-    store_slots = md.slot_mapping if store_rows is None else md.slot_mapping[store_rows]
+    slot_mapping = md.slot_mapping.to(torch.int64)
+    store_slots = slot_mapping if store_rows is None else slot_mapping[store_rows]
     return _StepPlan(
         metadata=md,
         has_cache=has_cache,
         store_rows=store_rows,
-        store_slots=store_slots.to(torch.int64),
+        store_slots=store_slots,
+        all_slots=slot_mapping,
         num_actual_tokens=starts[-1],
         decode=_plan_decodes(md, decodes, block_size),
         prefills=prefills,
@@ -247,6 +251,11 @@ class TorchAttentionBackend:
 def _store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan
 ) -> None:
+    """key/value rows to their slots: natively on CPUs (one call, padding rows skipped in
+    it), else index_copy_ of the rows whose slot is set (the reference)."""
+    if elementwise.store_applies(key, value, kv_cache, plan.all_slots):
+        elementwise.store_kv(key, value, kv_cache, plan.all_slots)
+        return
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     if plan.store_rows is not None:
         key, value = key[plan.store_rows], value[plan.store_rows]

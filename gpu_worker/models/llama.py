@@ -33,7 +33,12 @@ from kvflow.gpu_worker.layers.linear import (
     RowParallelLinear,
 )
 from kvflow.gpu_worker.layers.norm import RMSNorm
-from kvflow.gpu_worker.layers.rotary import Rope, RotaryEmbedding, apply_rotary, rope_parameters
+from kvflow.gpu_worker.layers.rotary import (
+    Rope,
+    RotaryEmbedding,
+    apply_rotary_qk,
+    rope_parameters,
+)
 from kvflow.gpu_worker.parallel_state import get_pp_group
 
 Activations = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) between stages
@@ -96,7 +101,7 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KH, D]
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        q, k = apply_rotary_qk(q, k, rope)
         out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))  # [T, H * D]
         return self.o_proj(out)
 

@@ -1,6 +1,12 @@
 """Launchers of the fused CPU elementwise kernels (elementwise.cpp): residual add +
-RMSNorm, and SiLU(gate) * up. The torch references are the layers in
-gpu_worker/layers/norm.py and activation.py, which call these when `applies` says so.
+RMSNorm, SiLU(gate) * up, rotary embedding of query and key in one call, and the store
+of a step's keys/values into the paged cache. The torch references are the layers in
+gpu_worker/layers/norm.py, activation.py, rotary.py and the torch attention backend's
+`_store_kv`, which call these when `applies` says so.
+
+These run 4-6 times per layer and step, so the launchers stay lean: a ctypes call
+costs about 0.25 us per argument, a torch op 1-10 us, and at one decode row that is
+the whole cost of the kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ def _library() -> ctypes.CDLL | None:
         {
             "kvflow_rms_norm": [ctypes.c_int, *[POINTER] * 5, INT64, INT64, ctypes.c_float],
             "kvflow_silu_and_mul": [ctypes.c_int, POINTER, POINTER, INT64, INT64],
+            "kvflow_rotary_qk": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 6],
+            "kvflow_store_kv": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 5],
         },
     )
 
@@ -28,11 +36,10 @@ def applies(*tensors: torch.Tensor) -> bool:
     """Whether the native kernels take these tensors: contiguous, on the CPU, one
     supported dtype (else the caller runs its torch ops)."""
     dtype = tensors[0].dtype
-    return (
-        dtype in DTYPE_CODES
-        and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)
-        and _library() is not None
-    )
+    if dtype not in DTYPE_CODES or _library() is None:
+        return False
+    # a list, not a generator: this runs several times per layer
+    return all([t.is_cpu and t.dtype == dtype and t.is_contiguous() for t in tensors])
 
 
 def _check(status: int, name: str) -> None:
@@ -83,3 +90,82 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
         "silu_and_mul",
     )
     return out
+
+
+def rotary_qk(
+    q: torch.Tensor,  # [T, q_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [T, k_heads, head_dim], rotated in place
+    cos: torch.Tensor,  # [T, head_dim // 2] contiguous (any [T, 1, half] view of it)
+    sin: torch.Tensor,
+) -> None:
+    """Neox-layout rotary embedding of q and k in one pass. q and k may be row views of
+    one wider tensor (the fused qkv projection): only their heads must be contiguous."""
+    library = _library()
+    assert library is not None, "call only where rotary_applies() is true"
+    rows, q_heads, head_dim = q.shape
+    status = library.kvflow_rotary_qk(
+        DTYPE_CODES[q.dtype], q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        rows, q_heads, k.shape[1], head_dim, q.stride(0), k.stride(0),
+    )  # fmt: skip
+    _check(status, "rotary_qk")
+
+
+def rotary_applies(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether `rotary_qk` takes these: CPU tensors of one supported dtype, contiguous
+    heads in q and k, cos/sin rows of exactly half a head."""
+    if not applies(cos) or q.dtype != cos.dtype or k.dtype != cos.dtype:
+        return False
+    head_dim = q.shape[-1]
+    return (
+        q.dim() == 3
+        and k.dim() == 3
+        and q.is_cpu
+        and k.is_cpu
+        and k.shape[2] == head_dim
+        and k.shape[0] == q.shape[0]
+        and cos.numel() == q.shape[0] * (head_dim // 2)
+        and q.stride(2) == 1
+        and k.stride(2) == 1
+        and q.stride(1) == head_dim
+        and k.stride(1) == head_dim
+    )
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, kv_heads, head_dim], heads contiguous
+    value: torch.Tensor,  # [T, kv_heads, head_dim], heads contiguous
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim] contiguous
+    slots: torch.Tensor,  # [T] int64, -1 = padding (not stored)
+) -> None:
+    """kv_cache[0/1] at slot slots[t] <- key/value[t]; bounds-checked (ValueError)."""
+    library = _library()
+    assert library is not None, "call only where store_applies() is true"
+    width = key.shape[1] * key.shape[2]
+    status = library.kvflow_store_kv(
+        DTYPE_CODES[key.dtype], key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(),
+        slots.data_ptr(), key.shape[0], width, key.stride(0), value.stride(0),
+        kv_cache[0].numel() // width,
+    )  # fmt: skip
+    if status == 3:
+        raise ValueError(f"a KV slot is out of range for a cache of {kv_cache.shape[1]} blocks")
+    _check(status, "store_kv")
+
+
+def store_applies(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+) -> bool:
+    """Whether `store_kv` takes these (else index_copy_): CPU, one supported dtype,
+    contiguous cache and heads, int64 slots, shapes that match."""
+    if not applies(kv_cache) or key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
+        return False
+    _, _, _, kv_heads, head_dim = kv_cache.shape
+    return (
+        key.is_cpu
+        and value.is_cpu
+        and slots.is_cpu
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and key.shape == value.shape == (slots.shape[0], kv_heads, head_dim)
+        and key.stride(2) == value.stride(2) == 1
+        and key.stride(1) == value.stride(1) == head_dim
+    )

@@ -68,3 +68,42 @@ def test_applies_only_to_contiguous_cpu_tensors_of_one_supported_dtype():
 def test_mismatched_weight_is_rejected():
     with pytest.raises(ValueError, match="do not match"):
         elementwise.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+
+
+def _cache_and_rows(dtype, num_tokens=5, kv_heads=3, head_dim=64):
+    gen = torch.Generator().manual_seed(num_tokens)
+    cache = torch.randn(2, 4, 16, kv_heads, head_dim, generator=gen).to(dtype)  # 64 slots
+    # key and value as views of one fused projection, as the model hands them over
+    kv = torch.randn(num_tokens, 2 * kv_heads * head_dim, generator=gen).to(dtype)
+    key, value = (t.view(num_tokens, kv_heads, head_dim) for t in kv.chunk(2, dim=-1))
+    return cache, key, value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_index_copy_and_skips_padding(dtype):
+    cache, key, value = _cache_and_rows(dtype)
+    slots = torch.tensor([7, -1, 63, 0, 20])
+    expected = cache.clone()
+    stored = slots >= 0
+    for plane, rows in ((0, key), (1, value)):
+        expected[plane].view(64, 3, 64).index_copy_(0, slots[stored], rows[stored])
+    assert elementwise.store_applies(key, value, cache, slots)
+    elementwise.store_kv(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_store_kv_refuses_a_slot_past_the_cache_and_writes_nothing():
+    cache, key, value = _cache_and_rows(torch.float32, num_tokens=2)
+    before = cache.clone()
+    with pytest.raises(ValueError, match="out of range"):
+        elementwise.store_kv(key, value, cache, torch.tensor([3, 64]))
+    assert torch.equal(cache, before)
+
+
+def test_store_applies_only_to_matching_layouts():
+    cache, key, value = _cache_and_rows(torch.float32)
+    slots = torch.arange(5)
+    assert not elementwise.store_applies(key, value, cache, slots.int())  # int32 slots
+    assert not elementwise.store_applies(key.bfloat16(), value, cache, slots)
+    assert not elementwise.store_applies(key.transpose(1, 2), value, cache, slots)
+    assert not elementwise.store_applies(key, value, cache[:, :2], slots)  # not contiguous
