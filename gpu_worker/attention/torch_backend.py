@@ -129,6 +129,9 @@ class _StepPlan:
     num_actual_tokens: int
     decode: _DecodeBatch | None
     prefills: list[_Prefill]
+    # Set by the first layer, which every other layer's tensors resemble:
+    kernel_takes_query: bool | None = None  # the native decode kernel takes the queries
+    native_store: bool | None = None  # elementwise.store_kv takes the keys/values
 
 
 def _as_rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
@@ -233,9 +236,12 @@ class TorchAttentionBackend:
         if plan.has_cache:
             _store_kv(key, value, kv_cache, plan)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-        out[plan.num_actual_tokens :].zero_()
+        if plan.num_actual_tokens < query.shape[0]:  # padding rows (CUDA graph batches)
+            out[plan.num_actual_tokens :].zero_()
         decode, kernel = plan.decode, self._decode_kernel
-        if decode is not None and kernel is not None and kernel.supports(query):
+        if plan.kernel_takes_query is None:  # once per step, not per layer
+            plan.kernel_takes_query = kernel is not None and kernel.supports(query)
+        if decode is not None and kernel is not None and plan.kernel_takes_query:
             md = plan.metadata
             kernel(
                 query, kv_cache, md.block_tables, md.seq_lens, decode.req_indices,
@@ -253,7 +259,9 @@ def _store_kv(
 ) -> None:
     """key/value rows to their slots: natively on CPUs (one call, padding rows skipped in
     it), else index_copy_ of the rows whose slot is set (the reference)."""
-    if elementwise.store_applies(key, value, kv_cache, plan.all_slots):
+    if plan.native_store is None:  # the layout is the same in every layer: check once
+        plan.native_store = elementwise.store_applies(key, value, kv_cache, plan.all_slots)
+    if plan.native_store:
         elementwise.store_kv(key, value, kv_cache, plan.all_slots)
         return
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape

@@ -17,6 +17,7 @@ is tied to it). A stage before the last returns (hidden, residual) for the next 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,7 +194,7 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = received
         rope = self.rotary_emb(positions, hidden.dtype)
-        for layer in self.layers[self.start : self.end]:
+        for layer in itertools.islice(self.layers, self.start, self.end):  # no new ModuleList
             hidden, residual = layer(hidden, residual, rope)
         assert residual is not None, "a stage has at least one layer"
         if self.norm is None:

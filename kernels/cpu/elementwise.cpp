@@ -186,11 +186,12 @@ int kvflow_rotary_qk(int dtype, void* q, void* k, const void* cos, const void* s
 }
 
 // key/value rows of `width` elements (`key_stride` / `value_stride` apart) to the paged
-// cache [2, num_slots, width] (contiguous) at slots[rows] (int64; -1 = not stored). Every
+// cache [2, num_slots, cache_width] (contiguous; status 2 unless width == cache_width) at slots[rows] (int64; -1 = not stored). Every
 // slot is checked against num_slots before anything is written (status 3 if out of range).
 int kvflow_store_kv(int dtype, const void* key, const void* value, void* cache,
                     const int64_t* slots, int64_t rows, int64_t width, int64_t key_stride,
-                    int64_t value_stride, int64_t num_slots) {
+                    int64_t value_stride, int64_t num_slots, int64_t cache_width) {
+    if (width != cache_width) return 2;  // rows of another shape than the cache's
     for (int64_t r = 0; r < rows; ++r)
         if (slots[r] >= num_slots) return 3;
     if (dtype == 0) {

@@ -27,7 +27,7 @@ def _library() -> ctypes.CDLL | None:
             "kvflow_rms_norm": [ctypes.c_int, *[POINTER] * 5, INT64, INT64, ctypes.c_float],
             "kvflow_silu_and_mul": [ctypes.c_int, POINTER, POINTER, INT64, INT64],
             "kvflow_rotary_qk": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 6],
-            "kvflow_store_kv": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 5],
+            "kvflow_store_kv": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 6],
         },
     )
 
@@ -140,11 +140,14 @@ def store_kv(
     """kv_cache[0/1] at slot slots[t] <- key/value[t]; bounds-checked (ValueError)."""
     library = _library()
     assert library is not None, "call only where store_applies() is true"
-    width = key.shape[1] * key.shape[2]
+    rows, kv_heads, head_dim = key.shape
+    _, num_blocks, block_size, cache_heads, cache_head_dim = kv_cache.shape
+    # The shapes are checked in the kernel (status 2): callers check the layout once per
+    # step with store_applies, and the kernel guards against a layer that differs.
     status = library.kvflow_store_kv(
         DTYPE_CODES[key.dtype], key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(),
-        slots.data_ptr(), key.shape[0], width, key.stride(0), value.stride(0),
-        kv_cache[0].numel() // width,
+        slots.data_ptr(), rows, kv_heads * head_dim, key.stride(0), value.stride(0),
+        num_blocks * block_size, cache_heads * cache_head_dim,
     )  # fmt: skip
     if status == 3:
         raise ValueError(f"a KV slot is out of range for a cache of {kv_cache.shape[1]} blocks")

@@ -107,3 +107,11 @@ def test_store_applies_only_to_matching_layouts():
     assert not elementwise.store_applies(key.bfloat16(), value, cache, slots)
     assert not elementwise.store_applies(key.transpose(1, 2), value, cache, slots)
     assert not elementwise.store_applies(key, value, cache[:, :2], slots)  # not contiguous
+
+
+def test_store_kv_refuses_rows_of_another_width_than_the_cache():
+    cache, key, value = _cache_and_rows(torch.float32, num_tokens=2)
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match="store_kv failed with status 2"):
+        elementwise.store_kv(key[:, :2], value[:, :2], cache, torch.tensor([3, 4]))
+    assert torch.equal(cache, before)
