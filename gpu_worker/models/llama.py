@@ -81,6 +81,7 @@ class LlamaAttention(nn.Module):
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
+        self.head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * head_dim, config.hidden_size, bias=spec.o_bias
         )
@@ -97,13 +98,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rope: Rope) -> torch.Tensor:
         """hidden [T, hidden_size] -> [T, hidden_size]."""
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.local_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KH, D]
+        # One view as heads, one split: [T, H, D], [T, KH, D] x 2 (2 ops, not 5, per layer)
+        heads = self.qkv_proj(hidden).view(
+            -1, self.num_heads + 2 * self.num_kv_heads, self.head_dim
+        )
+        q, k, v = heads.split(self.head_split, dim=1)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, rope)
-        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))  # [T, H * D]
+        out = self.attn(q, k, v)  # [T, H * D]
         return self.o_proj(out)
 
 

@@ -6,30 +6,36 @@ gpu_worker/layers/norm.py, activation.py, rotary.py and the torch attention back
 
 These run 4-6 times per layer and step, so the launchers stay lean: a ctypes call
 costs about 0.25 us per argument, a torch op 1-10 us, and at one decode row that is
-the whole cost of the kernel.
+the whole cost of the kernel. Where Python's headers are installed the kernels are
+called through a small CPython module instead of ctypes (native_build.load_module).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Any
 
 import torch
 
-from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
+from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound, load_module
+
+_SIGNATURES = {
+    "kvflow_rms_norm": [ctypes.c_int, *[POINTER] * 5, INT64, INT64, ctypes.c_float],
+    "kvflow_silu_and_mul": [ctypes.c_int, POINTER, POINTER, INT64, INT64],
+    "kvflow_rotary_qk": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 6],
+    "kvflow_store_kv": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 6],
+}
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    return load_bound(
-        "elementwise",
-        {
-            "kvflow_rms_norm": [ctypes.c_int, *[POINTER] * 5, INT64, INT64, ctypes.c_float],
-            "kvflow_silu_and_mul": [ctypes.c_int, POINTER, POINTER, INT64, INT64],
-            "kvflow_rotary_qk": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 6],
-            "kvflow_store_kv": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 6],
-        },
-    )
+def _library() -> Any:
+    """The kernels as a CPython module of fast calls, else through ctypes (the same
+    names and arguments; null pointers as 0), else None."""
+    module = load_module("elementwise")
+    if module is not None:
+        return module
+    return load_bound("elementwise", _SIGNATURES)
 
 
 def applies(*tensors: torch.Tensor) -> bool:
@@ -65,8 +71,8 @@ def rms_norm(
         library.kvflow_rms_norm(
             DTYPE_CODES[x.dtype],
             x.data_ptr(),
-            None if residual is None else residual.data_ptr(),
-            None if summed is None else summed.data_ptr(),
+            0 if residual is None else residual.data_ptr(),
+            0 if summed is None else summed.data_ptr(),
             weight.data_ptr(),
             out.data_ptr(),
             x.numel() // hidden,

@@ -6,9 +6,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels.cpu import elementwise
+from kvflow.kernels.cpu import elementwise, native_build
 
 pytestmark = pytest.mark.native(elementwise._library() is not None)
+
+
+@pytest.fixture(autouse=True, params=["module", "ctypes"])
+def calls(request, monkeypatch):
+    """Every test twice: kernels called through the CPython module and through ctypes."""
+    if request.param == "ctypes":
+        library = native_build.load_bound("elementwise", elementwise._SIGNATURES)
+        monkeypatch.setattr(elementwise, "_library", lambda: library)
+    elif native_build.load_module("elementwise") is None:
+        pytest.skip("no Python headers: the kernels are called through ctypes only")
+    return request.param
+
+
 # fp32: another summation order and exp; bf16: at most about one bf16 ulp after rounding.
 TOLERANCES = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
@@ -115,3 +128,13 @@ def test_store_kv_refuses_rows_of_another_width_than_the_cache():
     with pytest.raises(RuntimeError, match="store_kv failed with status 2"):
         elementwise.store_kv(key[:, :2], value[:, :2], cache, torch.tensor([3, 4]))
     assert torch.equal(cache, before)
+
+
+def test_module_calls_check_their_arguments(calls):
+    if calls == "ctypes":
+        pytest.skip("ctypes checks its own arguments")
+    module = native_build.load_module("elementwise")
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        module.kvflow_silu_and_mul(0, 0, 0, 1)
+    with pytest.raises(TypeError):
+        module.kvflow_silu_and_mul(0, "not a pointer", 0, 1, 8)
