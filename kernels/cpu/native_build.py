@@ -190,9 +190,15 @@ NATIVE_KERNELS = (
 )
 
 
+# Also built as CPython modules where Python's headers exist (optional: ctypes serves).
+MODULE_KERNELS = ("elementwise",)
+
+
 def load_all() -> list[str]:
     """Build (or find cached) every native kernel now rather than inside the first
     request's step; the names of those unavailable (already logged)."""
+    for name in MODULE_KERNELS:
+        load_module(name)
     return [name for name in NATIVE_KERNELS if load_library(name) is None]
 
 
