@@ -42,10 +42,13 @@ def applies(*tensors: torch.Tensor) -> bool:
     """Whether the native kernels take these tensors: contiguous, on the CPU, one
     supported dtype (else the caller runs its torch ops)."""
     dtype = tensors[0].dtype
-    if dtype not in DTYPE_CODES or _library() is None:
+    if dtype not in DTYPE_CODES:
         return False
-    # a list, not a generator: this runs several times per layer
-    return all([t.is_cpu and t.dtype == dtype and t.is_contiguous() for t in tensors])
+    # a list, not a generator: this runs several times per layer. The library last: a
+    # CUDA run never builds the CPU kernels.
+    if not all([t.is_cpu and t.dtype == dtype and t.is_contiguous() for t in tensors]):
+        return False
+    return _library() is not None
 
 
 def _check(status: int, name: str) -> None:

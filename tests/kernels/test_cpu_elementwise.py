@@ -138,3 +138,16 @@ def test_module_calls_check_their_arguments(calls):
         module.kvflow_silu_and_mul(0, 0, 0, 1)
     with pytest.raises(TypeError):
         module.kvflow_silu_and_mul(0, "not a pointer", 0, 1, 8)
+
+
+def test_tensors_off_the_cpu_never_build_the_cpu_kernels(monkeypatch):
+    """A CUDA run asks `applies` every layer: it must answer before loading anything."""
+
+    def refuse():
+        raise AssertionError("the CPU kernels were loaded for tensors off the CPU")
+
+    monkeypatch.setattr(elementwise, "_library", refuse)
+    x = torch.empty(4, 8, device="meta")
+    assert not elementwise.applies(x, torch.empty(8, device="meta"))
+    q, k = torch.empty(1, 9, 64, device="meta"), torch.empty(1, 3, 64, device="meta")
+    assert not elementwise.rotary_applies(q, k, torch.empty(1, 32, device="meta"))
