@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
+from kvflow.kernels.cpu import elementwise
 from kvflow.kernels.cpu.paged_decode import PagedDecodeAttention, check_indices
 from kvflow.kernels.cpu.prefill_attention import PrefillAttention
 
@@ -128,9 +129,13 @@ class _StepPlan:
     has_cache: bool
     store_rows: torch.Tensor | None  # token rows whose slot >= 0; None = every token
     store_slots: torch.Tensor  # [num_stored] int64
+    all_slots: torch.Tensor  # [num_tokens] int64, -1 = not stored (the native store's)
     num_actual_tokens: int
     decode: _DecodeBatch | None
     prefills: list[_Prefill]
+    # Set by the first layer, which every other layer's tensors resemble:
+    kernel_takes_query: bool | None = None  # the native decode kernel takes the queries
+    native_store: bool | None = None  # elementwise.store_kv takes the keys/values
 
 
 def _as_rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
@@ -182,12 +187,14 @@ def _plan_step(md: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
     store_rows = (md.slot_mapping >= 0).nonzero().squeeze(1) if has_cache else None
     if store_rows is not None and store_rows.numel() == md.slot_mapping.numel():
         store_rows = None  # the common case: no padding, store every row without a gather
-    store_slots = md.slot_mapping if store_rows is None else md.slot_mapping[store_rows]
+    slot_mapping = md.slot_mapping.to(torch.int64)
+    store_slots = slot_mapping if store_rows is None else slot_mapping[store_rows]
     return _StepPlan(
         metadata=md,
         has_cache=has_cache,
         store_rows=store_rows,
-        store_slots=store_slots.to(torch.int64),
+        store_slots=store_slots,
+        all_slots=slot_mapping,
         num_actual_tokens=starts[-1],
         decode=_plan_decodes(md, decodes, block_size),
         prefills=prefills,
@@ -240,9 +247,12 @@ class TorchAttentionBackend:
         if plan.has_cache:
             _store_kv(key, value, kv_cache, plan)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-        out[plan.num_actual_tokens :].zero_()
+        if plan.num_actual_tokens < query.shape[0]:  # padding rows (CUDA graph batches)
+            out[plan.num_actual_tokens :].zero_()
         decode, kernel = plan.decode, self._decode_kernel
-        if decode is not None and kernel is not None and kernel.supports(query):
+        if plan.kernel_takes_query is None:  # once per step, not per layer
+            plan.kernel_takes_query = kernel is not None and kernel.supports(query)
+        if decode is not None and kernel is not None and plan.kernel_takes_query:
             md = plan.metadata
             kernel(
                 query, kv_cache, md.block_tables, md.seq_lens, decode.req_indices,
@@ -261,6 +271,13 @@ class TorchAttentionBackend:
 def _store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan
 ) -> None:
+    """key/value rows to their slots: natively on CPUs (one call, padding rows skipped in
+    it), else index_copy_ of the rows whose slot is set (the reference)."""
+    if plan.native_store is None:  # the layout is the same in every layer: check once
+        plan.native_store = elementwise.store_applies(key, value, kv_cache, plan.all_slots)
+    if plan.native_store:
+        elementwise.store_kv(key, value, kv_cache, plan.all_slots)
+        return
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     if plan.store_rows is not None:
         key, value = key[plan.store_rows], value[plan.store_rows]

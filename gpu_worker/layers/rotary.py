@@ -6,7 +6,8 @@ A head vector x of size D is split in halves (x1 = x[:D/2], x2 = x[D/2:]) and ea
     out = [x1 * cos - x2 * sin,  x2 * cos + x1 * sin]
 
 cos/sin are computed once per forward pass for the step's positions (`RotaryEmbedding`)
-and shared by every layer. The frequency schedules are the static (position-independent)
+and shared by every layer. On CPUs `apply_rotary_qk` rotates query and key in place in
+one native call (kernels/cpu/elementwise.cpp); the torch ops here are its reference. The frequency schedules are the static (position-independent)
 ones of HF's rope configs: "default", "linear", "llama3" and "yarn"; the dynamic ones
 depend on the sequence length and are refused.
 """
@@ -18,6 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from kvflow.kernels.cpu import elementwise
 
 
 class Rope(NamedTuple):
@@ -128,8 +131,14 @@ class RotaryEmbedding(nn.Module):
         cos = (angles.cos() * self.attention_scaling).to(dtype)
         sin = (angles.sin() * self.attention_scaling).to(dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        full = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        return Rope(cos, sin, *full)
+        if elementwise.applies(cos, sin):  # apply_rotary_qk's native kernel takes halves
+            return Rope(cos, sin)
+        return with_whole_head_tables(cos, sin)
+
+
+def with_whole_head_tables(cos: torch.Tensor, sin: torch.Tensor) -> Rope:
+    """Rope of half tables [num_tokens, 1, head_dim // 2] plus the whole-head ones."""
+    return Rope(cos, sin, torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
 
 
 def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -140,3 +149,16 @@ def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
         return torch.cat((x1 * rope.cos - x2 * rope.sin, x2 * rope.cos + x1 * rope.sin), dim=-1)
     # x2 * -sin == -(x2 * sin) exactly, so this is the line above to the bit.
     return x * rope.cos_full + x.roll(x.shape[-1] // 2, dims=-1) * rope.sin_signed
+
+
+def apply_rotary_qk(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    rope: Rope,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(apply_rotary(q), apply_rotary(k)). On CPUs in place, in one native call: q and k
+    must then be tensors nobody else reads unrotated (the qkv projection's fresh output)."""
+    if elementwise.rotary_applies(q, k, rope.cos) and rope.sin.is_contiguous():
+        elementwise.rotary_qk(q, k, rope.cos, rope.sin)
+        return q, k
+    return apply_rotary(q, rope), apply_rotary(k, rope)

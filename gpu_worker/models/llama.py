@@ -17,6 +17,7 @@ is tied to it). A stage before the last returns (hidden, residual) for the next 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,12 @@ from kvflow.gpu_worker.layers.linear import (
     RowParallelLinear,
 )
 from kvflow.gpu_worker.layers.norm import RMSNorm
-from kvflow.gpu_worker.layers.rotary import Rope, RotaryEmbedding, apply_rotary, rope_parameters
+from kvflow.gpu_worker.layers.rotary import (
+    Rope,
+    RotaryEmbedding,
+    apply_rotary_qk,
+    rope_parameters,
+)
 from kvflow.gpu_worker.parallel_state import get_pp_group
 
 Activations = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) between stages
@@ -75,6 +81,7 @@ class LlamaAttention(nn.Module):
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
+        self.head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * head_dim, config.hidden_size, bias=spec.o_bias
         )
@@ -91,13 +98,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rope: Rope) -> torch.Tensor:
         """hidden [T, hidden_size] -> [T, hidden_size]."""
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.local_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KH, D]
+        # One view as heads, one split: [T, H, D], [T, KH, D] x 2 (2 ops, not 5, per layer)
+        heads = self.qkv_proj(hidden).view(
+            -1, self.num_heads + 2 * self.num_kv_heads, self.head_dim
+        )
+        q, k, v = heads.split(self.head_split, dim=1)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))  # [T, H * D]
+        q, k = apply_rotary_qk(q, k, rope)
+        out = self.attn(q, k, v)  # [T, H * D]
         return self.o_proj(out)
 
 
@@ -188,7 +197,7 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = received
         rope = self.rotary_emb(positions, hidden.dtype)
-        for layer in self.layers[self.start : self.end]:
+        for layer in itertools.islice(self.layers, self.start, self.end):  # no new ModuleList
             hidden, residual = layer(hidden, residual, rope)
         assert residual is not None, "a stage has at least one layer"
         if self.norm is None:

@@ -1,16 +1,20 @@
-// The elementwise steps of a Llama block on CPUs, fused: residual add + RMSNorm, and
-// SiLU(gate) * up. In torch each is a chain of 4-8 ops, each a pass over the
-// activations and a dispatch; here one pass per row, rows spread over torch's OpenMP
-// pool (only when there are enough of them to pay for waking it).
+// The elementwise steps of a Llama block on CPUs, fused: residual add + RMSNorm,
+// SiLU(gate) * up, rotary embedding of query and key together, and the store of a
+// step's keys/values into their paged-cache slots. In torch each is a chain of 4-8 ops,
+// each a pass over the activations and a dispatch (5-15 us apiece for one decode row);
+// here one call, one pass per row, rows spread over torch's OpenMP pool (only when there
+// are enough of them to pay for waking it).
 //
-// Numerics follow the torch layers (gpu_worker/layers/norm.py, activation.py), which
-// follow Hugging Face: the residual sum is rounded to the activation dtype, the
-// variance taken in float32, the normalised value rounded before the weight multiplies
-// it; SiLU is rounded before it multiplies `up`. Built by native_build.py.
+// Numerics follow the torch layers (gpu_worker/layers/norm.py, activation.py,
+// rotary.py), which follow Hugging Face: the residual sum is rounded to the activation
+// dtype, the variance taken in float32, the normalised value rounded before the weight
+// multiplies it; SiLU is rounded before it multiplies `up`; each rotary product is
+// rounded before the sum (as torch's bf16 ops do). Built by native_build.py.
 #include <omp.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "vec.h"
 
@@ -80,6 +84,47 @@ void silu_and_mul(const T* x, T* out, int64_t rows, int64_t d) {
     }
 }
 
+// Rotate the heads of one token in place, neox layout (pairs x[i], x[i + half]):
+// (a, b) -> (a cos - b sin, b cos + a sin), each product rounded to the dtype first.
+// No fused multiply-add (GCC contracts by default in C++): torch rounds each product,
+// and so the rotation is its result bit for bit.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotate_heads(T* x, int64_t heads, int64_t head_dim, const T* cos, const T* sin) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; ++h, x += head_dim)
+        for (int64_t i = 0; i < half; ++i) {
+            const float a = load(x[i]), b = load(x[i + half]);
+            const float c = load(cos[i]), s = load(sin[i]);
+            store(x + i, to_dtype(a * c, x) - to_dtype(b * s, x));
+            store(x + i + half, to_dtype(b * c, x) + to_dtype(a * s, x));
+        }
+}
+
+template <typename T>
+void rotary_qk(T* q, T* k, const T* cos, const T* sin, int64_t rows, int64_t q_heads,
+               int64_t k_heads, int64_t head_dim, int64_t q_stride, int64_t k_stride) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (rows >= kMinRowsForThreads)
+    for (int64_t r = 0; r < rows; ++r) {
+        rotate_heads(q + r * q_stride, q_heads, head_dim, cos + r * half, sin + r * half);
+        rotate_heads(k + r * k_stride, k_heads, head_dim, cos + r * half, sin + r * half);
+    }
+}
+
+// Row r of key/value ([width] each) to slot slots[r] of the K and V planes.
+template <typename T>
+void store_kv(const T* key, const T* value, T* cache, const int64_t* slots, int64_t rows,
+              int64_t width, int64_t key_stride, int64_t value_stride, int64_t num_slots) {
+    T* values = cache + num_slots * width;
+#pragma omp parallel for schedule(static) if (rows >= 4 * kMinRowsForThreads)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t slot = slots[r];
+        if (slot < 0) continue;  // a padding row: not stored
+        std::memcpy(cache + slot * width, key + r * key_stride, width * sizeof(T));
+        std::memcpy(values + slot * width, value + r * value_stride, width * sizeof(T));
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -118,4 +163,140 @@ int kvflow_silu_and_mul(int dtype, const void* x, void* out, int64_t rows, int64
     return 1;
 }
 
+// q [rows, q_heads, head_dim] and k [rows, k_heads, head_dim], rotated in place: heads
+// contiguous within a row, rows `q_stride` / `k_stride` elements apart (views of the
+// fused qkv projection). cos, sin [rows, head_dim / 2] contiguous, in the same dtype.
+int kvflow_rotary_qk(int dtype, void* q, void* k, const void* cos, const void* sin,
+                     int64_t rows, int64_t q_heads, int64_t k_heads, int64_t head_dim,
+                     int64_t q_stride, int64_t k_stride) {
+    if (head_dim % 2 != 0) return 2;
+    if (dtype == 0) {
+        rotary_qk(static_cast<float*>(q), static_cast<float*>(k), static_cast<const float*>(cos),
+                  static_cast<const float*>(sin), rows, q_heads, k_heads, head_dim, q_stride,
+                  k_stride);
+        return 0;
+    }
+    if (dtype == 1) {
+        rotary_qk(static_cast<Bf16*>(q), static_cast<Bf16*>(k), static_cast<const Bf16*>(cos),
+                  static_cast<const Bf16*>(sin), rows, q_heads, k_heads, head_dim, q_stride,
+                  k_stride);
+        return 0;
+    }
+    return 1;
+}
+
+// key/value rows of `width` elements (`key_stride` / `value_stride` apart) to the paged
+// cache [2, num_slots, cache_width] (contiguous; status 2 unless width == cache_width) at slots[rows] (int64; -1 = not stored). Every
+// slot is checked against num_slots before anything is written (status 3 if out of range).
+int kvflow_store_kv(int dtype, const void* key, const void* value, void* cache,
+                    const int64_t* slots, int64_t rows, int64_t width, int64_t key_stride,
+                    int64_t value_stride, int64_t num_slots, int64_t cache_width) {
+    if (width != cache_width) return 2;  // rows of another shape than the cache's
+    for (int64_t r = 0; r < rows; ++r)
+        if (slots[r] >= num_slots) return 3;
+    if (dtype == 0) {
+        store_kv(static_cast<const float*>(key), static_cast<const float*>(value),
+                 static_cast<float*>(cache), slots, rows, width, key_stride, value_stride,
+                 num_slots);
+        return 0;
+    }
+    if (dtype == 1) {
+        store_kv(static_cast<const Bf16*>(key), static_cast<const Bf16*>(value),
+                 static_cast<Bf16*>(cache), slots, rows, width, key_stride, value_stride,
+                 num_slots);
+        return 0;
+    }
+    return 1;
+}
+
 }  // extern "C"
+
+#ifdef KVFLOW_PYTHON_MODULE
+// The same four kernels as a CPython module (native_build.load_module). A ctypes call
+// converts every argument through Python objects, about 0.25 us apiece: 2-3 us for these
+// signatures, more than the kernel itself at one decode row, 120 calls a step. Here
+// METH_FASTCALL reads the ints directly. Pointers come as ints (0 = null); the GIL is
+// released around the kernel as ctypes does.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+namespace {
+
+// args[0..n) as int64; false (with the Python error set) if one is not an int.
+bool read_ints(PyObject* const* args, Py_ssize_t n, int64_t* out) {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        out[i] = PyLong_AsLongLong(args[i]);
+        if (out[i] == -1 && PyErr_Occurred()) return false;
+    }
+    return true;
+}
+
+bool arity(const char* name, Py_ssize_t got, Py_ssize_t expected) {
+    if (got == expected) return true;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, expected, got);
+    return false;
+}
+
+void* ptr(int64_t address) { return reinterpret_cast<void*>(address); }
+
+PyObject* py_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
+    int64_t a[8];
+    if (!arity("kvflow_rms_norm", n, 9) || !read_ints(args, 8, a)) return nullptr;
+    const double eps = PyFloat_AsDouble(args[8]);
+    if (eps == -1.0 && PyErr_Occurred()) return nullptr;
+    int status;
+    Py_BEGIN_ALLOW_THREADS;
+    status = kvflow_rms_norm(static_cast<int>(a[0]), ptr(a[1]), ptr(a[2]), ptr(a[3]), ptr(a[4]),
+                             ptr(a[5]), a[6], a[7], static_cast<float>(eps));
+    Py_END_ALLOW_THREADS;
+    return PyLong_FromLong(status);
+}
+
+PyObject* py_silu_and_mul(PyObject*, PyObject* const* args, Py_ssize_t n) {
+    int64_t a[5];
+    if (!arity("kvflow_silu_and_mul", n, 5) || !read_ints(args, 5, a)) return nullptr;
+    int status;
+    Py_BEGIN_ALLOW_THREADS;
+    status = kvflow_silu_and_mul(static_cast<int>(a[0]), ptr(a[1]), ptr(a[2]), a[3], a[4]);
+    Py_END_ALLOW_THREADS;
+    return PyLong_FromLong(status);
+}
+
+PyObject* py_rotary_qk(PyObject*, PyObject* const* args, Py_ssize_t n) {
+    int64_t a[11];
+    if (!arity("kvflow_rotary_qk", n, 11) || !read_ints(args, 11, a)) return nullptr;
+    int status;
+    Py_BEGIN_ALLOW_THREADS;
+    status = kvflow_rotary_qk(static_cast<int>(a[0]), ptr(a[1]), ptr(a[2]), ptr(a[3]), ptr(a[4]),
+                              a[5], a[6], a[7], a[8], a[9], a[10]);
+    Py_END_ALLOW_THREADS;
+    return PyLong_FromLong(status);
+}
+
+PyObject* py_store_kv(PyObject*, PyObject* const* args, Py_ssize_t n) {
+    int64_t a[11];
+    if (!arity("kvflow_store_kv", n, 11) || !read_ints(args, 11, a)) return nullptr;
+    int status;
+    Py_BEGIN_ALLOW_THREADS;
+    status = kvflow_store_kv(static_cast<int>(a[0]), ptr(a[1]), ptr(a[2]), ptr(a[3]),
+                             static_cast<const int64_t*>(ptr(a[4])), a[5], a[6], a[7], a[8],
+                             a[9], a[10]);
+    Py_END_ALLOW_THREADS;
+    return PyLong_FromLong(status);
+}
+
+PyMethodDef kMethods[] = {
+    {"kvflow_rms_norm", reinterpret_cast<PyCFunction>(py_rms_norm), METH_FASTCALL, nullptr},
+    {"kvflow_silu_and_mul", reinterpret_cast<PyCFunction>(py_silu_and_mul), METH_FASTCALL,
+     nullptr},
+    {"kvflow_rotary_qk", reinterpret_cast<PyCFunction>(py_rotary_qk), METH_FASTCALL, nullptr},
+    {"kvflow_store_kv", reinterpret_cast<PyCFunction>(py_store_kv), METH_FASTCALL, nullptr},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "kvflow_elementwise", nullptr, -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_kvflow_elementwise(void) { return PyModule_Create(&kModule); }
+#endif  // KVFLOW_PYTHON_MODULE

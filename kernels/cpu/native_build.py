@@ -12,6 +12,11 @@ loaded, so the kernels share torch's thread pool and `torch.set_num_threads`.
 
 Without a compiler (or with KVFLOW_CPU_KERNELS=0) `load_library` returns None and the
 callers keep their torch paths; the reason is logged once.
+
+Kernels called many times per step at tiny sizes (the elementwise ones) can also be
+built as a CPython extension module (`load_module`): same C functions, called without
+ctypes' per-argument conversion. It needs Python's headers; without them the ctypes
+library serves.
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -72,7 +80,7 @@ def _flags(march: str) -> tuple[str, ...]:
     return (f"-march={march}", *CXX_FLAGS)
 
 
-def _build_key(source: Path, compiler: str, march: str) -> str:
+def _build_key(source: Path, compiler: str, march: str, extra: Sequence[str] = ()) -> str:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
@@ -80,19 +88,21 @@ def _build_key(source: Path, compiler: str, march: str) -> str:
     headers = sorted(source.parent.glob("*.h"))  # included by every source
     for part in (source, *headers):
         digest.update(part.read_bytes())
-    for text in (" ".join(_flags(march)), version):
+    for text in (" ".join((*_flags(march), *extra)), version):
         digest.update(text.encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]
 
 
-def _build(source: Path, compiler: str, target: Path, march: str) -> None:
+def _build(
+    source: Path, compiler: str, target: Path, march: str, extra: Sequence[str] = ()
+) -> None:
     """Compile to a temporary name, then rename: concurrent workers never load a torn file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *_flags(march), str(source), "-o", str(partial)],
+            [compiler, *_flags(march), *extra, str(source), "-o", str(partial)],
             capture_output=True,
             text=True,
             check=False,
@@ -127,6 +137,38 @@ def load_library(name: str, march: str = "native") -> ctypes.CDLL | None:
         return None
 
 
+@functools.cache
+def load_module(name: str) -> ModuleType | None:
+    """`<name>.cpp` built as the CPython extension module `kvflow_<name>` (the source's
+    `#ifdef KVFLOW_PYTHON_MODULE` part: METH_FASTCALL wrappers of its kernels, named as
+    the C functions), for kernels called so often that ctypes' argument conversion
+    (~0.25 us per argument) matters. None where it cannot be built (no Python headers,
+    no compiler, KVFLOW_CPU_KERNELS=0): the caller uses `load_bound`'s ctypes instead."""
+    if os.environ.get("KVFLOW_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = _compiler()
+    include = sysconfig.get_paths().get("include")
+    if compiler is None or not include or not (Path(include) / "Python.h").exists():
+        logger.info("no Python headers: native kernel %s called through ctypes", name)
+        return None
+    source = SOURCE_DIR / f"{name}.cpp"
+    extra = ("-DKVFLOW_PYTHON_MODULE", f"-I{include}")
+    key = _build_key(source, compiler, "native", extra)
+    target = default_cache_dir() / "kernels" / key / f"kvflow_{name}.so"
+    try:
+        if not target.exists():
+            logger.info("building native CPU kernel module %s with %s", name, compiler)
+            _build(source, compiler, target, "native", extra)
+        spec = importlib.util.spec_from_file_location(f"kvflow_{name}", target)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (OSError, RuntimeError, ImportError) as error:
+        logger.warning("native CPU kernel module %s unavailable (%s): using ctypes", name, error)
+        return None
+
+
 # The `dtype` argument every kernel takes, and the ctypes of its other arguments.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 POINTER, INT64 = ctypes.c_void_p, ctypes.c_int64
@@ -155,9 +197,15 @@ NATIVE_KERNELS = (
 )
 
 
+# Also built as CPython modules where Python's headers exist (optional: ctypes serves).
+MODULE_KERNELS = ("elementwise",)
+
+
 def load_all() -> list[str]:
     """Build (or find cached) every native kernel now rather than inside the first
     request's step; the names of those unavailable (already logged)."""
+    for name in MODULE_KERNELS:
+        load_module(name)
     return [name for name in NATIVE_KERNELS if load_library(name) is None]
 
 

@@ -6,9 +6,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels.cpu import elementwise
+from kvflow.kernels.cpu import elementwise, native_build
 
 pytestmark = pytest.mark.native(elementwise._library() is not None)
+
+
+@pytest.fixture(autouse=True, params=["module", "ctypes"])
+def calls(request, monkeypatch):
+    """Every test twice: kernels called through the CPython module and through ctypes."""
+    if request.param == "ctypes":
+        library = native_build.load_bound("elementwise", elementwise._SIGNATURES)
+        monkeypatch.setattr(elementwise, "_library", lambda: library)
+    elif native_build.load_module("elementwise") is None:
+        pytest.skip("no Python headers: the kernels are called through ctypes only")
+    return request.param
+
+
 # fp32: another summation order and exp; bf16: at most about one bf16 ulp after rounding.
 TOLERANCES = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
@@ -68,3 +81,73 @@ def test_applies_only_to_contiguous_cpu_tensors_of_one_supported_dtype():
 def test_mismatched_weight_is_rejected():
     with pytest.raises(ValueError, match="do not match"):
         elementwise.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+
+
+def _cache_and_rows(dtype, num_tokens=5, kv_heads=3, head_dim=64):
+    gen = torch.Generator().manual_seed(num_tokens)
+    cache = torch.randn(2, 4, 16, kv_heads, head_dim, generator=gen).to(dtype)  # 64 slots
+    # key and value as views of one fused projection, as the model hands them over
+    kv = torch.randn(num_tokens, 2 * kv_heads * head_dim, generator=gen).to(dtype)
+    key, value = (t.view(num_tokens, kv_heads, head_dim) for t in kv.chunk(2, dim=-1))
+    return cache, key, value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_index_copy_and_skips_padding(dtype):
+    cache, key, value = _cache_and_rows(dtype)
+    slots = torch.tensor([7, -1, 63, 0, 20])
+    expected = cache.clone()
+    stored = slots >= 0
+    for plane, rows in ((0, key), (1, value)):
+        expected[plane].view(64, 3, 64).index_copy_(0, slots[stored], rows[stored])
+    assert elementwise.store_applies(key, value, cache, slots)
+    elementwise.store_kv(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_store_kv_refuses_a_slot_past_the_cache_and_writes_nothing():
+    cache, key, value = _cache_and_rows(torch.float32, num_tokens=2)
+    before = cache.clone()
+    with pytest.raises(ValueError, match="out of range"):
+        elementwise.store_kv(key, value, cache, torch.tensor([3, 64]))
+    assert torch.equal(cache, before)
+
+
+def test_store_applies_only_to_matching_layouts():
+    cache, key, value = _cache_and_rows(torch.float32)
+    slots = torch.arange(5)
+    assert not elementwise.store_applies(key, value, cache, slots.int())  # int32 slots
+    assert not elementwise.store_applies(key.bfloat16(), value, cache, slots)
+    assert not elementwise.store_applies(key.transpose(1, 2), value, cache, slots)
+    assert not elementwise.store_applies(key, value, cache[:, :2], slots)  # not contiguous
+
+
+def test_store_kv_refuses_rows_of_another_width_than_the_cache():
+    cache, key, value = _cache_and_rows(torch.float32, num_tokens=2)
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match="store_kv failed with status 2"):
+        elementwise.store_kv(key[:, :2], value[:, :2], cache, torch.tensor([3, 4]))
+    assert torch.equal(cache, before)
+
+
+def test_module_calls_check_their_arguments(calls):
+    if calls == "ctypes":
+        pytest.skip("ctypes checks its own arguments")
+    module = native_build.load_module("elementwise")
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        module.kvflow_silu_and_mul(0, 0, 0, 1)
+    with pytest.raises(TypeError):
+        module.kvflow_silu_and_mul(0, "not a pointer", 0, 1, 8)
+
+
+def test_tensors_off_the_cpu_never_build_the_cpu_kernels(monkeypatch):
+    """A CUDA run asks `applies` every layer: it must answer before loading anything."""
+
+    def refuse():
+        raise AssertionError("the CPU kernels were loaded for tensors off the CPU")
+
+    monkeypatch.setattr(elementwise, "_library", refuse)
+    x = torch.empty(4, 8, device="meta")
+    assert not elementwise.applies(x, torch.empty(8, device="meta"))
+    q, k = torch.empty(1, 9, 64, device="meta"), torch.empty(1, 3, 64, device="meta")
+    assert not elementwise.rotary_applies(q, k, torch.empty(1, 32, device="meta"))

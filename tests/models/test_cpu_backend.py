@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import sysconfig
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,8 +42,10 @@ def test_auto_picks_the_cpu_backend_on_cpu(tiny_model_dir: Any) -> None:
 @pytest.fixture
 def fresh_library_cache() -> Any:
     native_build.load_library.cache_clear()
+    native_build.load_module.cache_clear()
     yield
     native_build.load_library.cache_clear()
+    native_build.load_module.cache_clear()
 
 
 def test_no_compiler_falls_back_to_torch(
@@ -84,4 +88,32 @@ def test_build_all_builds_into_the_cache(
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     native_build.build_all()
     built = sorted(p.name for p in (tmp_path / "kernels").glob("*/*.so"))
-    assert built == sorted(f"{name}.so" for name in native_build.NATIVE_KERNELS)
+    expected = [f"{name}.so" for name in native_build.NATIVE_KERNELS]
+    if _has_python_headers():  # the fast-call modules too
+        expected += [f"kvflow_{name}.so" for name in native_build.MODULE_KERNELS]
+    assert built == sorted(expected)
+
+
+def _has_python_headers() -> bool:
+    include = sysconfig.get_paths().get("include")
+    return bool(include) and (Path(include) / "Python.h").exists()
+
+
+@pytest.mark.native(native_build._compiler() is not None)
+def test_fast_call_module_needs_python_headers(
+    fresh_library_cache: Any, monkeypatch: Any, tmp_path: Any, caplog: Any
+) -> None:
+    """Without Python.h the module is not built, and the kernels go through ctypes."""
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    with caplog.at_level(logging.INFO):
+        assert native_build.load_module("elementwise") is None
+    assert "no Python headers" in caplog.text
+    assert native_build.load_library("elementwise") is not None
+
+
+def test_fast_call_module_switched_off_by_environment(
+    fresh_library_cache: Any, monkeypatch: Any
+) -> None:
+    monkeypatch.setenv("KVFLOW_CPU_KERNELS", "0")
+    assert native_build.load_module("elementwise") is None

@@ -14,6 +14,7 @@ import torch
 
 from kvflow.gpu_worker.attention.backend import get_attention_backend
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
+from kvflow.kernels.cpu import elementwise
 
 
 def _reference(q, k, v, scale, window):  # q [Lq, H, D], k/v [L, KH, D] -> [Lq, H, D]
@@ -71,9 +72,17 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("native_store", [True, False], ids=["native-store", "index-copy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_matches_dense_reference(name: str, dtype: torch.dtype) -> None:
+def test_matches_dense_reference(
+    name: str, dtype: torch.dtype, native_store: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both stores of the step's K/V (the native one on CPUs, index_copy_ elsewhere)."""
+    if not native_store:
+        monkeypatch.setattr(elementwise, "store_applies", lambda *_: False)
+    elif elementwise._library() is None:
+        pytest.skip("native CPU kernels unavailable")
     q_lens, seq_lens, heads, kv_heads, head_dim, block_size, padding, window = CASES[name]
     cache, histories, md = _case(
         q_lens, seq_lens, heads, kv_heads, head_dim, block_size, padding, dtype, seed=len(name)
