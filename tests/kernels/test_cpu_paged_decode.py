@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from isa_builds import MARCHES, skip_unless_runs
 
-from kvflow.kernels.cpu.native_build import cpu_flags
 from kvflow.kernels.cpu.paged_decode import load_paged_decode, paged_decode_attention_ref
 
 kernel = load_paged_decode()
@@ -99,20 +99,8 @@ def test_rejects_what_would_read_out_of_bounds(change, message):
         kernel(**(args | change), scale=1.0)
 
 
-# The kernel's three paths: AVX512_BF16 dot products (native on this CPU if it has them),
-# AVX-512 without them (x86-64-v4), and the portable f32x8 loops (x86-64-v3 = AVX2). An
-# older -march is built and run only where this CPU can execute it.
-_MARCH_NEEDS = {
-    "native": set(),
-    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
-    "x86-64-v3": {"avx2", "fma", "bmi2", "movbe"},
-}
-
-
 def _kernel_for(march: str):
-    flags = cpu_flags()
-    if not _MARCH_NEEDS[march] <= flags or (march != "native" and not flags):
-        pytest.skip(f"this CPU cannot run -march={march} code")
+    skip_unless_runs(march)
     built = load_paged_decode(march)
     if built is None:
         pytest.skip(f"no -march={march} build here")
@@ -138,7 +126,7 @@ def _check_against_reference(kern, num_heads, num_kv_heads, head_dim, block_size
     return actual[:n].float(), expected[:n]
 
 
-@pytest.mark.parametrize("march", list(_MARCH_NEEDS))
+@pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_every_path_and_head_group(march, dtype, group):
@@ -149,7 +137,7 @@ def test_every_path_and_head_group(march, dtype, group):
     _check_against_reference(kern, 2 * group, 2, 96, 5, [1, 15, 16, 17, 33, 70], dtype)
 
 
-@pytest.mark.parametrize("march", list(_MARCH_NEEDS))
+@pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize(
     ("head_dim", "block_size", "window"),
     [
@@ -170,7 +158,7 @@ def test_every_path_head_dims_and_windows(march, head_dim, block_size, window):
         _check_against_reference(kern, 6, 2, head_dim, block_size, [3, 16, 45, 100], dtype, window)
 
 
-@pytest.mark.parametrize("march", list(_MARCH_NEEDS))
+@pytest.mark.parametrize("march", MARCHES)
 def test_bf16_error_is_that_of_bf16_rounding(march):
     """bfloat16 on each path: the weights of V may be rounded to bf16 (AVX512_BF16, as
     FlashAttention and torch's CPU flash attention do), which must cost less than the

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from isa_builds import can_run, skip_unless_runs
 
-from kvflow.kernels.cpu.native_build import cpu_flags
 from kvflow.kernels.cpu.prefill_attention import load_prefill_attention, prefill_attention_ref
 
 kernel = load_prefill_attention()
@@ -16,19 +16,9 @@ TOLERANCES = {
     torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2},
 }
 
-# The builds: native (AVX512_BF16 dot products on this CPU if it has them), AVX-512
-# without them (x86-64-v4: bf16 widened to float32), AVX2 (x86-64-v3: declines).
-_MARCH_NEEDS = {
-    "native": set(),
-    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
-    "x86-64-v3": {"avx2", "fma", "bmi2", "movbe"},
-}
-
 
 def _kernel_for(march: str):
-    flags = cpu_flags()
-    if not _MARCH_NEEDS[march] <= flags or (march != "native" and not flags):
-        pytest.skip(f"this CPU cannot run -march={march} code")
+    skip_unless_runs(march)
     built = load_prefill_attention(march)
     if built is None:
         pytest.skip(f"no -march={march} build here")
@@ -122,7 +112,7 @@ def test_unsupported_shapes_and_builds_decline():
     q = torch.zeros(4, 2, 48)
     with pytest.raises(ValueError, match="unsupported"):
         kernel(q, q, q, torch.empty_like(q), 1.0)
-    if _MARCH_NEEDS["x86-64-v3"] <= cpu_flags():
+    if can_run("x86-64-v3"):
         portable = load_prefill_attention("x86-64-v3")
         assert portable is not None and not portable.supports(torch.zeros(4, 2, 64))
 
