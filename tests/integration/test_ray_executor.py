@@ -116,6 +116,12 @@ def _routed(url: str) -> dict[str, float]:
     return totals
 
 
+def _all_engines_serve(url: str) -> bool:
+    """/health is 200 with a "degraded" body while some engine does not serve."""
+    response = httpx.get(url + "/health", timeout=5.0)
+    return response.status_code == 200 and "degraded" not in response.text
+
+
 def _log(server: Server) -> str:
     return server.log_path.read_text(errors="replace")
 
@@ -183,6 +189,8 @@ def test_a_tp_engine_is_placed_whole_on_the_node_that_fits_it(
 def test_two_nodes_serve_what_one_engine_computes(ray_server: Server, tiny_model_dir: Path) -> None:
     placements = _placements(ray_server)
     assert set(placements) == {"0", "1"} and len(set(placements.values())) == 2, placements
+    # Ready means one engine serves; the router sends only to engines that do.
+    assert wait_for(lambda: _all_engines_serve(ray_server.base_url), timeout_s=60.0)
     prompts = [_prompt(seed) for seed in range(16)]
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda p: _complete(ray_server.base_url, p), prompts))

@@ -40,16 +40,21 @@ PROMPTS = ["A very long story:", "Once upon a time", "The list of primes:", "Dea
 # Greedy, except the last stream: seeded sampling, whose generator must replay too.
 SAMPLING = [{"temperature": 0.0}] * 3 + [{"temperature": 1.0, "seed": 1234}]
 MAX_TOKENS = 300
+LONGEST_STREAM = 500  # the tiny model's 512 positions, less the prompts
 
 
 def _stream(
-    base_url: str, prompt: str, sampling: dict[str, Any], started: threading.Event | None
+    base_url: str,
+    prompt: str,
+    sampling: dict[str, Any],
+    started: threading.Event | None,
+    max_tokens: int = MAX_TOKENS,
 ) -> dict[str, Any]:
     """One completion stream: its text, finish reasons and errors."""
     body = {
         "model": MODEL_NAME,
         "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
         **sampling,
@@ -73,12 +78,16 @@ def _stream(
     return {"text": "".join(text), "finish": [f for f in finishes if f], "errors": errors}
 
 
-def _run_streams(base_url: str, on_started: Any = None) -> list[dict[str, Any]]:
+def _run_streams(
+    base_url: str, on_started: Any = None, max_tokens: int = MAX_TOKENS
+) -> list[dict[str, Any]]:
     """Every prompt at once; `on_started()` runs once each stream has a few tokens."""
     events = [threading.Event() for _ in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         futures = [
-            pool.submit(_stream, base_url, prompt, sampling, event if on_started else None)
+            pool.submit(
+                _stream, base_url, prompt, sampling, event if on_started else None, max_tokens
+            )
             for prompt, sampling, event in zip(PROMPTS, SAMPLING, events, strict=True)
         ]
         if on_started is not None:
@@ -165,7 +174,9 @@ def test_restart_budget_spent_fails_requests_and_exits_nonzero(
             os.kill(worker, signal.SIGKILL)
             killed_at.append(time.monotonic())
 
-        results = _run_streams(server.base_url, kill)
+        # As long as the tiny model allows: the kill must land before any stream ends,
+        # however late a loaded machine runs this thread after the streams started.
+        results = _run_streams(server.base_url, kill, max_tokens=LONGEST_STREAM)
         failed_after = time.monotonic() - killed_at[0]
         code = server.process.wait(STREAM_DEADLINE_S)  # exits on its own
         exited_after = time.monotonic() - killed_at[0]
