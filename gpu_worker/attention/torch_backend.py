@@ -251,7 +251,7 @@ class TorchAttentionBackend:
             out[plan.num_actual_tokens :].zero_()
         decode, kernel = plan.decode, self._decode_kernel
         if plan.kernel_takes_query is None:  # once per step, not per layer
-            plan.kernel_takes_query = kernel is not None and kernel.supports(query)
+            plan.kernel_takes_query = kernel is not None and kernel.supports(query, kv_cache)
         if decode is not None and kernel is not None and plan.kernel_takes_query:
             md = plan.metadata
             kernel(

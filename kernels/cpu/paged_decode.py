@@ -23,8 +23,13 @@ class PagedDecodeAttention:
         self._fn = library.kvflow_paged_decode_attention
 
     @staticmethod
-    def supports(query: torch.Tensor) -> bool:
-        return query.device.type == "cpu" and query.dtype in DTYPE_CODES
+    def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """A CPU float32/bfloat16 query over a cache of the same dtype."""
+        return (
+            query.device.type == "cpu"
+            and query.dtype in DTYPE_CODES
+            and kv_cache.dtype == query.dtype
+        )
 
     def __call__(
         self,

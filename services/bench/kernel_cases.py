@@ -148,7 +148,7 @@ def _decode_attention_case(a: argparse.Namespace, dev: torch.device, dt: torch.d
     for name, load in (("cpu-native", load_paged_decode),
                        ("cpu-native(avx2 build)", load_portable_paged_decode)):  # fmt: skip
         kernel = load() if dev.type == "cpu" else None
-        if kernel is not None and kernel.supports(p.query):
+        if kernel is not None and kernel.supports(p.query, p.kv_cache):
             cpu_native[name] = functools.partial(
                 kernel, p.query, p.kv_cache, p.block_tables, p.seq_lens, rows, rows, out, p.scale
             )
