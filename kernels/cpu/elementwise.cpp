@@ -27,6 +27,9 @@ constexpr int64_t kMinRowsForThreads = 8;
 inline float to_dtype(float x, const float*) { return x; }
 inline float to_dtype(float x, const Bf16*) { return round_bf16(x); }
 
+inline f32x8 to_dtype(f32x8 x, const float*) { return x; }
+inline f32x8 to_dtype(f32x8 x, const Bf16*) { return round_bf16(x); }
+
 // x + residual rounded to the dtype (or x alone without a residual), also written to
 // residual_out.
 template <typename T>
@@ -37,26 +40,35 @@ inline float summed(const T* x, const T* residual, T* residual_out, int64_t i) {
     return v;
 }
 
-// One row: residual_out = x + residual (if residual), out = norm(sum) * weight.
+template <typename T>
+inline f32x8 summed8(const T* x, const T* residual, T* residual_out, int64_t i) {
+    if (residual == nullptr) return load8(x + i);
+    const f32x8 v = to_dtype(load8(x + i) + load8(residual + i), x);
+    store8(residual_out + i, v);
+    return v;
+}
+
+// One row: residual_out = x + residual (if residual), out = norm(sum) * weight. Lane j of
+// the sum of squares adds elements j, j + 8, ... as the scalar tail's order assumes.
 template <typename T>
 void rms_norm_row(const T* x, const T* residual, T* residual_out, const T* weight, T* out,
                   int64_t H, float eps) {
-    float lanes[8] = {};  // 8 independent sums: vectorizes without reassociation
+    f32x8 lanes = {};
     int64_t i = 0;
-    for (; i + 8 <= H; i += 8)
-        for (int j = 0; j < 8; ++j) {
-            const float v = summed(x, residual, residual_out, i + j);
-            lanes[j] += v * v;
-        }
-    float sum_sq = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-                   ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (; i + 8 <= H; i += 8) {
+        const f32x8 v = summed8(x, residual, residual_out, i);
+        lanes += v * v;
+    }
+    float sum_sq = hsum(lanes);
     for (; i < H; ++i) {
         const float v = summed(x, residual, residual_out, i);
         sum_sq += v * v;
     }
     const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(H) + eps);
     const T* sums = residual != nullptr ? residual_out : x;
-    for (i = 0; i < H; ++i) store(out + i, to_dtype(load(sums[i]) * inv, x) * load(weight[i]));
+    for (i = 0; i + 8 <= H; i += 8)
+        store8(out + i, to_dtype(load8(sums + i) * inv, x) * load8(weight + i));
+    for (; i < H; ++i) store(out + i, to_dtype(load(sums[i]) * inv, x) * load(weight[i]));
 }
 
 template <typename T>
@@ -76,7 +88,13 @@ void silu_and_mul(const T* x, T* out, int64_t rows, int64_t d) {
         const T* gate = x + r * 2 * d;
         const T* up = gate + d;
         T* o = out + r * d;
-        for (int64_t i = 0; i < d; ++i) {
+        int64_t i = 0;
+        for (; i + 8 <= d; i += 8) {
+            const f32x8 g = load8(gate + i);
+            const f32x8 silu = to_dtype(g / (1.0f + exp_approx(-g)), x);
+            store8(o + i, silu * load8(up + i));
+        }
+        for (; i < d; ++i) {
             const float g = load(gate[i]);
             const float silu = to_dtype(g / (1.0f + exp_approx(-g)), x);
             store(o + i, silu * load(up[i]));

@@ -61,6 +61,26 @@ inline float round_bf16(float x) {
     return load(b);
 }
 
+// Eight lanes of `store` and `round_bf16`: the same rounding, lane by lane.
+inline void store8(float* dst, f32x8 v) { std::memcpy(dst, &v, sizeof v); }
+
+inline u32x8 round_bf16_bits(f32x8 v) {
+    u32x8 u;
+    std::memcpy(&u, &v, sizeof u);
+    return u + (0x7FFFu + ((u >> 16) & 1u));
+}
+
+inline void store8(Bf16* dst, f32x8 v) {
+    const u16x8 h = __builtin_convertvector(round_bf16_bits(v) >> 16, u16x8);
+    std::memcpy(dst, &h, sizeof h);
+}
+
+inline f32x8 round_bf16(f32x8 v) {
+    const u32x8 u = round_bf16_bits(v) & 0xFFFF0000u;
+    std::memcpy(&v, &u, sizeof v);
+    return v;
+}
+
 // exp(x) in a form the compiler vectorizes (libm's expf is a scalar call): x = k ln2 + r
 // with |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative error ~2e-7, like expf),
 // 2^k from the exponent bits. k is rounded by adding and removing 1.5 * 2^23, which is
@@ -82,6 +102,27 @@ inline float exp_approx(float x) {
     p = p * r + 1.0f;
     const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
     float two_k;
+    std::memcpy(&two_k, &bits, sizeof two_k);
+    return p * two_k;
+}
+
+// exp_approx on eight lanes, step for step (so both forms round alike).
+inline f32x8 exp_approx(f32x8 x) {
+    typedef int32_t i32x8 __attribute__((vector_size(32)));
+    constexpr float kRound = 12582912.0f;
+    x = x < -87.0f ? f32x8{} - 87.0f : x;
+    x = x > 88.0f ? f32x8{} + 88.0f : x;
+    const f32x8 k = (x * 1.44269504088896341f + kRound) - kRound;
+    const f32x8 r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+    f32x8 p = f32x8{} + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const i32x8 bits = (__builtin_convertvector(k, i32x8) + 127) << 23;
+    f32x8 two_k;
     std::memcpy(&two_k, &bits, sizeof two_k);
     return p * two_k;
 }
