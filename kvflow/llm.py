@@ -11,6 +11,7 @@ from tqdm import tqdm
 from kvflow.config import EngineConfig
 from kvflow.engine import LLMEngine
 from kvflow.errors import ConfigError
+from kvflow.heap import freeze_startup_heap
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import Conversation, apply_chat_template
@@ -44,6 +45,7 @@ class LLM:
             )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        freeze_startup_heap()
 
     def close(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); also done at exit."""

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import zmq
 
 from kvflow.errors import KvflowError
+from kvflow.heap import freeze_startup_heap
 from kvflow.proto.control import ProcessFailed, ProcessReady
 from kvflow.proto.sockets import TypedSocket
 
@@ -79,7 +80,9 @@ class LauncherLink:
 
     def ready(self, **info: float) -> None:
         """Ack; from now on SIGTERM/SIGINT stop the loop cleanly. Before, they end the
-        process at once: a role still loading has nothing to clean up."""
+        process at once: a role still loading has nothing to clean up. What start-up
+        allocated leaves the garbage collector's scans (kvflow/heap.py)."""
+        freeze_startup_heap()
         self._stop.install()
         if self._socket is not None:
             self._socket.send(ProcessReady(self.role, self.rank, os.getpid(), dict(info)))

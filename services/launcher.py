@@ -38,6 +38,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.errors import KvflowError
+from kvflow.heap import freeze_startup_heap
 from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.lifecycle import StopFlag
@@ -299,6 +300,7 @@ def _ready_line(frontend: FrontendConfig, start: float) -> Callable[[], None]:
             f"kvflow: serving {frontend.served_model_name!r} at {url} (ready in {took:.1f} s)",
             flush=True,
         )
+        freeze_startup_heap()  # the frontend's loop, like every role's (proto/lifecycle.py)
 
     return on_ready
 
