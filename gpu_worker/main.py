@@ -31,6 +31,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.gpu_worker.distributed import RankInit
+from kvflow.heap import keep_freed_memory
 from kvflow.kv_transfer_config import engine_kv_namespace
 from kvflow.metrics.device_peaks import DevicePeaks, resolve_peaks
 from kvflow.metrics.startup_phases import StartupPhases, process_age_s
@@ -100,6 +101,7 @@ def _serve(
     incarnation: str,
 ) -> int:
     start = time.perf_counter()
+    keep_freed_memory()
     phases = StartupPhases()
     age = process_age_s()
     if age is not None:

@@ -1,6 +1,7 @@
-"""A process's start-up heap leaves the garbage collector's scans once it serves.
+"""Heap policy of the serving processes: the garbage collector and malloc.
 
-A full collection walks every tracked object: ~300k once torch, transformers and a model
+The start-up heap leaves the garbage collector's scans once a process serves. A full
+collection walks every tracked object: ~300k once torch, transformers and a model
 are loaded, 150-450 ms on a 2-core CPU. Python runs one whenever enough objects have
 survived younger collections, which in a serving loop lands inside a step: a stall of
 several decode steps in one inter-token gap. Frozen objects are never scanned again; the
@@ -9,6 +10,7 @@ ones a loop allocates later still are, so cycles made while serving are still fr
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import time
@@ -26,3 +28,32 @@ def freeze_startup_heap() -> None:
         gc.get_freeze_count(),
         (time.perf_counter() - start) * 1e3,
     )
+
+
+# mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for the mmap threshold on 64-bit
+_TRIM_THRESHOLD = 4 << 30
+_TOP_PAD = 256 << 20
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse instead of returning it to the OS.
+
+    A model step allocates and frees the same activation buffers (MBs each) every layer.
+    By default glibc maps large ones fresh or trims the heap after freeing them, so the
+    next step faults every page in again and the kernel zeroes it: ~8% of a 2,048-token
+    prefill's CPU time, measured. Buffers up to 32 MB now come from the heap, which grows
+    in 256 MB steps and keeps up to 4 GiB free. False where the C library has no
+    mallopt (not glibc); nothing changes there.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+    ok &= mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+    ok &= mallopt(_M_TOP_PAD, _TOP_PAD)
+    return bool(ok)

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from kvflow.config import EngineConfig
 from kvflow.engine import LLMEngine
 from kvflow.errors import ConfigError
-from kvflow.heap import freeze_startup_heap
+from kvflow.heap import freeze_startup_heap, keep_freed_memory
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import Conversation, apply_chat_template
@@ -43,6 +43,7 @@ class LLM:
                 "max_waiting_requests and max_queue_delay shed a server's load; LLM.generate "
                 "runs every prompt it is given (set them on `kvflow serve`)"
             )
+        keep_freed_memory()  # this process runs the model's steps
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
         freeze_startup_heap()
