@@ -185,9 +185,9 @@ def store_applies(
     int64 slots, shapes that match."""
     dtype = key.dtype
     if kv_cache.dtype in _CODEC_CODES:
-        if dtype not in DTYPE_CODES or not applies(key.new_empty(0)):
-            return False
-        if not (kv_cache.is_cpu and kv_cache.is_contiguous()):
+        # the library last: a CUDA run never builds the CPU kernels
+        quantized_ok = kv_cache.is_cpu and kv_cache.is_contiguous() and dtype in DTYPE_CODES
+        if not (quantized_ok and _library() is not None):
             return False
     elif not applies(kv_cache) or dtype != kv_cache.dtype:
         return False
