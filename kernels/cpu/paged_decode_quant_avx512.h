@@ -322,9 +322,19 @@ void attend_one(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, int6
     w.tile.resize(kTile * D);
     float* scores = w.scores.data();
     const int64_t* offsets = w.rows.data();
+    // Rows of 68 bytes straddle cache lines and the rows of a block are adjacent: each
+    // line is asked for once (a prefetch that waits on a full miss queue stalls).
     auto prefetch_tile = [&](const uint8_t* cache, int64_t t0) {
-        for (int64_t t = t0; t < std::min(n, t0 + kTile); ++t)
-            avx512::prefetch_l2(cache + offsets[t], fetch_bytes);
+        uintptr_t first_line = 0, next_line = 0;  // the lines asked for by the last row
+        for (int64_t t = t0; t < std::min(n, t0 + kTile); ++t) {
+            const uintptr_t begin = reinterpret_cast<uintptr_t>(cache + offsets[t]);
+            uintptr_t line = begin & ~uintptr_t{63};
+            if (line >= first_line && line < next_line) line = next_line;  // the row after
+            else first_line = line;
+            for (; line < begin + fetch_bytes; line += 64)
+                asm volatile("prefetcht2 %0" : : "m"(*reinterpret_cast<const char*>(line)));
+            next_line = line;
+        }
     };
     constexpr int64_t kAhead = 2 * kTile;
     prefetch_tile(k_cache, 0);
