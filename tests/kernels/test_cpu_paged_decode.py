@@ -232,13 +232,19 @@ def _check_quantized(kern, codec, dtype, num_heads, num_kv_heads, head_dim, bloc
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_cache_matches_dequantized_sdpa(march, codec, dtype):
-    """Each codec x query dtype on each path: W1's GQA shape (9 heads on 3), a group of 5
+    """Each codec x query dtype on each path: W1's GQA shape (9 heads on 3; 9 decodes:
+    a task per request, the others are split by KV head), a group of 5
     (two weight groups) at head_dim 96 (a 64- and a 32-column group), head_dim 80 (the
     portable loops even on AVX-512), a sliding window mid-tile; ragged lengths on
     shuffled blocks."""
     kern = _kernel_for(march)
     lens = [1, 15, 16, 17, 33, 70]
-    _check_quantized(kern, codec, dtype, 9, 3, 64, 16, lens)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 9 decodes >= 4 per thread: one task per request
+    try:
+        _check_quantized(kern, codec, dtype, 9, 3, 64, 16, [*lens, 3, 48, 21])
+    finally:
+        torch.set_num_threads(threads)
     _check_quantized(kern, codec, dtype, 10, 2, 96, 5, lens, window=20)
     _check_quantized(kern, codec, dtype, 4, 2, 80, 8, lens[:4], window=7)
 
