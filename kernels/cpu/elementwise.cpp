@@ -12,6 +12,7 @@
 // rounded before the sum (as torch's bf16 ops do). Built by native_build.py.
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -143,6 +144,157 @@ void store_kv(const T* key, const T* value, T* cache, const int64_t* slots, int6
     }
 }
 
+// The quantizing store (kernels/kv_codec.py's rows: head_dim codes, then the float32
+// scale), rounding exactly as kv_codec.quantize_rows: scale = max|x| / qmax, code =
+// x / scale (a division, as torch does; 1 for an all-zero row) rounded half to even,
+// int8 clamped to +-127, fp8 clamped to +-qmax before it is rounded.
+enum Codec : int { kInt8 = 0, kE4M3 = 1, kE5M2 = 2 };
+
+// x (|x| <= the format's max, finite) to the fp8 code of MAN mantissa bits and exponent
+// bias BIAS, rounded to nearest even; branch-free so that the row loop vectorizes.
+template <int MAN, int BIAS>
+inline uint8_t encode_fp8(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    const uint32_t sign = (u >> 24) & 0x80u;
+    u &= 0x7FFFFFFFu;
+    float a;
+    std::memcpy(&a, &u, sizeof a);
+    constexpr float kMinNormal = 1.0f / static_cast<float>(1u << (BIAS - 1));  // 2^(1 - BIAS)
+    // Below the smallest normal the codes are multiples of 2^(1 - BIAS - MAN): scaling by a
+    // power of two is exact, so this rounds once.
+    constexpr float kSubnormalScale = static_cast<float>(1u << (BIAS - 1 + MAN));
+    const uint32_t sub = static_cast<uint32_t>(std::nearbyint(std::min(a, kMinNormal) * kSubnormalScale));
+    // Normal: drop 23 - MAN mantissa bits, round to nearest even (a carry moves into the
+    // exponent, as it should), then move the exponent bias from 127 to BIAS.
+    constexpr int kShift = 23 - MAN;
+    const uint32_t rounded = (u + ((1u << (kShift - 1)) - 1u) + ((u >> kShift) & 1u)) >> kShift;
+    const uint32_t normal = rounded - (static_cast<uint32_t>(127 - BIAS) << MAN);
+    return static_cast<uint8_t>(sign | (a < kMinNormal ? sub : normal));
+}
+
+template <int C>
+constexpr float codec_qmax() {
+    return C == kInt8 ? 127.0f : C == kE4M3 ? 448.0f : 57344.0f;
+}
+
+// encode_fp8 on 8 lanes, step for step (vector extensions: the compiler picks the
+// instructions; the ternary is a lane select).
+template <int MAN, int BIAS>
+inline u32x8 encode_fp8(f32x8 x) {
+    typedef int32_t i32x8 __attribute__((vector_size(32)));
+    u32x8 u;
+    std::memcpy(&u, &x, sizeof u);
+    const u32x8 sign = (u >> 24) & 0x80u;
+    u &= 0x7FFFFFFFu;
+    f32x8 a;
+    std::memcpy(&a, &u, sizeof a);
+    constexpr float kMinNormal = 1.0f / static_cast<float>(1u << (BIAS - 1));
+    constexpr float kSubnormalScale = static_cast<float>(1u << (BIAS - 1 + MAN));
+    constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding and removing it rounds half to even
+    const f32x8 low = (a < kMinNormal ? a : f32x8{} + kMinNormal) * kSubnormalScale;
+    const u32x8 sub = __builtin_convertvector((low + kRound) - kRound, u32x8);
+    constexpr int kShift = 23 - MAN;
+    const u32x8 rounded = (u + ((1u << (kShift - 1)) - 1u) + ((u >> kShift) & 1u)) >> kShift;
+    const u32x8 normal = rounded - (static_cast<uint32_t>(127 - BIAS) << MAN);
+    const i32x8 is_sub = a < kMinNormal;  // lanes of all ones where true
+    return sign | (sub & u32x8(is_sub)) | (normal & ~u32x8(is_sub));
+}
+
+// One code as quantize_row computes it.
+template <int C>
+inline uint8_t encode(float v) {
+    if constexpr (C == kInt8)
+        return static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(v)));
+    else if constexpr (C == kE4M3)
+        return encode_fp8<3, 7>(v);
+    else
+        return encode_fp8<2, 15>(v);
+}
+
+// Eight codes (low byte of each lane).
+template <int C>
+inline u32x8 encode(f32x8 v) {
+    typedef int32_t i32x8 __attribute__((vector_size(32)));
+    if constexpr (C == kInt8) {
+        constexpr float kRound = 12582912.0f;  // |v| <= 127: exact round half to even
+        return u32x8(__builtin_convertvector((v + kRound) - kRound, i32x8)) & 0xFFu;
+    } else if constexpr (C == kE4M3) {
+        return encode_fp8<3, 7>(v);
+    } else {
+        return encode_fp8<2, 15>(v);
+    }
+}
+
+// One row of D values to D codes and the scale at dst + D; 8 lanes at a time where D
+// allows (the same operations lane by lane, so the codes are the same).
+template <int C, typename T>
+inline void quantize_row(const T* x, int64_t D, uint8_t* dst) {
+    constexpr float qmax = codec_qmax<C>();
+    const int64_t vec_end = D - D % 8;
+    f32x8 m8 = {};
+    for (int64_t d = 0; d < vec_end; d += 8) {
+        const f32x8 v = load8(x + d);
+        const f32x8 a = v < 0.0f ? -v : v;
+        m8 = a > m8 ? a : m8;
+    }
+    float amax = 0.0f;
+    for (int i = 0; i < 8; ++i) amax = std::max(amax, m8[i]);
+    for (int64_t d = vec_end; d < D; ++d) amax = std::max(amax, std::fabs(load(x[d])));
+    const float scale = amax / qmax;
+    const float divisor = scale > 0.0f ? scale : 1.0f;
+    for (int64_t d = 0; d < vec_end; d += 8) {
+        f32x8 v = load8(x + d) / divisor;
+        v = v < -qmax ? f32x8{} - qmax : v;
+        v = v > qmax ? f32x8{} + qmax : v;
+        typedef uint8_t u8x8 __attribute__((vector_size(8)));
+        const u8x8 codes = __builtin_convertvector(encode<C>(v), u8x8);
+        std::memcpy(dst + d, &codes, sizeof codes);
+    }
+    for (int64_t d = vec_end; d < D; ++d)
+        dst[d] = encode<C>(std::min(std::max(load(x[d]) / divisor, -qmax), qmax));
+    std::memcpy(dst + D, &scale, sizeof scale);
+}
+
+// store_kv into a quantized cache [2, num_slots, heads, D + 4] (bytes).
+template <int C, typename T>
+void store_kv_quant(const T* key, const T* value, uint8_t* cache, const int64_t* slots,
+                    int64_t rows, int64_t heads, int64_t D, int64_t key_stride,
+                    int64_t value_stride, int64_t num_slots) {
+    const int64_t row_bytes = D + 4, slot_bytes = heads * row_bytes;
+    uint8_t* values = cache + num_slots * slot_bytes;
+#pragma omp parallel for schedule(static) if (rows >= kMinRowsForThreads)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t slot = slots[r];
+        if (slot < 0) continue;  // a padding row: not stored
+        for (int64_t h = 0; h < heads; ++h) {
+            quantize_row<C>(key + r * key_stride + h * D, D, cache + slot * slot_bytes + h * row_bytes);
+            quantize_row<C>(value + r * value_stride + h * D, D,
+                            values + slot * slot_bytes + h * row_bytes);
+        }
+    }
+}
+
+template <typename T>
+int store_kv_codec(int codec, const T* key, const T* value, void* cache, const int64_t* slots,
+                   int64_t rows, int64_t heads, int64_t D, int64_t key_stride,
+                   int64_t value_stride, int64_t num_slots) {
+    auto* c = static_cast<uint8_t*>(cache);
+    switch (codec) {
+        case kInt8:
+            store_kv_quant<kInt8>(key, value, c, slots, rows, heads, D, key_stride, value_stride, num_slots);
+            return 0;
+        case kE4M3:
+            store_kv_quant<kE4M3>(key, value, c, slots, rows, heads, D, key_stride, value_stride, num_slots);
+            return 0;
+        case kE5M2:
+            store_kv_quant<kE5M2>(key, value, c, slots, rows, heads, D, key_stride, value_stride, num_slots);
+            return 0;
+        default:
+            return 1;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -227,10 +379,31 @@ int kvflow_store_kv(int dtype, const void* key, const void* value, void* cache,
     return 1;
 }
 
+// store_kv into a quantized cache (kernels/kv_codec.py): codec 0 = int8, 1 = fp8 e4m3,
+// 2 = fp8 e5m2; key/value rows of heads * head_dim elements of `dtype`; the cache
+// [2, num_slots, cache_width] bytes, status 2 unless heads * (head_dim + 4) == cache_width.
+int kvflow_store_kv_quant(int dtype, int codec, const void* key, const void* value, void* cache,
+                          const int64_t* slots, int64_t rows, int64_t heads, int64_t head_dim,
+                          int64_t key_stride, int64_t value_stride, int64_t num_slots,
+                          int64_t cache_width) {
+    if (heads * (head_dim + 4) != cache_width) return 2;
+    for (int64_t r = 0; r < rows; ++r)
+        if (slots[r] >= num_slots) return 3;
+    if (dtype == 0)
+        return store_kv_codec(codec, static_cast<const float*>(key),
+                              static_cast<const float*>(value), cache, slots, rows, heads,
+                              head_dim, key_stride, value_stride, num_slots);
+    if (dtype == 1)
+        return store_kv_codec(codec, static_cast<const Bf16*>(key),
+                              static_cast<const Bf16*>(value), cache, slots, rows, heads,
+                              head_dim, key_stride, value_stride, num_slots);
+    return 1;
+}
+
 }  // extern "C"
 
 #ifdef KVFLOW_PYTHON_MODULE
-// The same four kernels as a CPython module (native_build.load_module). A ctypes call
+// The same kernels as a CPython module (native_build.load_module). A ctypes call
 // converts every argument through Python objects, about 0.25 us apiece: 2-3 us for these
 // signatures, more than the kernel itself at one decode row, 120 calls a step. Here
 // METH_FASTCALL reads the ints directly. Pointers come as ints (0 = null); the GIL is
@@ -303,12 +476,26 @@ PyObject* py_store_kv(PyObject*, PyObject* const* args, Py_ssize_t n) {
     return PyLong_FromLong(status);
 }
 
+PyObject* py_store_kv_quant(PyObject*, PyObject* const* args, Py_ssize_t n) {
+    int64_t a[13];
+    if (!arity("kvflow_store_kv_quant", n, 13) || !read_ints(args, 13, a)) return nullptr;
+    int status;
+    Py_BEGIN_ALLOW_THREADS;
+    status = kvflow_store_kv_quant(static_cast<int>(a[0]), static_cast<int>(a[1]), ptr(a[2]),
+                                   ptr(a[3]), ptr(a[4]), static_cast<const int64_t*>(ptr(a[5])),
+                                   a[6], a[7], a[8], a[9], a[10], a[11], a[12]);
+    Py_END_ALLOW_THREADS;
+    return PyLong_FromLong(status);
+}
+
 PyMethodDef kMethods[] = {
     {"kvflow_rms_norm", reinterpret_cast<PyCFunction>(py_rms_norm), METH_FASTCALL, nullptr},
     {"kvflow_silu_and_mul", reinterpret_cast<PyCFunction>(py_silu_and_mul), METH_FASTCALL,
      nullptr},
     {"kvflow_rotary_qk", reinterpret_cast<PyCFunction>(py_rotary_qk), METH_FASTCALL, nullptr},
     {"kvflow_store_kv", reinterpret_cast<PyCFunction>(py_store_kv), METH_FASTCALL, nullptr},
+    {"kvflow_store_kv_quant", reinterpret_cast<PyCFunction>(py_store_kv_quant), METH_FASTCALL,
+     nullptr},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvflow.kernels import kv_codec
 from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound, load_module
 
 _SIGNATURES = {
@@ -25,7 +26,11 @@ _SIGNATURES = {
     "kvflow_silu_and_mul": [ctypes.c_int, POINTER, POINTER, INT64, INT64],
     "kvflow_rotary_qk": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 6],
     "kvflow_store_kv": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 6],
+    "kvflow_store_kv_quant": [ctypes.c_int, ctypes.c_int, *[POINTER] * 4, *[INT64] * 7],
 }
+
+# storage dtype of a quantized cache (kv_codec) -> the store's codec number
+_CODEC_CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 @functools.cache
@@ -143,21 +148,30 @@ def rotary_applies(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
 def store_kv(
     key: torch.Tensor,  # [T, kv_heads, head_dim], heads contiguous
     value: torch.Tensor,  # [T, kv_heads, head_dim], heads contiguous
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim] contiguous
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, row] contiguous
     slots: torch.Tensor,  # [T] int64, -1 = padding (not stored)
 ) -> None:
-    """kv_cache[0/1] at slot slots[t] <- key/value[t]; bounds-checked (ValueError)."""
+    """kv_cache[0/1] at slot slots[t] <- key/value[t]; bounds-checked (ValueError). A
+    quantized cache (kv_codec: row = head_dim + 4) gets the rows quantize_rows makes."""
     library = _library()
     assert library is not None, "call only where store_applies() is true"
     rows, kv_heads, head_dim = key.shape
-    _, num_blocks, block_size, cache_heads, cache_head_dim = kv_cache.shape
+    _, num_blocks, block_size, cache_heads, cache_row = kv_cache.shape
+    codec = _CODEC_CODES.get(kv_cache.dtype)
     # The shapes are checked in the kernel (status 2): callers check the layout once per
     # step with store_applies, and the kernel guards against a layer that differs.
-    status = library.kvflow_store_kv(
-        DTYPE_CODES[key.dtype], key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(),
-        slots.data_ptr(), rows, kv_heads * head_dim, key.stride(0), value.stride(0),
-        num_blocks * block_size, cache_heads * cache_head_dim,
-    )  # fmt: skip
+    if codec is None:
+        status = library.kvflow_store_kv(
+            DTYPE_CODES[key.dtype], key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(),
+            slots.data_ptr(), rows, kv_heads * head_dim, key.stride(0), value.stride(0),
+            num_blocks * block_size, cache_heads * cache_row,
+        )  # fmt: skip
+    else:
+        status = library.kvflow_store_kv_quant(
+            DTYPE_CODES[key.dtype], codec, key.data_ptr(), value.data_ptr(),
+            kv_cache.data_ptr(), slots.data_ptr(), rows, kv_heads, head_dim, key.stride(0),
+            value.stride(0), num_blocks * block_size, cache_heads * cache_row,
+        )  # fmt: skip
     if status == 3:
         raise ValueError(f"a KV slot is out of range for a cache of {kv_cache.shape[1]} blocks")
     _check(status, "store_kv")
@@ -166,13 +180,22 @@ def store_kv(
 def store_applies(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
 ) -> bool:
-    """Whether `store_kv` takes these (else index_copy_): CPU, one supported dtype,
-    contiguous cache and heads, int64 slots, shapes that match."""
-    if not applies(kv_cache) or key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
+    """Whether `store_kv` takes these (else the torch path): CPU, a float32/bfloat16
+    key and value of the cache's dtype or a quantized cache, contiguous cache and heads,
+    int64 slots, shapes that match."""
+    dtype = key.dtype
+    if kv_cache.dtype in _CODEC_CODES:
+        # the library last: a CUDA run never builds the CPU kernels
+        quantized_ok = kv_cache.is_cpu and kv_cache.is_contiguous() and dtype in DTYPE_CODES
+        if not (quantized_ok and _library() is not None):
+            return False
+    elif not applies(kv_cache) or dtype != kv_cache.dtype:
         return False
-    _, _, _, kv_heads, head_dim = kv_cache.shape
+    _, _, _, kv_heads, _ = kv_cache.shape
+    head_dim = kv_codec.head_dim_of(kv_cache)
     return (
-        key.is_cpu
+        value.dtype == dtype
+        and key.is_cpu
         and value.is_cpu
         and slots.is_cpu
         and slots.dtype == torch.int64

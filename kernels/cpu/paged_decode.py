@@ -11,9 +11,14 @@ import ctypes
 
 import torch
 
+from kvflow.kernels import kv_codec
 from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, cpu_flags, load_bound
 
 _SIGNATURE = [ctypes.c_int, *[POINTER] * 7, INT64, POINTER, *[INT64] * 8, ctypes.c_float]
+_QUANT_SIGNATURE = [ctypes.c_int, *_SIGNATURE]
+
+# storage dtype of a quantized cache -> the kernel's codec number
+CODEC_CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 class PagedDecodeAttention:
@@ -21,14 +26,16 @@ class PagedDecodeAttention:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.kvflow_paged_decode_attention
+        self._quant_fn = library.kvflow_paged_decode_attention_quant
 
     @staticmethod
     def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """A CPU float32/bfloat16 query over a cache of the same dtype."""
+        """A CPU float32/bfloat16 query over a cache of the same dtype or a quantized
+        cache (kv_codec's format; the output is in the query's dtype)."""
         return (
             query.device.type == "cpu"
             and query.dtype in DTYPE_CODES
-            and kv_cache.dtype == query.dtype
+            and (kv_cache.dtype == query.dtype or kv_cache.dtype in CODEC_CODES)
         )
 
     def __call__(
@@ -45,14 +52,17 @@ class PagedDecodeAttention:
         indices_checked: bool = False,
     ) -> None:
         """`indices_checked`: the caller ran `check_indices` on these index tensors (once
-        per step rather than once per layer)."""
+        per step rather than once per layer). A quantized kv_cache holds rows of
+        head_dim + 4 (kv_codec)."""
         _, num_heads, head_dim = query.shape
-        _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+        _, _, block_size, num_kv_heads, row = kv_cache.shape
         dtype = query.dtype
+        codec = CODEC_CODES.get(kv_cache.dtype)
         if query.device.type != "cpu" or dtype not in DTYPE_CODES:
             raise ValueError(f"CPU float32/bfloat16 only, got {dtype} on {query.device}")
-        if kv_cache.dtype != dtype or out.dtype != dtype:
-            raise ValueError("query, kv_cache and out must share one dtype")
+        if (kv_cache.dtype != dtype and codec is None) or out.dtype != dtype:
+            raise ValueError("query, out and a float kv_cache must share one dtype")
+        cache_head_dim = kv_codec.row_width_to_head_dim(row, kv_cache.dtype)
         if cache_head_dim != head_dim or num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads of {head_dim} vs cache {kv_cache.shape}")
         q_strides, out_strides = query.stride(), out.stride()
@@ -60,8 +70,8 @@ class PagedDecodeAttention:
             raise ValueError("query and out must have contiguous [heads, head_dim] rows")
         # Strides rather than kv_cache[0].is_contiguous(): a view costs more than the
         # kernel's whole call at batch 1.
-        row = num_kv_heads * head_dim
-        if kv_cache.stride()[1:] != (block_size * row, row, head_dim, 1):
+        slot = num_kv_heads * row
+        if kv_cache.stride()[1:] != (block_size * slot, slot, row, 1):
             raise ValueError("each of K and V of kv_cache must be contiguous")
         for name, t in (
             ("block_tables", block_tables),
@@ -76,8 +86,9 @@ class PagedDecodeAttention:
                 query.shape[0], block_tables, seq_lens, req_indices, token_rows, block_size
             )
         k_ptr = kv_cache.data_ptr()
-        status = self._fn(
-            DTYPE_CODES[dtype],
+        lead = (DTYPE_CODES[dtype],) if codec is None else (DTYPE_CODES[dtype], codec)
+        status = (self._fn if codec is None else self._quant_fn)(
+            *lead,
             query.data_ptr(),
             k_ptr,
             k_ptr + kv_cache.stride(0) * kv_cache.element_size(),
@@ -113,7 +124,10 @@ def paged_decode_attention_ref(
     window: int | None = None,
 ) -> None:
     """The spec, one decode at a time in float32: query row token_rows[i] of request
-    req_indices[i] attends positions max(0, L - window) .. L - 1 of its context."""
+    req_indices[i] attends positions max(0, L - window) .. L - 1 of its context. A
+    quantized cache is read as kv_codec.dequantize_rows decodes it."""
+    if kv_codec.is_quantized(kv_cache.dtype):
+        kv_cache = kv_codec.dequantize_rows(kv_cache)
     _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     for req, row in zip(req_indices.tolist(), token_rows.tolist()):
@@ -158,7 +172,10 @@ def check_indices(
 def load_paged_decode(march: str = "native") -> PagedDecodeAttention | None:
     """The native kernel, or None where it cannot be built (see native_build). Tests pass
     an older `march` to run the paths of CPUs without AVX512_BF16 or AVX-512."""
-    signatures = {"kvflow_paged_decode_attention": _SIGNATURE}
+    signatures = {
+        "kvflow_paged_decode_attention": _SIGNATURE,
+        "kvflow_paged_decode_attention_quant": _QUANT_SIGNATURE,
+    }
     library = load_bound("paged_decode_attention", signatures, march)
     return PagedDecodeAttention(library) if library is not None else None
 

@@ -22,9 +22,11 @@
 #include <limits>
 #include <vector>
 
+#include "paged_decode_quant.h"
 #include "vec.h"
 #if defined(__AVX512F__)
 #include "paged_decode_avx512.h"
+#include "paged_decode_quant_avx512.h"
 #endif
 
 namespace {
@@ -347,6 +349,68 @@ void paged_decode(const T* q, const T* k_cache, const T* v_cache, const int32_t*
     }
 }
 
+// paged_decode over a quantized cache of codec C (paged_decode_quant.h): the same tasks
+// and thread split, rows of D + 4 bytes.
+template <int C, typename T>
+void paged_decode_quant(const T* q, const uint8_t* k_cache, const uint8_t* v_cache,
+                        const int32_t* block_tables, const int32_t* seq_lens,
+                        const int32_t* req_indices, const int32_t* token_rows,
+                        int64_t num_decodes, T* out, const Shape& s) {
+    const int64_t threads = omp_get_max_threads();
+    const int64_t splits = num_decodes >= 4 * threads ? 1 : s.num_kv_heads;
+    const int64_t per_split = s.num_kv_heads / splits;
+    const int64_t tasks = num_decodes * splits;
+    const int64_t G = s.num_heads / s.num_kv_heads, D = s.head_dim, KH = s.num_kv_heads;
+#pragma omp parallel
+    {
+        quant::QuantScratch scratch;
+#if defined(__AVX512F__)
+        quant::avx512q::Scratch scratch512;
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t i = task / splits, split = task % splits;
+            const int64_t req = req_indices[i], seq_len = seq_lens[req];
+            const int64_t first = s.window > 0 ? std::max<int64_t>(0, seq_len - s.window) : 0;
+            const int32_t* table = block_tables + req * s.max_blocks;
+            const int64_t kv_begin = split * per_split, kv_end = (split + 1) * per_split;
+            const T* q_row = q + token_rows[i] * s.q_token_stride;
+            T* out_row = out + token_rows[i] * s.out_token_stride;
+            auto runs = [&](auto&& f) { for_each_run(table, first, seq_len, s.block_size, f); };
+#if defined(__AVX512F__)
+            if (D % 32 == 0) {
+                quant::avx512q::attend_one<C>(q_row, k_cache, v_cache, seq_len - first, kv_begin,
+                                              kv_end, out_row, G, D, KH, s.scale, runs,
+                                              scratch512);
+                continue;
+            }
+#endif
+            quant::attend_one_quant<C>(q_row, k_cache, v_cache, seq_len, first, kv_begin, kv_end,
+                                       out_row, G, D, KH, s.scale, runs, softmax_numerators,
+                                       scratch);
+        }
+    }
+}
+
+template <typename T>
+int paged_decode_codec(int codec, const T* q, const void* k_cache, const void* v_cache,
+                       const int32_t* block_tables, const int32_t* seq_lens,
+                       const int32_t* req_indices, const int32_t* token_rows,
+                       int64_t num_decodes, T* out, const Shape& s) {
+    const auto* k = static_cast<const uint8_t*>(k_cache);
+    const auto* v = static_cast<const uint8_t*>(v_cache);
+#define KVFLOW_CODEC(C)                                                                     \
+    paged_decode_quant<C>(q, k, v, block_tables, seq_lens, req_indices, token_rows,          \
+                          num_decodes, out, s)
+    switch (codec) {
+        case quant::kInt8: KVFLOW_CODEC(quant::kInt8); return 0;
+        case quant::kE4M3: KVFLOW_CODEC(quant::kE4M3); return 0;
+        case quant::kE5M2: KVFLOW_CODEC(quant::kE5M2); return 0;
+        default: return 2;
+    }
+#undef KVFLOW_CODEC
+}
+
 }  // namespace
 
 extern "C" {
@@ -377,6 +441,31 @@ int kvflow_paged_decode_attention(int dtype, const void* q, const void* k_cache,
                      token_rows, num_decodes, static_cast<Bf16*>(out), s);
         return 0;
     }
+    return 1;
+}
+
+// The same over a quantized cache: codec 0 = int8, 1 = fp8 e4m3, 2 = fp8 e5m2; k_cache
+// and v_cache [num_blocks, block_size, KH, head_dim + 4] bytes (kv_codec.py's rows); q
+// and out of `dtype` as above.
+int kvflow_paged_decode_attention_quant(int dtype, int codec, const void* q,
+                                        const void* k_cache, const void* v_cache,
+                                        const int32_t* block_tables, const int32_t* seq_lens,
+                                        const int32_t* req_indices, const int32_t* token_rows,
+                                        int64_t num_decodes, void* out, int64_t num_heads,
+                                        int64_t num_kv_heads, int64_t head_dim,
+                                        int64_t block_size, int64_t max_blocks,
+                                        int64_t q_token_stride, int64_t out_token_stride,
+                                        int64_t window, float scale) {
+    const Shape s{num_heads, num_kv_heads, head_dim, block_size, max_blocks,
+                  q_token_stride, out_token_stride, window, scale};
+    if (dtype == 0)
+        return paged_decode_codec(codec, static_cast<const float*>(q), k_cache, v_cache,
+                                  block_tables, seq_lens, req_indices, token_rows, num_decodes,
+                                  static_cast<float*>(out), s);
+    if (dtype == 1)
+        return paged_decode_codec(codec, static_cast<const Bf16*>(q), k_cache, v_cache,
+                                  block_tables, seq_lens, req_indices, token_rows, num_decodes,
+                                  static_cast<Bf16*>(out), s);
     return 1;
 }
 

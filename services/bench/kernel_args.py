@@ -20,6 +20,19 @@ def add_kernel_bench_args(parser: argparse.ArgumentParser) -> None:
     add("--block-size", type=int, default=16)
     add("--batch", type=int, default=64, help="decode attention: requests")
     add("--context", type=int, default=2048, help="decode attention: tokens per request")
+    add(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="decode attention: the cache's dtype (auto = --dtype; else kv_codec's 8-bit rows)",
+    )
+    add(
+        "--kv-layers",
+        type=int,
+        default=1,
+        help="decode attention: native kernels read the caches of this many layers in turn "
+        "(more than the CPU's caches hold: each call starts cold, as in a model)",
+    )
     add("--prefill-reqs", type=int, default=4, help="prefill attention: requests")
     add("--prefill-chunk", type=int, default=1024, help="prefill attention: new tokens each")
     add("--prefill-prefix", type=int, default=1024, help="prefill attention: cached tokens")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels import activation, grammar_bitmask, rms_norm, rotary, store_kv
+from kvflow.kernels import activation, grammar_bitmask, kv_codec, rms_norm, rotary, store_kv
 from kvflow.kernels.cpu.paged_decode import load_paged_decode, load_portable_paged_decode
 from kvflow.kernels.paged_attention import paged_attention, paged_attention_ref
 
@@ -110,10 +111,14 @@ class _Paged:
                 self.block_tables, self.scale)  # fmt: skip
 
     def gather(self, r: int, plane: int) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
-        _, _, bs, kvh, d = self.kv_cache.shape
+        """The request's context (dequantized to the query's dtype from a quantized cache)."""
+        _, _, bs, kvh, row = self.kv_cache.shape
         seq_len = int(self.seq_lens[r])
         blocks = self.block_tables[r, : -(-seq_len // bs)].long()
-        return self.kv_cache[plane].index_select(0, blocks).view(-1, kvh, d)[:seq_len]
+        rows = self.kv_cache[plane].index_select(0, blocks).view(-1, kvh, row)[:seq_len]
+        if kv_codec.is_quantized(rows.dtype):
+            return kv_codec.dequantize_rows(rows, self.query.dtype)
+        return rows
 
 
 def _paged(a: argparse.Namespace, dev: torch.device, dt: torch.dtype, seq: int, q_len: int,
@@ -130,9 +135,36 @@ def _paged(a: argparse.Namespace, dev: torch.device, dt: torch.dtype, seq: int, 
     )
 
 
+def _kv_codec_dtype(a: argparse.Namespace) -> torch.dtype | None:
+    """The storage dtype of `--kv-cache-dtype` (None: a float cache of --dtype)."""
+    name = "fp8_e4m3" if a.kv_cache_dtype == "fp8" else a.kv_cache_dtype
+    return None if name == "auto" else kv_codec.CODEC_DTYPES[name]
+
+
+def _each_layer_in_turn(kernel: Any, p: _Paged, caches: list[torch.Tensor], rows: torch.Tensor,
+                        out: torch.Tensor) -> Callable[[], object]:  # fmt: skip
+    """A call of the native decode kernel on the next layer's cache of `caches`; returns
+    the output tensor it wrote."""
+    layers = itertools.cycle(caches)
+
+    def call() -> torch.Tensor:
+        kernel(p.query, next(layers), p.block_tables, p.seq_lens, rows, rows, out, p.scale)
+        return out
+
+    return call
+
+
 def _decode_attention_case(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> Case:
+    """With `--kv-cache-dtype` quantized, the native kernels read the quantized cache and
+    the torch baselines its dequantization (what the torch backend does); Triton and the
+    reference are timed on float caches only. `--kv-layers` caches are read in turn."""
     b, seq, h, kvh, d = a.batch, a.context, a.num_heads, a.num_kv_heads, a.head_dim
     p = _paged(a, dev, dt, seq, 1, b)
+    codec = _kv_codec_dtype(a)
+    caches = [p.kv_cache, *(torch.randn_like(p.kv_cache) for _ in range(a.kv_layers - 1))]
+    if codec is not None:
+        caches = [kv_codec.quantize_rows(c, codec) for c in caches]
+        p.kv_cache = caches[0]
     q4 = p.query.view(b, h, 1, d)
     dense = [torch.stack([p.gather(r, i) for r in range(b)]).transpose(1, 2).contiguous()
              for i in (0, 1)]  # fmt: skip
@@ -143,23 +175,26 @@ def _decode_attention_case(a: argparse.Namespace, dev: torch.device, dt: torch.d
 
     rows = torch.arange(b, dtype=torch.int32)
     out = torch.empty_like(p.query)
-    cpu_native = {}
+    cpu_native: dict[str, Callable[[], object]] = {}
     # The native build, and (x86) its AVX2 build: the loops of CPUs without AVX-512.
     for name, load in (("cpu-native", load_paged_decode),
                        ("cpu-native(avx2 build)", load_portable_paged_decode)):  # fmt: skip
         kernel = load() if dev.type == "cpu" else None
         if kernel is not None and kernel.supports(p.query, p.kv_cache):
-            cpu_native[name] = functools.partial(
-                kernel, p.query, p.kv_cache, p.block_tables, p.seq_lens, rows, rows, out, p.scale
-            )
+            cpu_native[name] = _each_layer_in_turn(kernel, p, caches, rows, out)
+    row_bytes = kv_codec.row_width(d, p.kv_cache.dtype) * p.kv_cache.element_size()
+    float_only: dict[str, Callable[[], object]] = {
+        "triton": lambda: paged_attention(*p.inputs(), max_query_len=1, max_seq_len=seq),
+        "torch-ref": lambda: paged_attention_ref(*p.inputs()),
+    }
+    kv_name = "" if codec is None else f" kv={a.kv_cache_dtype}"
     return Case(
-        f"decode_attention b{b} ctx{seq}",
-        2 * b * seq * kvh * d * _elt(dt) + 2 * b * h * d * _elt(dt),
+        f"decode_attention b{b} ctx{seq}{kv_name}",
+        2 * b * seq * kvh * row_bytes + 2 * b * h * d * _elt(dt),
         4 * b * h * seq * d,
         {
             **cpu_native,
-            "triton": lambda: paged_attention(*p.inputs(), max_query_len=1, max_seq_len=seq),
-            "torch-ref": lambda: paged_attention_ref(*p.inputs()),
+            **(float_only if codec is None else {}),
             "torch-gather+sdpa": gather_sdpa,
             "torch-sdpa(contiguous kv)": lambda: F.scaled_dot_product_attention(
                 q4, dense[0], dense[1], scale=p.scale, enable_gqa=h != kvh

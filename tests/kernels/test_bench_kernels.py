@@ -104,3 +104,27 @@ def test_cpu_linear_cases_agree_and_count_the_bytes_read():
             )
     if formats:  # Q4_1: 64 rows x 2 blocks x (16 code bytes + 4 + 4 float scale/offset)
         assert cases["linear_q4_1 3x64->64"].bytes == 64 * 2 * 24 + activations
+
+
+def test_decode_case_on_a_quantized_cache_of_several_layers(device):
+    """`--kv-cache-dtype int8 --kv-layers 3`: the native kernel reads the int8 rows (68
+    bytes at head_dim 64 instead of 128) of each layer in turn and agrees with the
+    dequantized SDPA baseline; float-only implementations are left out."""
+    import torch
+
+    from kvflow.services.bench.kernel_cases import attention_cases
+
+    args = _args(
+        TINY.replace("--head-dim 32", "--head-dim 64") + " --kv-cache-dtype int8 --kv-layers 3"
+    )
+    case = attention_cases(args, torch.device(device), torch.float32)[0]
+    assert case.name == "decode_attention b2 ctx40 kv=int8"
+    assert case.bytes == 2 * 2 * 40 * 2 * 68 + 2 * 2 * 4 * 64 * 4
+    assert "triton" not in case.impls and "torch-ref" not in case.impls
+    if device != "cpu" or load_paged_decode() is None:
+        return
+    expected = case.impls["torch-gather+sdpa"]().squeeze(2)  # [b, h, d]
+    for _ in range(3):  # one call per layer: the first layer's comes back on the fourth
+        case.impls["cpu-native"]()
+    actual = case.impls["cpu-native"]()
+    torch.testing.assert_close(actual, expected, atol=2e-4, rtol=1e-3)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvflow.kernels import kv_codec
 from kvflow.kernels.cpu import elementwise, native_build
 
 pytestmark = pytest.mark.native(elementwise._library() is not None)
@@ -151,3 +152,92 @@ def test_tensors_off_the_cpu_never_build_the_cpu_kernels(monkeypatch):
     assert not elementwise.applies(x, torch.empty(8, device="meta"))
     q, k = torch.empty(1, 9, 64, device="meta"), torch.empty(1, 3, 64, device="meta")
     assert not elementwise.rotary_applies(q, k, torch.empty(1, 32, device="meta"))
+
+
+CODECS = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _stored_rows(cache, plane, slots):
+    """The rows at `slots` of plane 0 (K) or 1 (V), as raw bytes."""
+    _, _, _, kv_heads, row = cache.shape
+    return cache[plane].reshape(-1, kv_heads, row)[slots].view(torch.uint8)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 36])
+def test_quantizing_store_is_bit_exact_with_kv_codec(codec, dtype, head_dim):
+    """Codes and scale bytes equal kv_codec.quantize_rows's, for rows over 11 decades
+    (fp8 subnormal codes included), an all-zero row, a -0.0 row; padding skipped;
+    head_dim 36: the 8-lane loop and its scalar tail."""
+    gen = torch.Generator().manual_seed(1)
+    rows, kv_heads = 40, 3
+    magnitudes = torch.logspace(-9, 3, rows).view(rows, 1, 1)
+    key = (torch.randn(rows, kv_heads, head_dim, generator=gen) * magnitudes).to(dtype)
+    value = torch.randn(rows, kv_heads, head_dim, generator=gen).to(dtype)
+    key[3] = 0.0
+    key[4, 1] = -0.0
+    key[5, 0, :8] = 1e-30  # far below the row's scale: zero / subnormal codes
+    cache = torch.zeros(2, 8, 8, kv_heads, head_dim + 4, dtype=codec)
+    slots = torch.randperm(64, generator=gen)[:rows]
+    slots[7] = -1
+    before = cache.clone()
+    assert elementwise.store_applies(key, value, cache, slots)
+    elementwise.store_kv(key, value, cache, slots)
+    stored = slots >= 0
+    for plane, x in ((0, key), (1, value)):
+        expected = kv_codec.quantize_rows(x[stored], codec).view(torch.uint8)
+        assert torch.equal(_stored_rows(cache, plane, slots[stored]), expected)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots[stored]] = False
+    for plane in (0, 1):
+        assert torch.equal(
+            _stored_rows(cache, plane, untouched), _stored_rows(before, plane, untouched)
+        )
+
+
+@pytest.mark.parametrize("codec", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_store_rounds_ties_to_even_as_torch(codec):
+    """Every code of the format, the midpoints between neighbours (ties) and one float32
+    ulp either side of them, normal and subnormal: a row led by qmax has scale 1, so
+    these reach the rounding as they are."""
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(codec).float()  # +0 .. +max
+    codes = codes[torch.isfinite(codes) & (codes <= QMAX[codec])]
+    mids = (codes[:-1] + codes[1:]) / 2
+    near = torch.cat([mids, mids.nextafter(torch.zeros(())), mids.nextafter(mids * 2 + 1)])
+    values = torch.cat([codes, near])
+    values = torch.cat([values, -values])
+    per_row = 63
+    pad = (-len(values)) % per_row
+    values = torch.cat([values, torch.zeros(pad)]).view(-1, per_row)
+    rows = torch.cat([torch.full((len(values), 1), QMAX[codec]), values], dim=1)
+    key = rows.view(-1, 1, 64)
+    cache = torch.zeros(2, 1, len(key), 1, 68, dtype=codec)
+    slots = torch.arange(len(key))
+    elementwise.store_kv(key, key, cache, slots)
+    expected = kv_codec.quantize_rows(key, codec).view(torch.uint8)
+    assert torch.equal(_stored_rows(cache, 0, slots), expected)
+
+
+def test_quantized_store_applies_only_to_matching_layouts():
+    key = torch.randn(5, 3, 64)
+    cache = torch.zeros(2, 4, 16, 3, 68, dtype=torch.int8)
+    slots = torch.arange(5)
+    assert elementwise.store_applies(key, key, cache, slots)
+    assert elementwise.store_applies(key.bfloat16(), key.bfloat16(), cache, slots)
+    assert not elementwise.store_applies(key.half(), key.half(), cache, slots)  # float16 rows
+    assert not elementwise.store_applies(key, key.bfloat16(), cache, slots)  # mixed
+    assert not elementwise.store_applies(key[:, :, :60], key[:, :, :60], cache, slots)
+    assert not elementwise.store_applies(key, key, cache[:, :2], slots)  # not contiguous
+
+
+def test_quantized_store_refuses_bad_slots_and_widths():
+    key = torch.randn(2, 3, 64)
+    cache = torch.zeros(2, 4, 16, 3, 68, dtype=torch.float8_e4m3fn)
+    before = cache.clone().view(torch.uint8)
+    with pytest.raises(ValueError, match="out of range"):
+        elementwise.store_kv(key, key, cache, torch.tensor([3, 64]))
+    with pytest.raises(RuntimeError, match="store_kv failed with status 2"):
+        elementwise.store_kv(key[:, :2], key[:, :2], cache, torch.tensor([3, 4]))
+    assert torch.equal(cache.view(torch.uint8), before)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from isa_builds import MARCHES, skip_unless_runs
 
+from kvflow.kernels import kv_codec
 from kvflow.kernels.cpu.paged_decode import load_paged_decode, paged_decode_attention_ref
 
 kernel = load_paged_decode()
@@ -174,3 +176,111 @@ def test_bf16_error_is_that_of_bf16_rounding(march):
         kern, 9, 3, 64, 16, [300, 290, 64, 7], torch.float32
     )
     assert (f32_actual - f32_expected).abs().max() < 1e-5
+
+
+CODECS = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+# Against the float attention over the dequantized cache: float32 queries carry the int16
+# rounding of the query (AVX512_VNNI int8 keys, relative 2^-16 of its largest element)
+# and the int16 weights of int8 values (2^-16 of each tile's largest); bf16 as above.
+QUANT_TOLERANCES = {
+    torch.float32: {"atol": 2e-4, "rtol": 1e-3},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2},
+}
+
+
+def _sdpa_reference(query, kv_cache, block_tables, seq_lens, rows, scale, window):
+    """kv_codec.dequantize_rows, then SDPA per decode over its gathered context."""
+    values = kv_codec.dequantize_rows(kv_cache)  # [2, blocks, block_size, KH, D]
+    block_size, num_kv_heads = values.shape[2], values.shape[3]
+    out = torch.zeros(len(rows), *query.shape[1:])
+    for i, row in enumerate(rows.tolist()):
+        n = int(seq_lens[i])
+        first = max(0, n - window) if window else 0
+        positions = torch.arange(first, n)
+        slots = block_tables[i].long()[positions // block_size] * block_size
+        slots += positions % block_size
+        k, v = (values[p].reshape(-1, num_kv_heads, values.shape[-1])[slots] for p in (0, 1))
+        q = query[row].float().unsqueeze(1)  # [H, 1, D]
+        attended = F.scaled_dot_product_attention(
+            q, k.transpose(0, 1), v.transpose(0, 1), scale=scale, enable_gqa=True
+        )
+        out[i] = attended.squeeze(1)
+    return out
+
+
+def _check_quantized(kern, codec, dtype, num_heads, num_kv_heads, head_dim, block_size,
+                     seq_lens, window=None):  # fmt: skip
+    gen = torch.Generator().manual_seed(num_heads * 100 + head_dim + block_size)
+    query, raw, block_tables, lens = _random_case(
+        num_heads, num_kv_heads, head_dim, block_size, seq_lens, torch.float32, gen
+    )
+    kv_cache = kv_codec.quantize_rows(raw, codec)
+    query = query.to(dtype)
+    rows = torch.arange(len(seq_lens), dtype=torch.int32)
+    assert kern.supports(query, kv_cache)
+    actual = torch.full_like(query, 7.0)
+    scale = head_dim**-0.5
+    kern(query, kv_cache, block_tables, lens, rows, rows, actual, scale, window)
+    expected = _sdpa_reference(query, kv_cache, block_tables, lens, rows, scale, window)
+    n = len(seq_lens)
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual[:n].float(), expected, **QUANT_TOLERANCES[dtype])
+    assert (actual[n:] == 7.0).all()
+
+
+@pytest.mark.parametrize("march", MARCHES)
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_cache_matches_dequantized_sdpa(march, codec, dtype):
+    """Each codec x query dtype on each path: W1's GQA shape (9 heads on 3; 9 decodes:
+    a task per request, the others are split by KV head), a group of 5
+    (two weight groups) at head_dim 96 (a 64- and a 32-column group), head_dim 80 (the
+    portable loops even on AVX-512), a sliding window mid-tile; ragged lengths on
+    shuffled blocks."""
+    kern = _kernel_for(march)
+    lens = [1, 15, 16, 17, 33, 70]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 9 decodes >= 4 per thread: one task per request
+    try:
+        _check_quantized(kern, codec, dtype, 9, 3, 64, 16, [*lens, 3, 48, 21])
+    finally:
+        torch.set_num_threads(threads)
+    _check_quantized(kern, codec, dtype, 10, 2, 96, 5, lens, window=20)
+    _check_quantized(kern, codec, dtype, 4, 2, 80, 8, lens[:4], window=7)
+
+
+@pytest.mark.parametrize("codec", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_subnormal_codes_survive_flush_to_zero(codec):
+    """Rows whose small elements get subnormal fp8 codes (their float16 images are
+    subnormal too): the result is the same with the CPU's denormals-are-zero mode on."""
+    gen = torch.Generator().manual_seed(3)
+    query, raw, block_tables, lens = _random_case(4, 2, 64, 16, [40, 9], torch.float32, gen)
+    raw = raw * 1e-4
+    raw[..., 0] = 50.0  # the row's max: everything else lands on the smallest codes
+    kv_cache = kv_codec.quantize_rows(raw, codec)
+    subnormal = kv_cache.view(torch.uint8)[..., :64] & 0x7F
+    assert ((subnormal > 0) & (subnormal < (8 if codec == torch.float8_e4m3fn else 4))).any()
+    rows = torch.arange(2, dtype=torch.int32)
+    expected = _sdpa_reference(query, kv_cache, block_tables, lens, rows, 1.0, None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the flag is per thread: run on this one
+    try:
+        assert torch.set_flush_denormal(True)
+        actual = torch.zeros_like(query)
+        kernel(query, kv_cache, block_tables, lens, rows, rows, actual, 1.0)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(actual[:2], expected, **QUANT_TOLERANCES[torch.float32])
+
+
+def test_quantized_supports_and_shape_checks():
+    query = torch.zeros(2, 4, 64)
+    cache = torch.zeros(2, 4, 16, 2, 68, dtype=torch.int8)
+    assert kernel.supports(query, cache) and kernel.supports(query.bfloat16(), cache)
+    assert not kernel.supports(query.half(), cache)
+    assert not kernel.supports(query, cache.view(torch.uint8))  # no codec of that dtype
+    rows = torch.zeros(1, dtype=torch.int32)
+    tables, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="heads of 64"):  # a row of head_dim + 4 expected
+        kernel(query, cache[..., :64], tables, lens, rows, rows, torch.zeros_like(query), 1.0)
