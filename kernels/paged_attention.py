@@ -5,7 +5,8 @@ Semantics (the reference below is the spec): request r owns query rows
 context; query i (absolute position p = seq_len - q_len + i) attends causally to context
 positions 0..p, and with a sliding window W only to those with p - key < W. Query head h
 reads KV head h // (num_heads // num_kv_heads). Rows of padding tokens (past
-query_start_loc[-1]) are zero in a freshly allocated output.
+query_start_loc[-1]) are zero in a freshly allocated output. A quantized cache
+(kernels/kv_codec.py, any model dtype) is read as its dequantized values.
 
 How the kernels map programs to requests and tiles: `paged_attention_kernels.py`.
 """
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kvflow.kernels import kv_codec
+from kvflow.kernels.kv_codec_triton import codec_id, kernel_view
 from kvflow.kernels.launch_utils import (
     assert_last_dim_contiguous,
     check_device,
@@ -96,9 +99,11 @@ def _check_inputs(
 ) -> None:
     num_heads, head_dim = query.shape[1:]
     assert query.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
-    assert kv_cache.shape[4] == head_dim, (kv_cache.shape, query.shape)
+    assert kv_codec.head_dim_of(kv_cache) == head_dim, (kv_cache.shape, query.shape)
     assert num_heads % kv_cache.shape[3] == 0, (num_heads, kv_cache.shape)
-    assert query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
+    # A float cache holds the model dtype; a quantized one (any model dtype) its codes.
+    quantized = kv_codec.is_quantized(kv_cache.dtype)
+    assert quantized or query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
     num_reqs = seq_lens.shape[0]
     assert query_start_loc.shape == (num_reqs + 1,) and block_tables.shape[0] == num_reqs
     for t in (query_start_loc, seq_lens, block_tables):
@@ -134,7 +139,7 @@ def _launch(
     if num_tokens == 0:
         return
     _paged_attention_kernel[grid](
-        out, acc, max_logit, sum_exp, query, kv_cache,
+        out, acc, max_logit, sum_exp, query, kernel_view(kv_cache),
         query_start_loc, seq_lens, block_tables, num_reqs,
         scale * math.log2(math.e),
         _NO_WINDOW if sliding_window is None else sliding_window,
@@ -146,7 +151,7 @@ def _launch(
         NUM_SPLITS=num_splits, GROUP=tiling.group, BLOCK_M=tiling.block_m,
         BLOCK_Q=tiling.block_q, HEAD_DIM_P=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=kv_cache.shape[2], TILE_N=tiling.tile_n,
-        USE_WINDOW=sliding_window is not None,
+        USE_WINDOW=sliding_window is not None, KV_CODEC=codec_id(kv_cache.dtype),
         DOT_DTYPE=operand, DOT_PRECISION=dot_precision(operand),
     )  # fmt: skip
 
@@ -267,6 +272,11 @@ def paged_attention(
     )
 
 
+def _as_float(rows: torch.Tensor) -> torch.Tensor:
+    """Cache rows as fp32 values: dequantized if the cache is quantized."""
+    return kv_codec.dequantize_rows(rows) if kv_codec.is_quantized(rows.dtype) else rows.float()
+
+
 def paged_attention_ref(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -276,7 +286,8 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Reference (the spec): per request, gather its context and run masked softmax in fp32."""
+    """Reference (the spec): per request, gather its context (dequantized, for a quantized
+    cache) and run masked softmax in fp32."""
     out = torch.zeros_like(query)
     group = query.shape[1] // kv_cache.shape[3]
     block_size = kv_cache.shape[2]
@@ -285,8 +296,8 @@ def paged_attention_ref(
         q0, q1 = starts[r], starts[r + 1]
         pos = torch.arange(seq_len, device=query.device)  # [seq_len] context positions
         blocks = block_tables[r, pos // block_size].long()
-        k = kv_cache[0, blocks, pos % block_size].float().repeat_interleave(group, dim=1)
-        v = kv_cache[1, blocks, pos % block_size].float().repeat_interleave(group, dim=1)
+        k = _as_float(kv_cache[0, blocks, pos % block_size]).repeat_interleave(group, dim=1)
+        v = _as_float(kv_cache[1, blocks, pos % block_size]).repeat_interleave(group, dim=1)
         q_pos = seq_len - (q1 - q0) + torch.arange(q1 - q0, device=query.device)  # [q_len]
         delta = q_pos[:, None] - pos[None, :]  # [q_len, seq_len] query pos - key pos
         allowed = delta >= 0
