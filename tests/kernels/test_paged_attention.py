@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvflow.kernels import kv_codec
 from kvflow.kernels.paged_attention import (
     SplitKVScratch,
     choose_num_splits,
@@ -150,6 +151,42 @@ def test_dispatch_chooses_unified_on_cpu_and_matches(make_batch, assert_close, d
 )
 def test_choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len, expected):
     assert choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len, 132) == expected
+
+
+@pytest.mark.parametrize("codec", list(kv_codec.CODEC_DTYPES))
+@pytest.mark.parametrize(
+    ("requests", "num_heads", "num_kv_heads", "head_dim", "dtype", "num_splits", "window"),
+    [
+        (MIXED, 8, 2, 64, BF16, 1, None),  # decodes, a fresh prefill, chunks over prefixes
+        (DECODES, 4, 1, 80, F32, 4, None),  # split-KV decodes on one KV head, head dim 80
+        (WINDOWED, 6, 2, 48, F32, 2, 8),  # window, split-KV over chunks, group of 3
+    ],
+)
+def test_quantized_cache_matches_dequantized_reference(
+    make_batch, quantize_batch, assert_close, codec, requests, num_heads, num_kv_heads, head_dim, dtype,
+    num_splits, window,
+):  # fmt: skip
+    batch = make_batch(requests, num_heads, num_kv_heads, head_dim, 16, dtype, 2)
+    batch = quantize_batch(batch, kv_codec.CODEC_DTYPES[codec])
+    out = paged_attention(
+        *_inputs(batch), 0.15, window, max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len, num_splits=num_splits,
+    )  # fmt: skip
+    # The reference reads the dequantized values (dequantize_rows, then masked softmax).
+    dequantized = kv_codec.dequantize_rows(batch.kv_cache)
+    expected = paged_attention_ref(batch.query, dequantized, *_inputs(batch)[2:], 0.15, window)
+    assert_close(out, expected)
+    assert torch.equal(out[batch.num_actual_tokens :], torch.zeros_like(out[-2:]))
+    assert torch.equal(_run_ref(batch, 0.15, window), expected)
+
+
+def test_quantized_cache_rejects_a_mismatched_head_dim(make_batch, quantize_batch):
+    batch = quantize_batch(make_batch([(5, 1)], 2, 2, 64, 16, F32), torch.int8)
+    with pytest.raises(AssertionError):  # rows of head_dim 64 + 4 bytes, queries of 68
+        unified_paged_attention(
+            torch.zeros(1, 2, 68, device=batch.query.device), *_inputs(batch)[1:], 0.1,
+            max_query_len=1,
+        )  # fmt: skip
 
 
 def test_reference_matches_dense_causal_attention():
