@@ -82,9 +82,9 @@ def _attend_range(
     m_i,  # [BLOCK_M] fp32, running max (log2 domain)
     q,  # [BLOCK_M, HEAD_DIM_P] in DOT_DTYPE
     q_pos,  # [BLOCK_M] int32, absolute position of each row's query token
-    k_base,  # kv_cache K plane + kv_head offset
-    v_base,  # kv_cache V plane + kv_head offset
-    block_table_row,  # [max_blocks] int32 of this request
+    k_base,  # kv_cache K plane + kv_head offset (PAGED), or the request's first key row
+    v_base,  # kv_cache V plane + kv_head offset (PAGED), or the request's first value row
+    block_table_row,  # [max_blocks] int32 of this request (PAGED)
     lo,
     hi,
     qk_scale,
@@ -97,6 +97,7 @@ def _attend_range(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    PAGED: tl.constexpr,
     KV_CODEC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -105,9 +106,12 @@ def _attend_range(
     for start in range(lo, hi, TILE_N):
         offs_n = start + tl.arange(0, TILE_N)  # [TILE_N] context positions
         mask_n = offs_n < hi
-        # Tiles may straddle pages (and pages need not be powers of two): gather per key.
-        page = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-        slot_off = page.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot
+        if PAGED:
+            # Tiles may straddle pages (and pages need not be powers of two): gather per key.
+            page = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+            slot_off = page.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot
+        else:  # this step's own rows, one after the other
+            slot_off = offs_n.to(tl.int64) * stride_slot
         kv_mask = mask_n[None, :] & mask_d[:, None]
         k = _load_kv(k_base + slot_off[None, :] + offs_d[:, None], kv_mask, KV_CODEC)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N]
@@ -185,6 +189,8 @@ def _paged_attention_kernel(
     max_ptr,  # [max_tokens, num_heads, max_splits] fp32, log2 domain (NUM_SPLITS > 1)
     sum_ptr,  # [max_tokens, num_heads, max_splits] fp32          (NUM_SPLITS > 1)
     q_ptr,  # [num_tokens, num_heads, head_dim]
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim] this step's keys   (FRESH_KV)
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim] and values, key's strides (FRESH_KV)
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim (+ 4 if quantized)]
     query_start_loc_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
@@ -194,6 +200,8 @@ def _paged_attention_kernel(
     sliding_window,
     stride_qt,
     stride_qh,
+    stride_kt,
+    stride_kh,
     stride_ot,
     stride_oh,
     stride_at,
@@ -215,6 +223,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    FRESH_KV: tl.constexpr,
     KV_CODEC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -243,17 +252,32 @@ def _paged_attention_kernel(
     rows = (q_start + tok).to(tl.int64)  # [BLOCK_M]
     q_off = rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=mask_md, other=0.0).to(tl.float32).to(DOT_DTYPE)
-    kv_base = kv_cache_ptr + kv_head * stride_c_head
-    acc, l_i, m_i = _attend_range(
-        tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32),
-        tl.zeros([BLOCK_M], dtype=tl.float32),
-        tl.full([BLOCK_M], float("-inf"), dtype=tl.float32),
-        q, q_pos, kv_base, kv_base + stride_c_kv, block_tables_ptr + req * stride_bt,
-        split_lo, split_hi, qk_scale, sliding_window, stride_c_block, stride_c_slot,
-        offs_d, mask_d, head_dim,
-        BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, KV_CODEC=KV_CODEC,
-        DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
-    )  # fmt: skip
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    fresh = False
+    if FRESH_KV:
+        fresh = ctx_len == 0
+    if fresh:
+        # No cached prefix: the request attends its own K/V as computed, not as stored
+        # (quantized), row after row from this step's key/value tensors.
+        fresh_off = q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, q_pos, key_ptr + fresh_off, value_ptr + fresh_off,
+            block_tables_ptr, split_lo, split_hi, qk_scale, sliding_window, 0, stride_kt,
+            offs_d, mask_d, head_dim,
+            BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, PAGED=False,
+            KV_CODEC=FLOAT, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        kv_base = kv_cache_ptr + kv_head * stride_c_head
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, q_pos, kv_base, kv_base + stride_c_kv,
+            block_tables_ptr + req * stride_bt, split_lo, split_hi, qk_scale, sliding_window,
+            stride_c_block, stride_c_slot, offs_d, mask_d, head_dim,
+            BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, PAGED=True,
+            KV_CODEC=KV_CODEC, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
     if NUM_SPLITS == 1:
         # l_i > 0 on real rows (a query sees itself); padded rows divide by 1, not 0.
         out = acc / tl.where(mask_m, l_i, 1.0)[:, None]  # [BLOCK_M, HEAD_DIM_P]

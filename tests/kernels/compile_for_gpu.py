@@ -94,14 +94,15 @@ def _launch_all() -> None:
 
 
 def _launch_quantized(q: torch.Tensor, k: torch.Tensor) -> None:
-    """A quantized cache per codec: the store quantizes, the decode path reads codes."""
+    """A quantized cache per codec: the store quantizes, attention reads codes (and fresh
+    rows for prefills without a cached prefix)."""
     i32, i64 = torch.int32, torch.int64
     for dtype in kv_codec.CODEC_DTYPES.values():
         cache = torch.zeros(2, 10, 16, 8, 128 + kv_codec.SCALE_BYTES, dtype=dtype)
         store_kv.store_kv(k, k, cache, torch.zeros(8, dtype=i64))
         step = (q, cache, torch.zeros(3, dtype=i32), torch.zeros(2, dtype=i32),
                 torch.zeros(2, 5, dtype=i32), 0.1)  # fmt: skip
-        paged_attention.unified_paged_attention(*step, max_query_len=1)
+        paged_attention.unified_paged_attention(*step, max_query_len=512, fresh_kv=(k, k))
     paged_attention.split_kv_paged_attention(*step, max_query_len=1, num_splits=8)
 
 

@@ -180,6 +180,32 @@ def test_quantized_cache_matches_dequantized_reference(
     assert torch.equal(_run_ref(batch, 0.15, window), expected)
 
 
+@pytest.mark.parametrize(("num_splits", "window"), [(1, None), (3, 9)])
+def test_quantized_cache_fresh_prefills_attend_fresh_rows(
+    make_batch, quantize_batch, assert_close, num_splits, window
+):
+    # A request with no cached prefix (37, 37) attends this step's K/V as computed; the
+    # others read the cache. The fresh rows differ from the cached ones here, so a kernel
+    # that reads the wrong source for any request fails.
+    batch = make_batch(MIXED, 4, 2, 64, 16, BF16, 2)
+    batch = quantize_batch(batch, torch.float8_e4m3fn)
+    gen = torch.Generator().manual_seed(3)
+    fused = torch.randn(batch.query.shape[0], 3 * 2, 64, generator=gen).to(BF16)
+    fused = fused.to(batch.query.device)
+    fresh = (fused[:, :2], fused[:, 2:4])  # strided views, as the model's qkv gives them
+    out = paged_attention(
+        *_inputs(batch), 0.15, window, max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len, num_splits=num_splits, fresh_kv=fresh,
+    )  # fmt: skip
+    dequantized = kv_codec.dequantize_rows(batch.kv_cache)
+    args = (batch.query, dequantized, *_inputs(batch)[2:], 0.15, window)
+    expected = paged_attention_ref(*args, fresh_kv=fresh)
+    assert_close(out, expected)
+    # The fresh prefill's rows (1..37) changed; every other request's did not.
+    changed = (expected != paged_attention_ref(*args)).flatten(1).any(1)
+    assert changed.nonzero().flatten().tolist() == list(range(1, 38))
+
+
 def test_quantized_cache_rejects_a_mismatched_head_dim(make_batch, quantize_batch):
     batch = quantize_batch(make_batch([(5, 1)], 2, 2, 64, 16, F32), torch.int8)
     with pytest.raises(AssertionError):  # rows of head_dim 64 + 4 bytes, queries of 68

@@ -84,11 +84,12 @@ def _quantized_step(make_batch, quantize_batch, codec, requests, num_pad_tokens=
     return quantize_batch(batch, kv_codec.CODEC_DTYPES[codec]), key, value
 
 
-def _expected_over(batch, cache, scale, window):
-    """The reference over the cache as the backend left it, dequantized."""
+def _expected_over(batch, key, value, cache, scale, window):
+    """The reference over the cache as the backend left it, dequantized, with requests that
+    have no cached prefix attending the step's own K/V."""
     return paged_attention_ref(
         batch.query, kv_codec.dequantize_rows(cache), batch.query_start_loc, batch.seq_lens,
-        batch.block_tables, scale, window,
+        batch.block_tables, scale, window, fresh_kv=(key, value),
     )  # fmt: skip
 
 
@@ -100,8 +101,8 @@ def _expected_over(batch, cache, scale, window):
 def test_forward_over_quantized_cache(
     make_batch, quantize_batch, assert_close, codec, num_splits, window
 ):
-    # Every request reads its context from the cache after this step's rows were stored,
-    # quantized: a decode, a fresh prefill, a chunk over a cached prefix.
+    # A decode and a chunk over a cached prefix read the cache after this step's rows were
+    # stored, quantized; the fresh prefill attends its K/V as computed.
     batch, key, value = _quantized_step(
         make_batch, quantize_batch, codec, [(21, 1), (37, 37), (50, 17), (9, 1)]
     )
@@ -111,7 +112,7 @@ def test_forward_over_quantized_cache(
     out = TritonAttentionBackend(num_splits).forward(
         batch.query, key, value, cache, _metadata(batch), 0.125, window
     )
-    assert_close(out, _expected_over(batch, cache, 0.125, window))
+    assert_close(out, _expected_over(batch, key, value, cache, 0.125, window))
     if cache.device.type == "cpu":  # GPU stores may differ by a code (test_store_kv.py)
         assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
 
