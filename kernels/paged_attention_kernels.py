@@ -35,6 +35,8 @@ operands unscaled (every int8 / fp8 code is exact in bf16 and fp16), and the per
 scales are folded in where they cost one multiply per key instead of one per element:
 scores are `(q . k_codes) * s_k` per key column, and the softmax weights are multiplied
 by `s_v` per key before the P.V dot (the running sum still adds the unscaled weights).
+With FRESH_KV, a request with no cached prefix reads this step's own K/V rows (float,
+unquantized) instead of the cache: the same inner loop, its keys addressed row after row.
 """
 
 from __future__ import annotations
