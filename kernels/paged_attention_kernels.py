@@ -34,7 +34,8 @@ head) row) reaches the kernel as bytes, row stride head_dim + 4. Its codes go to
 operands unscaled (every int8 / fp8 code is exact in bf16 and fp16), and the per-row
 scales are folded in where they cost one multiply per key instead of one per element:
 scores are `(q . k_codes) * s_k` per key column, and the softmax weights are multiplied
-by `s_v` per key before the P.V dot (the running sum still adds the unscaled weights).
+by `s_v` per key before the P.V dot (the running sum still adds the unscaled weights;
+with fp16 operands V is dequantized instead, as `p * s_v` could fall below fp16's range).
 With FRESH_KV, a request with no cached prefix reads this step's own K/V rows (float,
 unquantized) instead of the cache: the same inner loop, its keys addressed row after row.
 """
@@ -134,8 +135,14 @@ def _attend_range(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_mask = mask_n[:, None] & mask_d[None, :]
         v = _load_kv(v_base + slot_off[:, None] + offs_d[None, :], v_mask, KV_CODEC)
-        if KV_CODEC != FLOAT:  # v holds codes: fold each value row's scale into its weight
-            p = p * load_scale(v_base + slot_off + head_dim, mask_n, KV_CODEC)[None, :]
+        if KV_CODEC != FLOAT:
+            v_scale = load_scale(v_base + slot_off + head_dim, mask_n, KV_CODEC)  # [TILE_N]
+            if DOT_DTYPE == tl.float16:  # noqa: SIM300 (DOT_DTYPE is not a constant)
+                # p * s_v may be far below fp16's normal range (e5m2: s_v = amax / 57344);
+                # the dequantized values are in the model's own (fp16) range.
+                v = v * v_scale[:, None]
+            else:  # fold each value row's scale into its weight: TILE_N x BLOCK_M products
+                p = p * v_scale[None, :]
         pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new

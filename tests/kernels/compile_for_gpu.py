@@ -104,6 +104,8 @@ def _launch_quantized(q: torch.Tensor, k: torch.Tensor) -> None:
                 torch.zeros(2, 5, dtype=i32), 0.1)  # fmt: skip
         paged_attention.unified_paged_attention(*step, max_query_len=512, fresh_kv=(k, k))
     paged_attention.split_kv_paged_attention(*step, max_query_len=1, num_splits=8)
+    q16 = q.to(torch.float16)  # fp16 dot operands dequantize V (see paged_attention_kernels)
+    paged_attention.unified_paged_attention(q16, *step[1:], max_query_len=1)
 
 
 def main() -> None:

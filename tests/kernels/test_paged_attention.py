@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import triton.language as tl
 
 from kvflow.kernels import kv_codec
+from kvflow.kernels import paged_attention as paged_attention_module
 from kvflow.kernels.paged_attention import (
     SplitKVScratch,
     choose_num_splits,
@@ -16,6 +20,7 @@ from kvflow.kernels.paged_attention import (
 )
 
 F32, BF16 = torch.float32, torch.bfloat16
+E5M2 = torch.float8_e5m2
 
 # (seq_len, q_len): a decode, a fresh prefill spanning several query tiles, a chunk over a
 # 2-token prefix, a chunk over a 33-token cached prefix, a decode on a partial block.
@@ -204,6 +209,23 @@ def test_quantized_cache_fresh_prefills_attend_fresh_rows(
     # The fresh prefill's rows (1..37) changed; every other request's did not.
     changed = (expected != paged_attention_ref(*args)).flatten(1).any(1)
     assert changed.nonzero().flatten().tolist() == list(range(1, 38))
+
+
+def test_quantized_cache_with_fp16_dot_operands(make_batch, quantize_batch, monkeypatch):
+    # fp16 operands (an fp16 model on a GPU; forced here under the interpreter, which picks
+    # fp32) with small values in e5m2: s_v = amax / 57344, so weights p * s_v would fall
+    # below fp16's normal range; the kernel must keep ~fp16 precision (folding s_v into p
+    # gives ~37% error on this batch).
+    def fp16_dots(kernel, dtype):
+        return tl.float16 if dtype == torch.float16 else tl.float32
+
+    monkeypatch.setattr(paged_attention_module, "dot_dtype", fp16_dots)
+    batch = make_batch([(21, 1), (50, 17)], 4, 2, 64, 16, torch.float16)
+    batch = quantize_batch(dataclasses.replace(batch, kv_cache=batch.kv_cache * 1e-3), E5M2)
+    out = unified_paged_attention(*_inputs(batch), 0.125, max_query_len=17)
+    dequantized = kv_codec.dequantize_rows(batch.kv_cache)
+    expected = paged_attention_ref(batch.query.float(), dequantized, *_inputs(batch)[2:], 0.125)
+    assert (out.float() - expected).abs().max() <= 1e-2 * expected.abs().max()
 
 
 def test_quantized_cache_rejects_a_mismatched_head_dim(make_batch, quantize_batch):
