@@ -10,7 +10,8 @@ on sm89+ GPUs, while integer ops and an fp16 bitcast compile everywhere and run 
 under the interpreter (which does convert finite fp8 codes right, but not their NaN/inf
 codes). An e5m2 code is the high byte of an fp16; an e4m3 code shifted into an fp16's
 exponent and mantissa bits is the code's value / 256 (subnormals included), so the 256
-goes into the row's scale (`CODE_UNIT`), where it costs nothing.
+goes into the row's scale (`load_scale`), where it costs nothing. (e4m3's NaN code reads
+as 480 this way; the quantizer never writes it.)
 
 Encoding rounds like `kv_codec.quantize_rows` (int8: half to even; fp8: to nearest even)
 by adding and subtracting a power of two whose ulp is the code grid's step at the value's
