@@ -5,7 +5,8 @@ Semantics (the reference below is the spec): request r owns query rows
 context; query i (absolute position p = seq_len - q_len + i) attends causally to context
 positions 0..p, and with a sliding window W only to those with p - key < W. Query head h
 reads KV head h // (num_heads // num_kv_heads). Rows of padding tokens (past
-query_start_loc[-1]) are zero in a freshly allocated output.
+query_start_loc[-1]) are zero in a freshly allocated output. A quantized cache
+(kernels/kv_codec.py, any model dtype) is read as its dequantized values.
 
 How the kernels map programs to requests and tiles: `paged_attention_kernels.py`.
 """
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kvflow.kernels import kv_codec
+from kvflow.kernels.kv_codec_triton import codec_id, kernel_view
 from kvflow.kernels.launch_utils import (
     assert_last_dim_contiguous,
     check_device,
@@ -31,6 +34,9 @@ from kvflow.kernels.paged_attention_kernels import (
     _paged_attention_kernel,
     _split_kv_merge_kernel,
 )
+
+# This step's (key, value), [num_tokens, num_kv_heads, head_dim] each, as computed.
+FreshKV = tuple[torch.Tensor, torch.Tensor]
 
 # Without a window, the kernels get one wider than any context, so it never masks.
 _NO_WINDOW = 1 << 30
@@ -93,12 +99,15 @@ def _check_inputs(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
+    fresh_kv: FreshKV | None,
 ) -> None:
     num_heads, head_dim = query.shape[1:]
     assert query.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
-    assert kv_cache.shape[4] == head_dim, (kv_cache.shape, query.shape)
+    assert kv_codec.head_dim_of(kv_cache) == head_dim, (kv_cache.shape, query.shape)
     assert num_heads % kv_cache.shape[3] == 0, (num_heads, kv_cache.shape)
-    assert query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
+    # A float cache holds the model dtype; a quantized one (any model dtype) its codes.
+    quantized = kv_codec.is_quantized(kv_cache.dtype)
+    assert quantized or query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
     num_reqs = seq_lens.shape[0]
     assert query_start_loc.shape == (num_reqs + 1,) and block_tables.shape[0] == num_reqs
     for t in (query_start_loc, seq_lens, block_tables):
@@ -107,6 +116,13 @@ def _check_inputs(
     assert_last_dim_contiguous("kv_cache", kv_cache)
     assert_last_dim_contiguous("block_tables", block_tables)
     check_device(_paged_attention_kernel, query, kv_cache, query_start_loc, block_tables)
+    if fresh_kv is not None:
+        key, value = fresh_kv
+        assert key.shape == value.shape == (query.shape[0], kv_cache.shape[3], head_dim)
+        assert key.dtype == value.dtype == query.dtype, (key.dtype, query.dtype)
+        assert key.stride() == value.stride(), (key.stride(), value.stride())
+        assert_last_dim_contiguous("key", key)
+        check_device(_paged_attention_kernel, key, value)
 
 
 def _launch(
@@ -121,10 +137,15 @@ def _launch(
     tiling: _Tiling,
     num_splits: int,
     scratch: SplitKVScratch | None,
+    fresh_kv: FreshKV | None,
 ) -> None:
     """One launch of the attention kernel: writes `out` (1 split) or `scratch` partials."""
     num_tokens, _, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
+    # Only a quantized cache stores rows other than the fresh ones; a float cache keeps one
+    # kernel variant for every request.
+    use_fresh = fresh_kv is not None and kv_codec.is_quantized(kv_cache.dtype)
+    key, value = fresh_kv if fresh_kv is not None and use_fresh else (query, query)
     # One split writes `out` directly; the scratch pointers are then unused placeholders.
     acc, max_logit, sum_exp = (
         (out, out, out) if scratch is None else (scratch.acc, scratch.max_logit, scratch.sum_exp)
@@ -134,11 +155,12 @@ def _launch(
     if num_tokens == 0:
         return
     _paged_attention_kernel[grid](
-        out, acc, max_logit, sum_exp, query, kv_cache,
+        out, acc, max_logit, sum_exp, query, key, value, kernel_view(kv_cache),
         query_start_loc, seq_lens, block_tables, num_reqs,
         scale * math.log2(math.e),
         _NO_WINDOW if sliding_window is None else sliding_window,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        out.stride(0), out.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2) if acc.dim() == 4 else 0,
         max_logit.stride(0), max_logit.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -146,7 +168,8 @@ def _launch(
         NUM_SPLITS=num_splits, GROUP=tiling.group, BLOCK_M=tiling.block_m,
         BLOCK_Q=tiling.block_q, HEAD_DIM_P=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=kv_cache.shape[2], TILE_N=tiling.tile_n,
-        USE_WINDOW=sliding_window is not None,
+        USE_WINDOW=sliding_window is not None, FRESH_KV=use_fresh,
+        KV_CODEC=codec_id(kv_cache.dtype),
         DOT_DTYPE=operand, DOT_PRECISION=dot_precision(operand),
     )  # fmt: skip
 
@@ -163,14 +186,15 @@ def unified_paged_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     tile_n: int = 32,
+    fresh_kv: FreshKV | None = None,  # this step's (key, value) [num_tokens, kv_heads, head_dim]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention for a mixed batch in one launch; each program owns a query tile."""
-    _check_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables)
+    _check_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables, fresh_kv)
     out = torch.zeros(query.shape, dtype=query.dtype, device=query.device) if out is None else out
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
     tiling = _tiling(query.shape[1], kv_cache.shape[3], max_query_len, tile_n)
     _launch(out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-            sliding_window, tiling, num_splits=1, scratch=None)  # fmt: skip
+            sliding_window, tiling, num_splits=1, scratch=None, fresh_kv=fresh_kv)  # fmt: skip
     return out
 
 
@@ -188,11 +212,12 @@ def split_kv_paged_attention(
     scratch: SplitKVScratch | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     tile_n: int = 32,
+    fresh_kv: FreshKV | None = None,  # this step's (key, value) [num_tokens, kv_heads, head_dim]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Flash-decoding: stage 1 spreads each tile's keys over `num_splits` programs writing
     fp32 partials to `scratch`; stage 2 merges them. Pass a preallocated `scratch` and a
     fixed `num_splits` to make the pair capturable in a CUDA graph."""
-    _check_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables)
+    _check_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables, fresh_kv)
     num_tokens, num_heads, head_dim = query.shape
     assert num_splits >= 1, num_splits
     if scratch is None:
@@ -204,7 +229,8 @@ def split_kv_paged_attention(
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
     tiling = _tiling(num_heads, kv_cache.shape[3], max_query_len, tile_n)
     _launch(out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-            sliding_window, tiling, num_splits=num_splits, scratch=scratch)  # fmt: skip
+            sliding_window, tiling, num_splits=num_splits, scratch=scratch,
+            fresh_kv=fresh_kv)  # fmt: skip
     if num_tokens == 0:
         return out
     # Compiled: one head per program (its partials fit in registers). Interpreted: all
@@ -250,10 +276,13 @@ def paged_attention(
     num_splits: int | None = None,
     scratch: SplitKVScratch | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    fresh_kv: FreshKV | None = None,  # this step's (key, value) [num_tokens, kv_heads, head_dim]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Unified or split-KV attention, chosen from host-side sizes (no device sync).
 
-    `num_splits` overrides the choice (CUDA graphs need it fixed per captured shape)."""
+    `num_splits` overrides the choice (CUDA graphs need it fixed per captured shape).
+    With `fresh_kv` over a quantized cache, a request with no cached prefix attends these
+    rows as computed rather than their quantized copies (what the torch backend does)."""
     if num_splits is None:
         num_splits = choose_num_splits(
             seq_lens.shape[0], kv_cache.shape[3], max_query_len, max_seq_len,
@@ -261,10 +290,18 @@ def paged_attention(
         )  # fmt: skip
     common = (query, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window)
     if num_splits == 1:
-        return unified_paged_attention(*common, max_query_len=max_query_len, out=out)
+        return unified_paged_attention(
+            *common, max_query_len=max_query_len, out=out, fresh_kv=fresh_kv
+        )
     return split_kv_paged_attention(
-        *common, max_query_len=max_query_len, num_splits=num_splits, scratch=scratch, out=out
-    )
+        *common, max_query_len=max_query_len, num_splits=num_splits, scratch=scratch, out=out,
+        fresh_kv=fresh_kv,
+    )  # fmt: skip
+
+
+def _as_float(rows: torch.Tensor) -> torch.Tensor:
+    """Cache rows as fp32 values: dequantized if the cache is quantized."""
+    return kv_codec.dequantize_rows(rows) if kv_codec.is_quantized(rows.dtype) else rows.float()
 
 
 def paged_attention_ref(
@@ -275,8 +312,11 @@ def paged_attention_ref(
     block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
     scale: float,
     sliding_window: int | None = None,
+    fresh_kv: FreshKV | None = None,  # this step's (key, value) [num_tokens, kv_heads, head_dim]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Reference (the spec): per request, gather its context and run masked softmax in fp32."""
+    """Reference (the spec): per request, gather its context (dequantized, for a quantized
+    cache; `fresh_kv`'s rows for a request with no cached prefix, if given) and run masked
+    softmax in fp32."""
     out = torch.zeros_like(query)
     group = query.shape[1] // kv_cache.shape[3]
     block_size = kv_cache.shape[2]
@@ -285,8 +325,11 @@ def paged_attention_ref(
         q0, q1 = starts[r], starts[r + 1]
         pos = torch.arange(seq_len, device=query.device)  # [seq_len] context positions
         blocks = block_tables[r, pos // block_size].long()
-        k = kv_cache[0, blocks, pos % block_size].float().repeat_interleave(group, dim=1)
-        v = kv_cache[1, blocks, pos % block_size].float().repeat_interleave(group, dim=1)
+        if fresh_kv is not None and q1 - q0 == seq_len:
+            k, v = (x[q0:q1].float().repeat_interleave(group, dim=1) for x in fresh_kv)
+        else:
+            k = _as_float(kv_cache[0, blocks, pos % block_size]).repeat_interleave(group, dim=1)
+            v = _as_float(kv_cache[1, blocks, pos % block_size]).repeat_interleave(group, dim=1)
         q_pos = seq_len - (q1 - q0) + torch.arange(q1 - q0, device=query.device)  # [q_len]
         delta = q_pos[:, None] - pos[None, :]  # [q_len, seq_len] query pos - key pos
         allowed = delta >= 0

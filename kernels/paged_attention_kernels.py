@@ -28,6 +28,16 @@ chunks run by separate programs (stage 1), each writing a partial (max, sum, acc
 to a scratch buffer; stage 2 merges the partials. It keeps the GPU busy when few requests
 with long contexts would otherwise give it few programs. Both variants share the one
 inner loop `_attend_range` (online softmax in fp32, exp2 with log2(e) folded into scale).
+
+A quantized cache (kernels/kv_codec.py: 8-bit codes plus an fp32 scale per (token, KV
+head) row) reaches the kernel as bytes, row stride head_dim + 4. Its codes go to the dot
+operands unscaled (every int8 / fp8 code is exact in bf16 and fp16), and the per-row
+scales are folded in where they cost one multiply per key instead of one per element:
+scores are `(q . k_codes) * s_k` per key column, and the softmax weights are multiplied
+by `s_v` per key before the P.V dot (the running sum still adds the unscaled weights;
+with fp16 operands V is dequantized instead, as `p * s_v` could fall below fp16's range).
+With FRESH_KV, a request with no cached prefix reads this step's own K/V rows (float,
+unquantized) instead of the cache: the same inner loop, its keys addressed row after row.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvflow.kernels.kv_codec_triton import FLOAT, decode_codes, load_scale
 from kvflow.kernels.launch_utils import round_to
 
 
@@ -59,15 +70,24 @@ def _find_request(
 
 
 @triton.jit
+def _load_kv(ptrs, mask, KV_CODEC: tl.constexpr):
+    """A K or V tile as fp32: the values of a float cache, the codes of a quantized one."""
+    if KV_CODEC == FLOAT:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        return decode_codes(tl.load(ptrs, mask=mask, other=0), KV_CODEC)
+
+
+@triton.jit
 def _attend_range(
     acc,  # [BLOCK_M, HEAD_DIM_P] fp32, unnormalised output
     l_i,  # [BLOCK_M] fp32, running sum of exp2
     m_i,  # [BLOCK_M] fp32, running max (log2 domain)
     q,  # [BLOCK_M, HEAD_DIM_P] in DOT_DTYPE
     q_pos,  # [BLOCK_M] int32, absolute position of each row's query token
-    k_base,  # kv_cache K plane + kv_head offset
-    v_base,  # kv_cache V plane + kv_head offset
-    block_table_row,  # [max_blocks] int32 of this request
+    k_base,  # kv_cache K plane + kv_head offset (PAGED), or the request's first key row
+    v_base,  # kv_cache V plane + kv_head offset (PAGED), or the request's first value row
+    block_table_row,  # [max_blocks] int32 of this request (PAGED)
     lo,
     hi,
     qk_scale,
@@ -76,9 +96,12 @@ def _attend_range(
     stride_slot,
     offs_d,  # [HEAD_DIM_P]
     mask_d,  # [HEAD_DIM_P]
+    head_dim,  # where a quantized row's scale bytes start
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    PAGED: tl.constexpr,
+    KV_CODEC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -86,13 +109,20 @@ def _attend_range(
     for start in range(lo, hi, TILE_N):
         offs_n = start + tl.arange(0, TILE_N)  # [TILE_N] context positions
         mask_n = offs_n < hi
-        # Tiles may straddle pages (and pages need not be powers of two): gather per key.
-        page = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-        slot_off = page.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot
+        if PAGED:
+            # Tiles may straddle pages (and pages need not be powers of two): gather per key.
+            page = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+            slot_off = page.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot
+        else:  # this step's own rows, one after the other
+            slot_off = offs_n.to(tl.int64) * stride_slot
         kv_mask = mask_n[None, :] & mask_d[:, None]
-        k = tl.load(k_base + slot_off[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)
-        k = k.to(tl.float32).to(DOT_DTYPE)  # [HEAD_DIM_P, TILE_N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        k = _load_kv(k_base + slot_off[None, :] + offs_d[:, None], kv_mask, KV_CODEC)
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N]
+        if KV_CODEC == FLOAT:
+            s = s * qk_scale
+        else:  # k holds codes: each key's scale multiplies its column of scores
+            k_scale = load_scale(k_base + slot_off + head_dim, mask_n, KV_CODEC)  # [TILE_N]
+            s = s * (qk_scale * k_scale)[None, :]
         allowed = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (q_pos[:, None] - offs_n[None, :] < sliding_window)
@@ -104,9 +134,16 @@ def _attend_range(
         p = tl.math.exp2(s - m_shift[:, None])  # [BLOCK_M, TILE_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_mask = mask_n[:, None] & mask_d[None, :]
-        v = tl.load(v_base + slot_off[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
-        v = v.to(tl.float32).to(DOT_DTYPE)  # [TILE_N, HEAD_DIM_P]
-        pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        v = _load_kv(v_base + slot_off[:, None] + offs_d[None, :], v_mask, KV_CODEC)
+        if KV_CODEC != FLOAT:
+            v_scale = load_scale(v_base + slot_off + head_dim, mask_n, KV_CODEC)  # [TILE_N]
+            if DOT_DTYPE == tl.float16:  # noqa: SIM300 (DOT_DTYPE is not a constant)
+                # p * s_v may be far below fp16's normal range (e5m2: s_v = amax / 57344);
+                # the dequantized values are in the model's own (fp16) range.
+                v = v * v_scale[:, None]
+            else:  # fold each value row's scale into its weight: TILE_N x BLOCK_M products
+                p = p * v_scale[None, :]
+        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, l_i, m_i
@@ -161,7 +198,9 @@ def _paged_attention_kernel(
     max_ptr,  # [max_tokens, num_heads, max_splits] fp32, log2 domain (NUM_SPLITS > 1)
     sum_ptr,  # [max_tokens, num_heads, max_splits] fp32          (NUM_SPLITS > 1)
     q_ptr,  # [num_tokens, num_heads, head_dim]
-    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim] this step's keys   (FRESH_KV)
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim] and values, key's strides (FRESH_KV)
+    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim (+ 4 if quantized)]
     query_start_loc_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
     block_tables_ptr,  # [num_reqs, max_blocks] int32
@@ -170,6 +209,8 @@ def _paged_attention_kernel(
     sliding_window,
     stride_qt,
     stride_qh,
+    stride_kt,
+    stride_kh,
     stride_ot,
     stride_oh,
     stride_at,
@@ -191,6 +232,8 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    FRESH_KV: tl.constexpr,
+    KV_CODEC: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -218,17 +261,32 @@ def _paged_attention_kernel(
     rows = (q_start + tok).to(tl.int64)  # [BLOCK_M]
     q_off = rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=mask_md, other=0.0).to(tl.float32).to(DOT_DTYPE)
-    kv_base = kv_cache_ptr + kv_head * stride_c_head
-    acc, l_i, m_i = _attend_range(
-        tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32),
-        tl.zeros([BLOCK_M], dtype=tl.float32),
-        tl.full([BLOCK_M], float("-inf"), dtype=tl.float32),
-        q, q_pos, kv_base, kv_base + stride_c_kv, block_tables_ptr + req * stride_bt,
-        split_lo, split_hi, qk_scale, sliding_window, stride_c_block, stride_c_slot,
-        offs_d, mask_d,
-        BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, USE_WINDOW=USE_WINDOW,
-        DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
-    )  # fmt: skip
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    fresh = False
+    if FRESH_KV:
+        fresh = ctx_len == 0
+    if fresh:
+        # No cached prefix: the request attends its own K/V as computed, not as stored
+        # (quantized), row after row from this step's key/value tensors.
+        fresh_off = q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, q_pos, key_ptr + fresh_off, value_ptr + fresh_off,
+            block_tables_ptr, split_lo, split_hi, qk_scale, sliding_window, 0, stride_kt,
+            offs_d, mask_d, head_dim,
+            BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, PAGED=False,
+            KV_CODEC=FLOAT, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        kv_base = kv_cache_ptr + kv_head * stride_c_head
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, q_pos, kv_base, kv_base + stride_c_kv,
+            block_tables_ptr + req * stride_bt, split_lo, split_hi, qk_scale, sliding_window,
+            stride_c_block, stride_c_slot, offs_d, mask_d, head_dim,
+            BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, PAGED=True,
+            KV_CODEC=KV_CODEC, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
     if NUM_SPLITS == 1:
         # l_i > 0 on real rows (a query sees itself); padded rows divide by 1, not 0.
         out = acc / tl.where(mask_m, l_i, 1.0)[:, None]  # [BLOCK_M, HEAD_DIM_P]

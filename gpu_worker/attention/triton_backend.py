@@ -5,6 +5,13 @@ Runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before
 kind (decode, chunked prefill over a cached prefix, fresh prefill), is served by the same
 launch, reading its context from the paged cache after this step's K/V were stored.
 
+A quantized cache (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`, kernels/kv_codec.py) takes
+the same two launches: `store_kv` quantizes the rows it writes and `paged_attention` reads
+codes and scales, except that a request with no cached prefix attends this step's K/V as
+computed (passed as `fresh_kv`), as the torch backend does; decodes, chunks over a cached
+prefix and prefix-cache hits read the dequantized cache. Scratch and head sizes come from
+the query (a quantized row is head_dim + 4 wide: see `kv_codec.head_dim_of`).
+
 Split-KV (flash-decoding) partials need an fp32 scratch buffer. The backend keeps one and
 grows it when a step needs more; to capture CUDA graphs, construct the backend with a
 fixed `num_splits` (the grid must not change between replays) and call `reserve_scratch`
@@ -56,7 +63,7 @@ class TritonAttentionBackend:
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim (+ 4)]
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
@@ -80,5 +87,5 @@ class TritonAttentionBackend:
             query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
             metadata.block_tables, scale, sliding_window,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
-            num_splits=num_splits, scratch=scratch,
+            num_splits=num_splits, scratch=scratch, fresh_kv=(key, value),
         )  # fmt: skip

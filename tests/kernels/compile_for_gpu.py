@@ -20,10 +20,18 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from kvflow.kernels import activation, grammar_bitmask, paged_attention, rms_norm, rotary, store_kv
+from kvflow.kernels import (
+    activation,
+    grammar_bitmask,
+    kv_codec,
+    paged_attention,
+    rms_norm,
+    rotary,
+    store_kv,
+)
 
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-          torch.int32: "i32", torch.int64: "i64"}  # fmt: skip
+          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}  # fmt: skip
 
 
 def _arg_type(value: Any) -> str:
@@ -82,6 +90,22 @@ def _launch_all() -> None:
             torch.zeros(2, 5, dtype=i32), 0.1)  # fmt: skip
     paged_attention.unified_paged_attention(*step, max_query_len=512)
     paged_attention.split_kv_paged_attention(*step, 64, max_query_len=1, num_splits=8)
+    _launch_quantized(q, k)
+
+
+def _launch_quantized(q: torch.Tensor, k: torch.Tensor) -> None:
+    """A quantized cache per codec: the store quantizes, attention reads codes (and fresh
+    rows for prefills without a cached prefix)."""
+    i32, i64 = torch.int32, torch.int64
+    for dtype in kv_codec.CODEC_DTYPES.values():
+        cache = torch.zeros(2, 10, 16, 8, 128 + kv_codec.SCALE_BYTES, dtype=dtype)
+        store_kv.store_kv(k, k, cache, torch.zeros(8, dtype=i64))
+        step = (q, cache, torch.zeros(3, dtype=i32), torch.zeros(2, dtype=i32),
+                torch.zeros(2, 5, dtype=i32), 0.1)  # fmt: skip
+        paged_attention.unified_paged_attention(*step, max_query_len=512, fresh_kv=(k, k))
+    paged_attention.split_kv_paged_attention(*step, max_query_len=1, num_splits=8)
+    q16 = q.to(torch.float16)  # fp16 dot operands dequantize V (see paged_attention_kernels)
+    paged_attention.unified_paged_attention(q16, *step[1:], max_query_len=1)
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ the interpreter when a kernel is decorated), hence at the top of this conftest.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,18 @@ def make_paged_batch(
     )
 
 
+def quantize_paged_batch(batch: PagedBatch, dtype: torch.dtype) -> PagedBatch:
+    """The batch with its cache quantized to `dtype` (kernels/kv_codec.py). Rows that no
+    request's context covers stay traps: all their bytes are 0xFF, so their scale is NaN."""
+    from kvflow.kernels import kv_codec  # here: kvflow is imported after TRITON_INTERPRET
+
+    values = batch.kv_cache.float()
+    uncovered = values.isnan().any(-1)
+    rows = kv_codec.quantize_rows(values.nan_to_num(0.0), dtype)
+    rows.view(torch.uint8)[uncovered] = 0xFF
+    return dataclasses.replace(batch, kv_cache=rows)
+
+
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Tolerances of expected's dtype; NaN anywhere fails."""
     torch.testing.assert_close(actual, expected, equal_nan=False, **TOLERANCES[expected.dtype])
@@ -100,6 +113,11 @@ def device() -> str:
 @pytest.fixture
 def make_batch() -> Callable[..., PagedBatch]:
     return make_paged_batch
+
+
+@pytest.fixture
+def quantize_batch() -> Callable[[PagedBatch, torch.dtype], PagedBatch]:
+    return quantize_paged_batch
 
 
 @pytest.fixture

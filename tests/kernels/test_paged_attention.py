@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import triton.language as tl
 
+from kvflow.kernels import kv_codec
+from kvflow.kernels import paged_attention as paged_attention_module
 from kvflow.kernels.paged_attention import (
     SplitKVScratch,
     choose_num_splits,
@@ -15,6 +20,7 @@ from kvflow.kernels.paged_attention import (
 )
 
 F32, BF16 = torch.float32, torch.bfloat16
+E5M2 = torch.float8_e5m2
 
 # (seq_len, q_len): a decode, a fresh prefill spanning several query tiles, a chunk over a
 # 2-token prefix, a chunk over a 33-token cached prefix, a decode on a partial block.
@@ -150,6 +156,85 @@ def test_dispatch_chooses_unified_on_cpu_and_matches(make_batch, assert_close, d
 )
 def test_choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len, expected):
     assert choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len, 132) == expected
+
+
+@pytest.mark.parametrize("codec", list(kv_codec.CODEC_DTYPES))
+@pytest.mark.parametrize(
+    ("requests", "num_heads", "num_kv_heads", "head_dim", "dtype", "num_splits", "window"),
+    [
+        (MIXED, 8, 2, 64, BF16, 1, None),  # decodes, a fresh prefill, chunks over prefixes
+        (DECODES, 4, 1, 80, F32, 4, None),  # split-KV decodes on one KV head, head dim 80
+        (WINDOWED, 6, 2, 48, F32, 2, 8),  # window, split-KV over chunks, group of 3
+    ],
+)
+def test_quantized_cache_matches_dequantized_reference(
+    make_batch, quantize_batch, assert_close, codec, requests, num_heads, num_kv_heads, head_dim, dtype,
+    num_splits, window,
+):  # fmt: skip
+    batch = make_batch(requests, num_heads, num_kv_heads, head_dim, 16, dtype, 2)
+    batch = quantize_batch(batch, kv_codec.CODEC_DTYPES[codec])
+    out = paged_attention(
+        *_inputs(batch), 0.15, window, max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len, num_splits=num_splits,
+    )  # fmt: skip
+    # The reference reads the dequantized values (dequantize_rows, then masked softmax).
+    dequantized = kv_codec.dequantize_rows(batch.kv_cache)
+    expected = paged_attention_ref(batch.query, dequantized, *_inputs(batch)[2:], 0.15, window)
+    assert_close(out, expected)
+    assert torch.equal(out[batch.num_actual_tokens :], torch.zeros_like(out[-2:]))
+    assert torch.equal(_run_ref(batch, 0.15, window), expected)
+
+
+@pytest.mark.parametrize(("num_splits", "window"), [(1, None), (3, 9)])
+def test_quantized_cache_fresh_prefills_attend_fresh_rows(
+    make_batch, quantize_batch, assert_close, num_splits, window
+):
+    # A request with no cached prefix (37, 37) attends this step's K/V as computed; the
+    # others read the cache. The fresh rows differ from the cached ones here, so a kernel
+    # that reads the wrong source for any request fails.
+    batch = make_batch(MIXED, 4, 2, 64, 16, BF16, 2)
+    batch = quantize_batch(batch, torch.float8_e4m3fn)
+    gen = torch.Generator().manual_seed(3)
+    fused = torch.randn(batch.query.shape[0], 3 * 2, 64, generator=gen).to(BF16)
+    fused = fused.to(batch.query.device)
+    fresh = (fused[:, :2], fused[:, 2:4])  # strided views, as the model's qkv gives them
+    out = paged_attention(
+        *_inputs(batch), 0.15, window, max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len, num_splits=num_splits, fresh_kv=fresh,
+    )  # fmt: skip
+    dequantized = kv_codec.dequantize_rows(batch.kv_cache)
+    args = (batch.query, dequantized, *_inputs(batch)[2:], 0.15, window)
+    expected = paged_attention_ref(*args, fresh_kv=fresh)
+    assert_close(out, expected)
+    # The fresh prefill's rows (1..37) changed; every other request's did not.
+    changed = (expected != paged_attention_ref(*args)).flatten(1).any(1)
+    assert changed.nonzero().flatten().tolist() == list(range(1, 38))
+
+
+def test_quantized_cache_with_fp16_dot_operands(make_batch, quantize_batch, monkeypatch):
+    # fp16 operands (an fp16 model on a GPU; forced here under the interpreter, which picks
+    # fp32) with small values in e5m2: s_v = amax / 57344, so weights p * s_v would fall
+    # below fp16's normal range; the kernel must keep ~fp16 precision (folding s_v into p
+    # gives ~37% error on this batch).
+    def fp16_dots(kernel, dtype):
+        return tl.float16 if dtype == torch.float16 else tl.float32
+
+    monkeypatch.setattr(paged_attention_module, "dot_dtype", fp16_dots)
+    batch = make_batch([(21, 1), (50, 17)], 4, 2, 64, 16, torch.float16)
+    batch = quantize_batch(dataclasses.replace(batch, kv_cache=batch.kv_cache * 1e-3), E5M2)
+    out = unified_paged_attention(*_inputs(batch), 0.125, max_query_len=17)
+    dequantized = kv_codec.dequantize_rows(batch.kv_cache)
+    expected = paged_attention_ref(batch.query.float(), dequantized, *_inputs(batch)[2:], 0.125)
+    assert (out.float() - expected).abs().max() <= 1e-2 * expected.abs().max()
+
+
+def test_quantized_cache_rejects_a_mismatched_head_dim(make_batch, quantize_batch):
+    batch = quantize_batch(make_batch([(5, 1)], 2, 2, 64, 16, F32), torch.int8)
+    with pytest.raises(AssertionError):  # rows of head_dim 64 + 4 bytes, queries of 68
+        unified_paged_attention(
+            torch.zeros(1, 2, 68, device=batch.query.device), *_inputs(batch)[1:], 0.1,
+            max_query_len=1,
+        )  # fmt: skip
 
 
 def test_reference_matches_dense_causal_attention():

@@ -1,4 +1,5 @@
-"""TritonAttentionBackend against the torch backend on the same steps."""
+"""TritonAttentionBackend against the torch backend on the same steps, and over quantized
+caches against the kernel references."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ import torch
 from kvflow.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from kvflow.gpu_worker.attention.triton_backend import TritonAttentionBackend
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
+from kvflow.kernels import kv_codec
+from kvflow.kernels.paged_attention import paged_attention_ref
+from kvflow.kernels.store_kv import store_kv_ref
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
 def _metadata(batch) -> AttentionMetadata:
@@ -71,3 +77,64 @@ def test_empty_cache_profiling_pass_falls_back(make_batch, assert_close, device)
     expected = TorchAttentionBackend().forward(batch.query, key, value, empty, metadata, 0.125)
     out = TritonAttentionBackend().forward(batch.query, key, value, empty, metadata, 0.125)
     assert_close(out, expected)
+
+
+def _quantized_step(make_batch, quantize_batch, codec, requests, num_pad_tokens=2):
+    batch, key, value = _step(make_batch, requests, num_pad_tokens, dtype=torch.bfloat16)
+    return quantize_batch(batch, kv_codec.CODEC_DTYPES[codec]), key, value
+
+
+def _expected_over(batch, key, value, cache, scale, window):
+    """The reference over the cache as the backend left it, dequantized, with requests that
+    have no cached prefix attending the step's own K/V."""
+    return paged_attention_ref(
+        batch.query, kv_codec.dequantize_rows(cache), batch.query_start_loc, batch.seq_lens,
+        batch.block_tables, scale, window, fresh_kv=(key, value),
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # ~4 s each, interpreted
+@pytest.mark.parametrize(
+    ("codec", "num_splits", "window"),
+    [("int8", None, None), ("fp8_e4m3", 3, 6), ("fp8_e5m2", None, 6)],
+)
+def test_forward_over_quantized_cache(
+    make_batch, quantize_batch, assert_close, codec, num_splits, window
+):
+    # A decode and a chunk over a cached prefix read the cache after this step's rows were
+    # stored, quantized; the fresh prefill attends its K/V as computed.
+    batch, key, value = _quantized_step(
+        make_batch, quantize_batch, codec, [(21, 1), (37, 37), (50, 17), (9, 1)]
+    )
+    expected_cache = batch.kv_cache.cpu().clone()  # the CPU reference is exact (test_store_kv)
+    store_kv_ref(key.cpu(), value.cpu(), expected_cache, batch.slot_mapping.cpu())
+    cache = batch.kv_cache
+    out = TritonAttentionBackend(num_splits).forward(
+        batch.query, key, value, cache, _metadata(batch), 0.125, window
+    )
+    assert_close(out, _expected_over(batch, key, value, cache, 0.125, window))
+    assert torch.equal(cache.cpu().view(torch.uint8), expected_cache.view(torch.uint8))
+
+
+@needs_cuda
+@pytest.mark.parametrize("codec", list(kv_codec.CODEC_DTYPES))
+def test_quantized_decode_step_replays_in_a_cuda_graph(make_batch, quantize_batch, codec):
+    # Store + split-KV attention over a quantized cache, captured once and replayed on a
+    # fresh copy of the cache: the replay writes the same bytes and gives the eager output.
+    batch, key, value = _quantized_step(
+        make_batch, quantize_batch, codec, [(300, 1), (40, 1), (129, 1)]
+    )
+    metadata = _metadata(batch)
+    backend = TritonAttentionBackend(num_splits=4)
+    backend.reserve_scratch(8, 4, 64, 4, batch.query.device)
+    eager_cache = batch.kv_cache.clone()
+    eager = backend.forward(batch.query, key, value, eager_cache, metadata, 0.125)
+    graph_cache = batch.kv_cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(batch.query, key, value, graph_cache, metadata, 0.125)
+    graph_cache.copy_(batch.kv_cache)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    assert torch.equal(graph_cache.view(torch.uint8), eager_cache.view(torch.uint8))
