@@ -1,9 +1,16 @@
-"""Pack the linear layers' weights for oneDNN once, after loading (CPU, float32/bfloat16).
+"""Pack the linear layers' weights once, after loading (CPU, float32/bfloat16).
 
-Each linear layer and the LM head gets `onednn_weight`, its weight in oneDNN's blocked
-layout (kernels/cpu/packed_linear.py: the same results as F.linear, 1.25-1.7x faster
-per decode step in bfloat16). The layer's plain weight is then freed, so the model's
-memory does not double; kept are the weights something else still reads:
+Each linear layer and the LM head gets `packed_weight`, its weight laid out for the
+kernel that will serve it:
+
+* bfloat16 on a CPU with AVX512_BF16 (and an even input width): the native bf16 GEMM's
+  panels (kernels/cpu/bf16_gemm.py: ahead of oneDNN at every shape and batch size
+  measured, 1.1-1.25x per decode step at batch 64 on one thread, 2x at batch 8);
+* otherwise oneDNN's blocked layout (kernels/cpu/packed_linear.py: the same results as
+  F.linear, 1.25-1.7x faster per decode step in bfloat16 than F.linear).
+
+The layer's plain weight is then freed, so the model's memory does not double; kept are
+the weights something else still reads:
 
 * an LM head tied to the embedding (the embedding's lookup reads the shared weight);
 * a layer whose `--quantization` weights always take the int8 kernel (q8_0): nothing
@@ -22,12 +29,15 @@ from torch import nn
 
 from kvflow.gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
-from kvflow.kernels.cpu import packed_linear
+from kvflow.kernels.cpu import bf16_gemm, packed_linear
+from kvflow.kernels.cpu.linear import PackedWeight
 
 logger = logging.getLogger(__name__)
 
-# Module switch: benchmarks compare the packed route with the plain one in one process.
+# Module switches: benchmarks compare the packed route with the plain one in one
+# process, and the native bf16 GEMM with oneDNN.
 PACK_WEIGHTS = True
+NATIVE_BF16 = True
 _LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
@@ -36,27 +46,40 @@ def _always_int8(layer: nn.Module) -> bool:
     return quant is not None and quant.origin == "float"  # q8_0: int8 at every size
 
 
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """`weight` in the layout of the kernel that serves it best, or None (not packable)."""
+    panels = bf16_gemm.pack(weight) if NATIVE_BF16 else None
+    return panels if panels is not None else packed_linear.pack(weight)
+
+
 def pack_weights(model: nn.Module) -> int:
-    """Set `onednn_weight` on every CPU linear layer and LM head it applies to and free
+    """Set `packed_weight` on every CPU linear layer and LM head it applies to and free
     the plain weights nothing else reads; returns how many layers were packed."""
     if not PACK_WEIGHTS:
         return 0
     embedded = {
         id(m.weight) for m in model.modules() if type(m) is VocabParallelEmbedding
     }  # tied LM heads share these
-    packed, nbytes = 0, 0
+    packed, native, nbytes = 0, 0, 0
     for layer in model.modules():
         if not isinstance(layer, _LAYERS) or _always_int8(layer):
             continue
         weight = layer.weight
-        onednn_weight = packed_linear.pack(weight.data)
-        if onednn_weight is None:
+        packed_weight = pack(weight.data)
+        if packed_weight is None:
             continue
-        layer.onednn_weight = onednn_weight
+        layer.packed_weight = packed_weight
         packed += 1
+        native += isinstance(packed_weight, bf16_gemm.PanelWeight)
         nbytes += weight.numel() * weight.element_size()
         if id(weight) not in embedded:
             weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
     if packed:
-        logger.info("packed %d linear layers' weights for oneDNN (%.0f MB)", packed, nbytes / 1e6)
+        logger.info(
+            "packed %d linear layers' weights (%.0f MB): %d for the native bf16 GEMM, the rest "
+            "for oneDNN",
+            packed,
+            nbytes / 1e6,
+            native,
+        )
     return packed

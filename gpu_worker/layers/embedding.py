@@ -21,7 +21,7 @@ from kvflow.gpu_worker.layers.linear import copy_checked, new_parameter
 from kvflow.gpu_worker.parallel_state import get_tp_group
 from kvflow.kernels.cpu.block_linear import BlockWeights
 from kvflow.kernels.cpu.int8_linear import QuantWeights
-from kvflow.kernels.cpu.linear import linear
+from kvflow.kernels.cpu.linear import PackedWeight, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -60,9 +60,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     blocks: BlockWeights | None = None  # GGUF blocks of `weight` (block_weights.py)
     quant: QuantWeights | None = None  # `--quantization` (gpu_worker/quantization.py)
-    onednn_weight: torch.Tensor | None = (
-        None  # `weight` packed for oneDNN (gpu_worker/weight_packing.py)
-    )
+    packed_weight: PackedWeight | None = None  # gpu_worker/weight_packing.py
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         assert embedding.weight.shape == self.weight.shape
@@ -71,7 +69,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows, vocab] float32."""
         logits = linear(
-            hidden, self.weight, None, self.blocks, self.quant, self.onednn_weight
+            hidden, self.weight, None, self.blocks, self.quant, self.packed_weight
         )  # [num_rows, per_rank]
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.num_embeddings]

@@ -24,7 +24,7 @@ from torch import nn
 from kvflow.gpu_worker.parallel_state import divide, get_tp_group
 from kvflow.kernels.cpu.block_linear import BlockWeights
 from kvflow.kernels.cpu.int8_linear import QuantWeights
-from kvflow.kernels.cpu.linear import linear
+from kvflow.kernels.cpu.linear import PackedWeight, linear
 
 
 def new_parameter(
@@ -66,9 +66,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = new_parameter((out,), self.weight_loader, shard_ids) if bias else None
         self.blocks: BlockWeights | None = None  # GGUF blocks of `weight` (block_weights.py)
         self.quant: QuantWeights | None = None  # `--quantization` (gpu_worker/quantization.py)
-        self.onednn_weight: torch.Tensor | None = (
-            None  # packed `weight` (gpu_worker/weight_packing.py)
-        )
+        self.packed_weight: PackedWeight | None = None  # gpu_worker/weight_packing.py
 
     def shard_range(self, shard_id: Any) -> tuple[int, int, int]:
         """(offset in the packed local param, local size, start row in the checkpoint)."""
@@ -85,7 +83,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(
-            x, self.weight, self.bias, self.blocks, self.quant, self.onednn_weight
+            x, self.weight, self.bias, self.blocks, self.quant, self.packed_weight
         )  # fastest CPU route
 
 
@@ -146,9 +144,7 @@ class RowParallelLinear(nn.Module):
         self.bias = new_parameter((output_size,), copy_checked_loader) if bias else None
         self.blocks: BlockWeights | None = None  # GGUF blocks of `weight` (block_weights.py)
         self.quant: QuantWeights | None = None  # `--quantization` (gpu_worker/quantization.py)
-        self.onednn_weight: torch.Tensor | None = (
-            None  # packed `weight` (gpu_worker/weight_packing.py)
-        )
+        self.packed_weight: PackedWeight | None = None  # gpu_worker/weight_packing.py
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
@@ -158,9 +154,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, self.blocks, self.quant, self.onednn_weight)
+            return linear(x, self.weight, self.bias, self.blocks, self.quant, self.packed_weight)
         y = self.tp.all_reduce(
-            linear(x, self.weight, None, self.blocks, self.quant, self.onednn_weight)
+            linear(x, self.weight, None, self.blocks, self.quant, self.packed_weight)
         )
         return y if self.bias is None else y + self.bias
 

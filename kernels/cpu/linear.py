@@ -1,4 +1,4 @@
-"""`linear(x, weight, bias, blocks, quant, onednn_weight)`: F.linear routed to the fastest CPU implementation.
+"""`linear(x, weight, bias, blocks, quant, packed_weight)`: F.linear routed to the fastest CPU implementation.
 
     the layer has `--quantization` weights      the int8 kernel (int8_linear.py: not
                                                 the float function): q8_0 at every batch
@@ -7,11 +7,15 @@
     rows <= block_linear.MAX_ROWS, float32,     the native block kernel: reads the GGUF
     the layer has GGUF blocks                   blocks `weight` was dequantized from
                                                 (4-5x fewer bytes, same values)
-    the layer's weight is packed for oneDNN     oneDNN on the packed weight (packed_linear.py:
-    (fp32/bf16 on the CPU, every layer)         faster than the routes below at every batch
-                                                size but float32 single rows, where the
-                                                skinny kernel is ~15% ahead; its plain
-                                                weight is freed, so this is the route)
+    the layer's weight is packed (every CPU     its plain weight is freed, so this is the
+    layer in fp32/bf16: weight_packing.py)      route: bf16 with AVX512_BF16 packed for the
+                                                native bf16 GEMM (bf16_gemm.py: ahead of
+                                                oneDNN at every shape and batch size
+                                                measured), else oneDNN on its blocked
+                                                layout (packed_linear.py: faster than the
+                                                routes below at every batch size but
+                                                float32 single rows, where the skinny
+                                                kernel is ~15% ahead)
     rows <= skinny_linear.MAX_ROWS (fp32/bf16)  the native skinny kernel: one pass over
                                                 the weights, the decode step of a few
                                                 requests
@@ -28,11 +32,13 @@ F.linear's up to float32 summation order.
 from __future__ import annotations
 
 import functools
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels.cpu import block_linear, int8_linear, packed_linear
+from kvflow.kernels.cpu import bf16_gemm, block_linear, int8_linear, packed_linear
+from kvflow.kernels.cpu.bf16_gemm import PanelWeight
 from kvflow.kernels.cpu.block_linear import BlockWeights
 from kvflow.kernels.cpu.int8_linear import QuantWeights
 from kvflow.kernels.cpu.skinny_linear import native_applies, run_native
@@ -40,6 +46,10 @@ from kvflow.kernels.cpu.skinny_linear import native_applies, run_native
 # Module switches: benchmarks and tests compare each route with the next one down.
 ONEDNN_FLOAT32 = True
 GGUF_BLOCKS = True
+
+# A layer's weight packed at load (gpu_worker/weight_packing.py): for the native bf16
+# GEMM, or an opaque mkldnn tensor in oneDNN's blocked layout.
+PackedWeight: TypeAlias = PanelWeight | torch.Tensor
 
 
 @functools.cache
@@ -77,17 +87,19 @@ def linear(
     bias: torch.Tensor | None = None,  # [out_features]
     blocks: BlockWeights | None = None,  # `weight` as GGUF blocks, when the layer has them
     quant: QuantWeights | None = None,  # the layer's quantized weights (`--quantization`)
-    onednn_weight: torch.Tensor | None = None,  # `weight` packed for oneDNN (packed_linear.py)
+    packed_weight: PackedWeight | None = None,  # `weight` packed at load (weight_packing.py)
 ) -> torch.Tensor:  # [rows, out_features]
     blocks_apply = blocks is not None and GGUF_BLOCKS and block_linear.applies(x, blocks, bias)
     if quant is not None and _int8_route(x, quant, blocks_apply):
         return int8_linear.int8_linear(x, quant, bias)
     if blocks is not None and blocks_apply:
         return block_linear.block_linear(x, blocks, bias)
-    if onednn_weight is not None:  # the plain weight may be freed: this is the route
-        if not packed_linear.applies(x, onednn_weight, bias):
-            raise ValueError(f"a packed {onednn_weight.dtype} layer got {x.dtype} {x.device} input")
-        return packed_linear.packed_linear(x, onednn_weight, bias)
+    if isinstance(packed_weight, PanelWeight):  # the plain weight may be freed: the route
+        return bf16_gemm.bf16_gemm(x, packed_weight, bias)
+    if packed_weight is not None:
+        if not packed_linear.applies(x, packed_weight, bias):
+            raise ValueError(f"a packed {packed_weight.dtype} layer got {x.dtype} {x.device} input")
+        return packed_linear.packed_linear(x, packed_weight, bias)
     if native_applies(x, weight, bias):
         return run_native(x, weight, bias)
     if onednn_applies(x, weight, bias):

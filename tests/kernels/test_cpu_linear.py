@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvflow.kernels.cpu import bf16_gemm, packed_linear, skinny_linear
 from kvflow.kernels.cpu import linear as module
-from kvflow.kernels.cpu import packed_linear, skinny_linear
 from kvflow.kernels.cpu.linear import linear, onednn_applies
 
 needs_onednn = pytest.mark.skipif(
@@ -107,9 +107,9 @@ def test_packed_weights_give_f_linear_results(rows, dtype):
     if not packed_linear.available(dtype):
         pytest.skip(f"oneDNN cannot pack {dtype} here")
     x, weight, b = _inputs(rows, dtype, bias=True)
-    onednn_weight = packed_linear.pack(weight)
-    assert onednn_weight is not None
-    actual = linear(x, torch.empty(0, dtype=dtype), b, onednn_weight=onednn_weight)
+    packed_weight = packed_linear.pack(weight)
+    assert packed_weight is not None
+    actual = linear(x, torch.empty(0, dtype=dtype), b, packed_weight=packed_weight)
     assert actual.shape == (rows, 1000) and actual.dtype == dtype
     if dtype == torch.bfloat16:
         assert torch.equal(actual, F.linear(x, weight, b))
@@ -120,11 +120,27 @@ def test_packed_weights_give_f_linear_results(rows, dtype):
 @needs_packing
 def test_a_packed_layer_refuses_input_it_cannot_take():
     x, weight, _ = _inputs(4, torch.float32, bias=False)
-    onednn_weight = packed_linear.pack(weight)
+    packed_weight = packed_linear.pack(weight)
     with pytest.raises(ValueError, match="packed"):
-        linear(x.bfloat16(), weight, onednn_weight=onednn_weight)
+        linear(x.bfloat16(), weight, packed_weight=packed_weight)
 
 
 def test_only_cpu_float_weights_are_packed():
     assert packed_linear.pack(torch.zeros(4, 4, dtype=torch.float16)) is None
     assert packed_linear.pack(torch.zeros(4, dtype=torch.float32)) is None
+
+
+@pytest.mark.native(bf16_gemm._library() is not None)
+@pytest.mark.skipif(not bf16_gemm.available(), reason="this CPU has no AVX512_BF16")
+@pytest.mark.parametrize("rows", [1, 64])
+def test_bf16_panels_take_the_native_gemm(rows, monkeypatch):
+    """A layer packed for the native bf16 GEMM goes there, with its bias, whatever the
+    rows; oneDNN is not called (its plain weight may be freed)."""
+    x, weight, b = _inputs(rows, torch.bfloat16, bias=True)
+    packed_weight = bf16_gemm.pack(weight)
+    assert packed_weight is not None
+    taken = _route_spy(monkeypatch)
+    actual = linear(x, torch.empty(0, dtype=torch.bfloat16), b, packed_weight=packed_weight)
+    assert taken == [] and actual.shape == (rows, 1000)
+    expected = F.linear(x.float(), weight.float(), b.float())
+    torch.testing.assert_close(actual.float(), expected, atol=0.1, rtol=1e-2)

@@ -94,7 +94,7 @@ def test_every_linear_layer_and_the_lm_head_get_quantized_weights(tiny_model_dir
     quantized = [m for m in model.modules() if getattr(m, "quant", None) is not None]
     assert len(quantized) == 2 * 4 + 1  # qkv, o, gate_up, down; LM head
     assert model.lm_head.quant is not None
-    assert all(m.onednn_weight is None for m in quantized)  # q8_0 never reads float weights
+    assert all(m.packed_weight is None for m in quantized)  # q8_0 never reads float weights
     assert model.model.layers[0].self_attn.qkv_proj.quant.bits == 8
 
 

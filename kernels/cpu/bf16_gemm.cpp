@@ -1,0 +1,166 @@
+// y = x W^T (+ b) in bfloat16 for decode-size batches (tens of rows), on AVX512_BF16's
+// vdpbf16ps: each 32-bit lane multiplies a pair of bf16 (two consecutive k of one
+// output column) by a pair of x and adds both products to a float32 accumulator.
+//
+// Layout (bf16_gemm.py packs it once at load): the output columns go by panels of
+// NB = 16 * NR; a panel holds all of K as pairs, column-interleaved, so that one 64-byte
+// load is the k-pair of 16 consecutive columns:
+//     packed[panel][k / 2][column in panel][k % 2]      (bf16; N and K zero-padded)
+// A tile is MR rows x NR vectors of 16 columns: per k-pair, NR weight loads and MR
+// broadcasts of an x pair feed MR * NR dot products into MR * NR accumulators (enough
+// independent chains to cover vdpbf16ps' latency). Threads own whole panels; a panel
+// (K x NB x 2 bytes, 37-74 KB at the model's K) stays in L1/L2 while every row of x
+// passes over it, and x (M x K x 2 bytes) stays in L2 across panels.
+//
+// Without AVX512_BF16 this file builds to a stub that refuses (kvflow_bf16_gemm_isa()
+// returns 0): those CPUs keep oneDNN. Built by native_build.py; the reference is
+// torch.nn.functional.linear with float32 accumulation.
+#include <omp.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
+#define KVFLOW_DPBF16 1
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// Tile shape: kRows rows x kVectors vectors of 16 columns (24 accumulators of the 32
+// zmm registers). The panel width kPanel = 16 * kVectors is part of the packed layout
+// (bf16_gemm.py's PANEL). Measured on Zen 4 against 8x2, 12x2, 6x4 (docs/benchmarks.md):
+// all within 2% at one thread; 48 columns divide every SmolLM2 width into whole panels.
+constexpr int kRows = 8, kVectors = 3;
+constexpr int64_t kPanel = 16 * kVectors;
+
+struct Problem {
+    const uint16_t* x;     // [M, K] bf16, row stride xs
+    const uint16_t* w;     // packed panels, see the header
+    const uint16_t* bias;  // [N] bf16 or null
+    uint16_t* y;           // [M, N] bf16 contiguous
+    int64_t M, K, N, xs;
+};
+
+#if defined(KVFLOW_DPBF16)
+
+inline __m512 bias_vector(const uint16_t* bias, int64_t n, __mmask16 mask) {
+    if (bias == nullptr) return _mm512_setzero_ps();
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, bias + n);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __mmask16 column_mask(int64_t n, int64_t N) {
+    const int64_t left = N - n;
+    return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (left > 0 ? left : 0)) - 1);
+}
+
+// Rows [m, m + MR) x the panel starting at column n0.
+template <int MR, int NR>
+inline void tile(const Problem& p, const uint16_t* panel, int64_t m, int64_t n0) {
+    constexpr int64_t NB = 16 * NR;
+    const int64_t pairs = p.K / 2;
+    __m512 acc[MR][NR];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    const uint16_t* xrow = p.x + m * p.xs;
+    for (int64_t k = 0; k < pairs; ++k) {
+        __m512bh wv[NR];
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j)
+            wv[j] = (__m512bh)_mm512_loadu_si512(panel + (k * NB + 16 * j) * 2);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {
+            int32_t pair;
+            std::memcpy(&pair, xrow + i * p.xs + 2 * k, sizeof(pair));
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+        const int64_t n = n0 + 16 * j;
+        const __mmask16 mask = column_mask(n, p.N);
+        if (!mask) break;
+        const __m512 b = bias_vector(p.bias, n, mask);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {
+            const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b));
+            _mm256_mask_storeu_epi16(p.y + (m + i) * p.N + n, mask, (__m256i)out);
+        }
+    }
+}
+
+// The last `rows` (< MR) rows of a row block: a tile of exactly that many rows.
+template <int NR, int R>
+inline void rows_tail(const Problem& p, const uint16_t* panel, int64_t m, int64_t n0,
+                      int64_t rows) {
+    if constexpr (R > 0) {
+        if (rows == R) return tile<R, NR>(p, panel, m, n0);
+        rows_tail<NR, R - 1>(p, panel, m, n0, rows);
+    }
+}
+
+// Tasks are (row block, panel), row blocks outermost, split evenly between threads: at
+// decode sizes there is one row block and threads own whole panels; a long prefill's
+// rows go by blocks whose x (kXBlockBytes) stays in L2 while the panels stream past.
+template <int MR, int NR>
+void gemm(const Problem& p) {
+    constexpr int64_t NB = 16 * NR, kXBlockBytes = 256 * 1024;
+    const int64_t panels = (p.N + NB - 1) / NB, pairs = p.K / 2;
+    const int64_t block_rows = std::max<int64_t>(MR, kXBlockBytes / (2 * p.K) / MR * MR);
+    const int64_t row_blocks = (p.M + block_rows - 1) / block_rows;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < row_blocks * panels; ++t) {
+        const int64_t q = t % panels, m0 = t / panels * block_rows;
+        const int64_t m1 = std::min(p.M, m0 + block_rows);
+        const uint16_t* panel = p.w + q * pairs * NB * 2;
+        int64_t m = m0;
+        for (; m + MR <= m1; m += MR) tile<MR, NR>(p, panel, m, q * NB);
+        rows_tail<NR, MR - 1>(p, panel, m, q * NB, m1 - m);
+    }
+}
+
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// 1 if this build has the AVX512_BF16 kernel, 0 if it refuses every call.
+int kvflow_bf16_gemm_isa() {
+#if defined(KVFLOW_DPBF16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// The panel width of the packed layout (columns): bf16_gemm.py packs with it.
+int kvflow_bf16_gemm_panel() { return int(kPanel); }
+
+// x bf16 [rows, in_features] (row stride x_row_stride, unit column stride); w packed as
+// in the header (panels of kPanel columns, in_features even); bias bf16 [out_features] or
+// null; y bf16 [rows, out_features] contiguous. Returns 0, or nonzero for unsupported
+// arguments (3: this build has no AVX512_BF16 kernel).
+int kvflow_bf16_gemm(const void* x, const void* w, const void* bias, void* y, int64_t rows,
+                     int64_t in_features, int64_t out_features, int64_t x_row_stride) {
+#if defined(KVFLOW_DPBF16)
+    if (rows < 0 || in_features <= 0 || in_features % 2 || out_features <= 0) return 1;
+    const Problem p{static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
+                    static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y),
+                    rows, in_features, out_features, x_row_stride};
+    gemm<kRows, kVectors>(p);
+    return 0;
+#else
+    (void)x, (void)w, (void)bias, (void)y, (void)rows, (void)in_features, (void)out_features;
+    (void)x_row_stride;
+    return 3;
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,123 @@
+"""Launcher of the native bfloat16 GEMM (bf16_gemm.cpp) on weights packed for it at load.
+
+`pack(weight)` lays a bf16 [out, in] weight out as the kernel reads it (panels of
+PANEL output columns x all of `in` as interleaved k-pairs, for AVX512_BF16's
+vdpbf16ps); `bf16_gemm(x, packed, bias)` is then F.linear with float32 accumulation
+and one bf16 rounding of the output, at any number of rows.
+
+Where it applies it replaces oneDNN's packed inner product (packed_linear.py) for the
+layer: measured on a Zen 4 EPYC (AVX512_BF16, no AMX) it is faster at every shape of
+SmolLM2 and every row count tried, 1 to 1024 (docs/benchmarks.md, "Native bf16 GEMM").
+It applies only where this CPU has AVX512_BF16 (the kernel reports it: a build without
+the instructions refuses every call) and `in` is even; elsewhere pack() returns None
+and the layer keeps oneDNN's layout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.kernels.cpu.native_build import INT64, POINTER, load_bound
+
+
+@functools.cache
+def _library(march: str = "native") -> ctypes.CDLL | None:
+    signatures = {
+        "kvflow_bf16_gemm": [*[POINTER] * 4, *[INT64] * 4],
+        "kvflow_bf16_gemm_isa": [],
+        "kvflow_bf16_gemm_panel": [],
+    }
+    return load_bound("bf16_gemm", signatures, march)
+
+
+def available(march: str = "native") -> bool:
+    """Whether the kernel runs here: built, and built with AVX512_BF16."""
+    library = _library(march)
+    return library is not None and library.kvflow_bf16_gemm_isa() == 1
+
+
+@dataclass(frozen=True)
+class PanelWeight:
+    """A bf16 weight [out_features, in_features] in the kernel's layout:
+    data[panel][k / 2][column in panel][k % 2], out_features zero-padded to whole panels."""
+
+    data: torch.Tensor  # [panels, in_features / 2, panel, 2] bf16
+    out_features: int
+    in_features: int
+    march: str = "native"  # the build that packed it (tests pack for an older ISA)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+
+def panel_width(march: str = "native") -> int:
+    library = _library(march)
+    assert library is not None
+    return int(library.kvflow_bf16_gemm_panel())
+
+
+def pack(weight: torch.Tensor, march: str = "native") -> PanelWeight | None:
+    """`weight` [out, in] in the kernel's layout, or None where the kernel does not apply
+    (not bf16 on the CPU, odd `in`, no AVX512_BF16 build)."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dim() != 2
+        or weight.dtype != torch.bfloat16
+        or weight.shape[1] % 2
+        or not available(march)
+    ):
+        return None
+    out_features, in_features = weight.shape
+    panel = panel_width(march)
+    padded = -(-out_features // panel) * panel
+    plain = torch.zeros(padded, in_features, dtype=weight.dtype)
+    plain[:out_features] = weight
+    data = plain.view(padded // panel, panel, in_features // 2, 2).permute(0, 2, 1, 3)
+    return PanelWeight(data.contiguous(), out_features, in_features, march)
+
+
+def applies(x: torch.Tensor, packed: PanelWeight, bias: torch.Tensor | None) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype == torch.bfloat16
+        and x.shape[1] == packed.in_features
+        and x.stride(1) == 1
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+    )
+
+
+def bf16_gemm(
+    x: torch.Tensor,  # [rows, in_features] bf16, unit column stride
+    packed: PanelWeight,  # `pack(weight)`
+    bias: torch.Tensor | None = None,  # [out_features] bf16
+) -> torch.Tensor:  # [rows, out_features] bf16
+    if not applies(x, packed, bias) or (bias is not None and bias.shape != (packed.out_features,)):
+        raise ValueError(
+            f"x {x.dtype} {tuple(x.shape)} (strides {x.stride()}) does not fit a packed bf16 "
+            f"weight [{packed.out_features}, {packed.in_features}]"
+        )
+    rows = x.shape[0]
+    y = torch.empty(rows, packed.out_features, dtype=torch.bfloat16)
+    if rows == 0:
+        return y
+    library = _library(packed.march)
+    assert library is not None  # pack() checked it
+    status = library.kvflow_bf16_gemm(
+        x.data_ptr(),
+        packed.data.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows,
+        packed.in_features,
+        packed.out_features,
+        x.stride(0),
+    )
+    if status != 0:
+        raise RuntimeError(f"native bf16 GEMM failed with status {status}")
+    return y
