@@ -37,7 +37,7 @@ def add_kernel_bench_args(parser: argparse.ArgumentParser) -> None:
     add("--prefill-chunk", type=int, default=1024, help="prefill attention: new tokens each")
     add("--prefill-prefix", type=int, default=1024, help="prefill attention: cached tokens")
     add("--vocab-size", type=int, default=128256, help="grammar bitmask: vocabulary")
-    add("--linear-rows", default="1,8,32", help="CPU float32 linear layers: rows, comma-separated")
+    add("--linear-rows", default="1,8,32", help="CPU linear layers: rows, comma-separated")
     add("--warmup", type=int, default=None, help="default 10 on CUDA, 1 on CPU")
     add("--iters", type=int, default=None, help="default 50 on CUDA, 3 on CPU")
     add("--peak-bandwidth-gbs", type=float, default=None, help="override the peak GB/s")

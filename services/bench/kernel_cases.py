@@ -276,3 +276,28 @@ def cpu_linear_cases(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) 
                 f"linear_{fmt.lower()} {rows}x{k}->{n}", blocks.nbytes + activations, flops, impls
             ))  # fmt: skip
     return cases
+
+
+def cpu_bf16_linear_cases(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) -> list[Case]:
+    """bfloat16 linear layers on the CPU (hidden -> intermediate, `--linear-rows`):
+    `torch`: F.linear on the plain weight; `cpu-onednn`: oneDNN on the weight packed in
+    its blocked layout (packed_linear.py); `cpu-native`: the native bf16 GEMM on its
+    panels (bf16_gemm.py, CPUs with AVX512_BF16). Bytes: the weights, x and y."""
+    from kvflow.kernels.cpu import bf16_gemm, packed_linear
+
+    if dev.type != "cpu" or dt != torch.bfloat16:
+        return []
+    k, n = a.hidden_size, a.intermediate_size
+    weight = torch.randn(n, k).bfloat16()
+    onednn, panels = packed_linear.pack(weight), bf16_gemm.pack(weight)
+    cases = []
+    for rows in (int(r) for r in a.linear_rows.split(",")):
+        x = torch.randn(rows, k).bfloat16()
+        impls: dict[str, Callable[[], object]] = {"torch": functools.partial(F.linear, x, weight)}
+        if onednn is not None:
+            impls["cpu-onednn"] = functools.partial(packed_linear.packed_linear, x, onednn)
+        if panels is not None:
+            impls["cpu-native"] = functools.partial(bf16_gemm.bf16_gemm, x, panels)
+        nbytes = 2 * (k * n + rows * (k + n))
+        cases.append(Case(f"linear_bf16 {rows}x{k}->{n}", nbytes, 2 * rows * k * n, impls))
+    return cases

@@ -5,9 +5,10 @@ minimum: each input read once, each output written once), times it, and prints t
 GB/s, GFLOP/s and the % of the device's peak bandwidth and bf16 dense tensor throughput.
 Decode attention (batch 64 x 2k context by default) is also timed against torch
 baselines: gather + SDPA (what the torch backend does) and SDPA on K/V already gathered
-into contiguous tensors (the best a dense kernel can do without paging). On the CPU in
-float32, small-batch linear layers are timed too: float32 weights and each GGUF block
-format, F.linear against kvflow's routes.
+into contiguous tensors (the best a dense kernel can do without paging). On the CPU,
+small-batch linear layers are timed too: in float32, float32 weights and each GGUF block
+format, F.linear against kvflow's routes; in bfloat16, F.linear, oneDNN on packed
+weights and the native bf16 GEMM.
 
 On a CUDA device the Triton kernels run, timed with CUDA events. Without one, the torch
 references and baselines run, plus the native CPU decode attention of the `cpu` backend
@@ -31,6 +32,7 @@ from kvflow.kernels.launch_utils import kernels_interpreted
 from kvflow.services.bench.kernel_cases import (
     Case,
     attention_cases,
+    cpu_bf16_linear_cases,
     cpu_linear_cases,
     elementwise_cases,
     store_and_mask_cases,
@@ -108,6 +110,7 @@ def _impls_to_run(device: torch.device) -> tuple[set[str], str]:
     note = "torch references and native CPU kernels: no CUDA device, Triton kernels are not timed"
     impls = {"torch", "torch-ref", "torch-gather+sdpa", "torch-sdpa(contiguous kv)", "cpu-native"}
     impls.add("cpu-int8")  # `--quantization`'s kernel on the GGUF formats
+    impls.add("cpu-onednn")  # oneDNN on packed bf16 weights, the native GEMM's baseline
     impls.add("cpu-native(avx2 build)")  # the paged decode's loops for CPUs without AVX-512
     return impls, note
 
@@ -123,7 +126,8 @@ def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
     impls, mode = _impls_to_run(device)
     results: list[Measurement] = []
     with torch.inference_mode():
-        for build in (store_and_mask_cases, elementwise_cases, attention_cases, cpu_linear_cases):
+        builds = (store_and_mask_cases, elementwise_cases, attention_cases, cpu_linear_cases)
+        for build in (*builds, cpu_bf16_linear_cases):
             for case in build(args, device, dtype):
                 for impl, fn in case.impls.items():
                     if impl in impls:

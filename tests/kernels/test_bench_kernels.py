@@ -66,9 +66,10 @@ def test_tiny_run_reports_every_kernel(capsys, device):
     report = run_kernel_bench(_args(TINY + " --json"))
     assert json.loads(capsys.readouterr().out) == report
     kernels = {m["kernel"].split()[0] for m in report["results"]}
+    cpu_only = {"linear_bf16"} if device == "cpu" else set()  # the CPU's bf16 linear routes
     assert kernels == {
         "store_kv", "grammar_bitmask", "fused_add_rms_norm", "rotary_neox", "silu_and_mul",
-        "decode_attention", "prefill_attention",
+        "decode_attention", "prefill_attention", *cpu_only,
     }  # fmt: skip
     impls = {m["impl"] for m in report["results"]}
     assert ("triton" in impls) == (device == "cuda")
@@ -128,3 +129,23 @@ def test_decode_case_on_a_quantized_cache_of_several_layers(device):
         case.impls["cpu-native"]()
     actual = case.impls["cpu-native"]()
     torch.testing.assert_close(actual, expected, atol=2e-4, rtol=1e-3)
+
+
+def test_cpu_bf16_linear_cases_agree():
+    import torch
+
+    from kvflow.kernels.cpu import bf16_gemm
+    from kvflow.services.bench.kernel_cases import cpu_bf16_linear_cases
+
+    args = _args(TINY + " --linear-rows 1,9")
+    assert cpu_bf16_linear_cases(args, torch.device("cpu"), torch.float32) == []  # bf16 only
+    cases = {c.name: c for c in cpu_bf16_linear_cases(args, torch.device("cpu"), torch.bfloat16)}
+    assert sorted(cases) == ["linear_bf16 1x64->64", "linear_bf16 9x64->64"]
+    assert cases["linear_bf16 9x64->64"].bytes == 2 * (64 * 64 + 9 * 128)
+    for name, case in cases.items():
+        assert ("cpu-native" in case.impls) == bf16_gemm.available()
+        expected = case.impls["torch"]().float()
+        for impl, fn in case.impls.items():
+            torch.testing.assert_close(
+                fn().float(), expected, atol=0.05, rtol=0.02, msg=name + impl
+            )
