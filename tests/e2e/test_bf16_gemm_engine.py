@@ -1,0 +1,48 @@
+"""The native bf16 GEMM in the offline engine: on a CPU with AVX512_BF16, bf16 models'
+linear layers (the LM head included) are packed for it and every call runs it, and
+greedy tokens are those of the oneDNN route it replaces."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.gpu_worker import weight_packing
+from kvflow.kernels.cpu import bf16_gemm
+
+pytestmark = [
+    pytest.mark.native(bf16_gemm._library() is not None),
+    pytest.mark.skipif(not bf16_gemm.available(), reason="this CPU has no AVX512_BF16"),
+]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+
+
+def _greedy_ids(path: str, monkeypatch: pytest.MonkeyPatch, native: bool) -> list[list[int]]:
+    monkeypatch.setattr(weight_packing, "NATIVE_BF16", native)
+    llm = LLM(path, dtype="bfloat16", num_threads=1, kv_cache_memory=0.1)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q|k|v with a bias
+def test_native_gemm_serves_bf16_layers_with_onednn_tokens(
+    tiny_model_dir: Any, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tiny_model_dir(arch))
+    calls: list[tuple[int, int]] = []
+    run = bf16_gemm.bf16_gemm
+
+    def spy(x, packed, bias=None):
+        calls.append((x.shape[0], packed.out_features))
+        return run(x, packed, bias)
+
+    monkeypatch.setattr(bf16_gemm, "bf16_gemm", spy)
+    onednn = _greedy_ids(path, monkeypatch, native=False)
+    assert calls == []  # switched off: every layer packed for oneDNN
+    native = _greedy_ids(path, monkeypatch, native=True)
+    assert native == onednn
+    vocab = max(n for _, n in calls)
+    assert {rows for rows, n in calls if n == vocab} >= {3}  # LM head at a decode step
+    assert len({n for _, n in calls}) >= 4  # q|k|v, o, gate|up, down (+ LM head)
