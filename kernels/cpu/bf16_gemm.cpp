@@ -32,6 +32,7 @@ namespace {
 // zmm registers). The panel width kPanel = 16 * kVectors is part of the packed layout
 // (bf16_gemm.py's PANEL). Measured on Zen 4 against 8x2, 12x2, 6x4 (docs/benchmarks.md):
 // all within 2% at one thread; 48 columns divide every SmolLM2 width into whole panels.
+// 256-bit tiles (ymm vdpbf16ps, 8x4, 6x4, 8x3, 4x4) were 0-10% slower on Zen 4.
 constexpr int kRows = 8, kVectors = 3;
 constexpr int64_t kPanel = 16 * kVectors;
 
