@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from isa_builds import skip_unless_runs
 
 from kvflow.kernels.cpu import bf16_gemm
 from kvflow.kernels.cpu.bf16_gemm import PanelWeight
 from kvflow.kernels.cpu.bf16_gemm import bf16_gemm as gemm
-from tests.kernels.isa_builds import skip_unless_runs
 
 pytestmark = pytest.mark.native(bf16_gemm._library() is not None)
 needs_dpbf16 = pytest.mark.skipif(
