@@ -194,6 +194,7 @@ NATIVE_KERNELS = (
     "block_linear",
     "elementwise",
     "int8_linear",
+    "block_vnni",
 )
 
 
