@@ -43,6 +43,7 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
         "block_linear",
         {
             "kvflow_block_linear": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 4],
+            "kvflow_block_linear_bf16": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 4],
             "kvflow_block_dequantize": [ctypes.c_int, POINTER, POINTER, INT64, INT64],
         },
         march,
@@ -181,14 +182,17 @@ def block_linear(
     (the dispatcher checked it: only the shape is checked again here)."""
     if x.dim() != 2 or x.shape[1] != blocks.in_features:
         raise ValueError(f"block_linear does not take x {tuple(x.shape)} {x.dtype}")
-    if x.dtype != torch.float32:  # bf16 rows: widened here, the result rounded once
-        wide_bias = None if bias is None else bias.float()
-        return block_linear(x.float(), blocks, wide_bias, march).to(x.dtype)
     rows = x.shape[0]
-    y = torch.empty(rows, blocks.out_features)
+    y = torch.empty(rows, blocks.out_features, dtype=x.dtype)
     library = _library(march)
     assert library is not None  # applies() checked it
-    status = library.kvflow_block_linear(
+    # bf16 rows: widened in the kernel, the result rounded once.
+    function = (
+        library.kvflow_block_linear
+        if x.dtype == torch.float32
+        else library.kvflow_block_linear_bf16
+    )
+    status = function(
         blocks.code, x.data_ptr(), blocks.address, None if bias is None else bias.data_ptr(),
         y.data_ptr(), rows, blocks.in_features, blocks.out_features, x.stride(0),
     )  # fmt: skip
