@@ -8,7 +8,9 @@ the way the layer packs its weight (q|k|v, gate|up). `kernels/cpu/linear.py` the
 the blocks for decode steps of a few rows: 4-5x fewer bytes than the float32 weights.
 
 A copy is attached only where dequantizing it reproduces the layer's float32 weight bit
-for bit, so a layer computes the same function whichever form it reads.
+for bit, so a layer computes the same function whichever form it reads. A bfloat16 model
+gets them where its bf16 weight is that float32 weight rounded: at its few rows the
+kernel then multiplies with the unrounded values in float32 (block_linear.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 BLOCKS_FILE = "gguf_blocks/blocks.safetensors"  # its metadata maps tensor name -> format
 BLOCK_FORMATS = tuple(FORMATS)
+READ_DTYPES = (torch.float32, torch.bfloat16)  # model dtypes the block kernel serves
 
 # shard_id -> (format, raw GGUF blocks uint8 [rows, bytes per row])
 Shards = dict[Any, tuple[str, torch.Tensor]]
@@ -100,10 +103,11 @@ def _read_shards(model: nn.Module, path: Path) -> dict[str, Shards]:
 def attach_block_weights(model: nn.Module, model_dir: Path) -> int:
     """Set `layer.blocks` wherever the GGUF blocks encode the layer's weight exactly;
     returns how many layers got them (0 without a blocks file, native kernels, or a
-    float32 CPU model)."""
+    float32 / bfloat16 CPU model)."""
     path = model_dir / BLOCKS_FILE
     weight = next(model.parameters())
-    if not path.is_file() or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    dtype = weight.dtype
+    if not path.is_file() or dtype not in READ_DTYPES or weight.device.type != "cpu":
         return 0
     if not block_linear.available():
         return 0
@@ -117,7 +121,7 @@ def attach_block_weights(model: nn.Module, model_dir: Path) -> int:
             continue
         block_format = next(iter(shards.values()))[0]
         blocks = BlockWeights.from_gguf(block_format, raw, layer.weight.shape[1])
-        if not torch.equal(block_linear.dequantize(blocks), layer.weight):
+        if not torch.equal(block_linear.dequantize(blocks).to(dtype), layer.weight):
             logger.warning("GGUF blocks of %s do not reproduce its weights: not used", layer_name)
             continue
         layer.blocks = blocks
@@ -126,7 +130,7 @@ def attach_block_weights(model: nn.Module, model_dir: Path) -> int:
     if skipped:
         logger.info("GGUF blocks not used for %s (layout or format)", ", ".join(skipped))
     logger.info(
-        "GGUF blocks: %d layers read them at <= %d rows (%.0f MB beside the float32 weights)",
-        attached, block_linear.MAX_ROWS, block_bytes / 2**20,
+        "GGUF blocks: %d layers read them at <= %d rows (%.0f MB beside the %s weights)",
+        attached, block_linear.row_limit(dtype), block_bytes / 2**20, dtype,
     )  # fmt: skip
     return attached

@@ -276,6 +276,27 @@ int kvflow_block_linear(int format, const float* x, const void* packed, const fl
     return linear<kQ4_1>(x, p, bias, y, s);
 }
 
+// The same for bfloat16 rows (a bf16 model's decode step): x and bias widened to float32,
+// the product computed as above (with the weights' unrounded float32 values) and rounded
+// to bf16 once, to nearest even. Scratch reused per calling thread: the LM head's float32
+// y is ~200 KB, which malloc would map and unmap on every call.
+int kvflow_block_linear_bf16(int format, const Bf16* x, const void* packed, const Bf16* bias,
+                             Bf16* y, int64_t rows, int64_t in_features, int64_t out_features,
+                             int64_t x_row_stride) {
+    if (!valid(format, in_features) || rows < 0) return 1;
+    static thread_local std::vector<float> xf, bf, yf;
+    xf.resize(rows * in_features);
+    bf.resize(bias ? out_features : 0);
+    yf.resize(rows * out_features);
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t k = 0; k < in_features; ++k) xf[i * in_features + k] = load(x[i * x_row_stride + k]);
+    for (int64_t n = 0; bias && n < out_features; ++n) bf[n] = load(bias[n]);
+    const int status = kvflow_block_linear(format, xf.data(), packed, bias ? bf.data() : nullptr,
+                                           yf.data(), rows, in_features, out_features, in_features);
+    for (int64_t j = 0; j < rows * out_features; ++j) store(&y[j], yf[j]);
+    return status;
+}
+
 // The float32 weights [out_features, in_features] the tiles encode (same arithmetic as
 // the portable kernel: what the loader compares with the checkpoint's float32 tensor).
 int kvflow_block_dequantize(int format, const void* packed, float* out, int64_t in_features,

@@ -7,6 +7,11 @@ F.linear(x, dequantized weight, bias) for at most MAX_ROWS float32 rows (the dec
 of a few requests, bound by reading the weights) while reading only the blocks. The
 values are expanded exactly (`dequantize` reproduces the float32 weights bit for bit),
 so results differ from F.linear's only in summation order.
+
+A bfloat16 model whose bf16 weights are those float32 values rounded gets the blocks too,
+at up to MAX_ROWS_BF16 rows: its rows are widened to float32, multiplied with the
+unrounded weights and rounded back to bf16 once (one rounding fewer than the bf16
+route; what makes the default dtype's single stream read 111 MB instead of 270).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 from kvflow.kernels.cpu.native_build import INT64, POINTER, load_bound
 
 MAX_ROWS = 48  # measured crossover with oneDNN on float32 weights: between 48 and 64
+MAX_ROWS_BF16 = 4  # against oneDNN on packed bf16 weights (docs/benchmarks.md)
 BLOCK = 32  # weights per block, every format
 # GGUF type name -> (kernel format code, bytes per raw GGUF block).
 FORMATS = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20)}
@@ -37,6 +43,7 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
         "block_linear",
         {
             "kvflow_block_linear": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 4],
+            "kvflow_block_linear_bf16": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 4],
             "kvflow_block_dequantize": [ctypes.c_int, POINTER, POINTER, INT64, INT64],
         },
         march,
@@ -140,20 +147,23 @@ def dequantize(blocks: BlockWeights, march: str = "native") -> torch.Tensor:
     return out
 
 
+def row_limit(dtype: torch.dtype) -> int:
+    return MAX_ROWS if dtype == torch.float32 else MAX_ROWS_BF16 if dtype == torch.bfloat16 else 0
+
+
 def applies(x: torch.Tensor, blocks: BlockWeights, bias: torch.Tensor | None) -> bool:
     """Whether the native kernel takes this call (cheapest checks first: it runs on
     every linear call of a decode step)."""
     return (
-        x.dtype == torch.float32
-        and x.is_cpu
+        x.is_cpu
         and x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
+        and 0 < x.shape[0] <= row_limit(x.dtype)
         and x.shape[1] == blocks.in_features
         and x.stride(1) == 1
         and (
             bias is None
             or (
-                bias.dtype == torch.float32
+                bias.dtype == x.dtype
                 and bias.shape == (blocks.out_features,)
                 and bias.is_contiguous()
             )
@@ -163,20 +173,26 @@ def applies(x: torch.Tensor, blocks: BlockWeights, bias: torch.Tensor | None) ->
 
 
 def block_linear(
-    x: torch.Tensor,  # float32 [rows, in_features], rows <= MAX_ROWS
+    x: torch.Tensor,  # float32 or bfloat16 [rows, in_features], rows <= row_limit
     blocks: BlockWeights,  # W [out_features, in_features]
-    bias: torch.Tensor | None = None,  # float32 [out_features]
+    bias: torch.Tensor | None = None,  # [out_features], x's dtype
     march: str = "native",
-) -> torch.Tensor:  # float32 [rows, out_features]
-    """F.linear(x, dequantize(blocks), bias), for a call `applies` accepted (the
-    dispatcher checked it: only the shape is checked again here)."""
+) -> torch.Tensor:  # [rows, out_features], x's dtype
+    """F.linear(x, dequantize(blocks), bias) in float32, for a call `applies` accepted
+    (the dispatcher checked it: only the shape is checked again here)."""
     if x.dim() != 2 or x.shape[1] != blocks.in_features:
         raise ValueError(f"block_linear does not take x {tuple(x.shape)} {x.dtype}")
     rows = x.shape[0]
-    y = torch.empty(rows, blocks.out_features)
+    y = torch.empty(rows, blocks.out_features, dtype=x.dtype)
     library = _library(march)
     assert library is not None  # applies() checked it
-    status = library.kvflow_block_linear(
+    # bf16 rows: widened in the kernel, the result rounded once.
+    function = (
+        library.kvflow_block_linear
+        if x.dtype == torch.float32
+        else library.kvflow_block_linear_bf16
+    )
+    status = function(
         blocks.code, x.data_ptr(), blocks.address, None if bias is None else bias.data_ptr(),
         y.data_ptr(), rows, blocks.in_features, blocks.out_features, x.stride(0),
     )  # fmt: skip

@@ -1,5 +1,8 @@
 """`linear(x, weight, bias, blocks, quant, packed_weight)`: F.linear routed to the fastest CPU implementation.
 
+    `--quantization gguf`, GGUF blocks, rows    the VNNI block kernel (block_vnni.py: the
+    <= block_vnni.FASTER_ROWS, AVX512-VNNI      int8 kernel's arithmetic on the blocks'
+                                                tiled layout: ~1.4x faster at one row)
     the layer has `--quantization` weights      the int8 kernel (int8_linear.py: not
                                                 the float function): q8_0 at every batch
                                                 size, a GGUF's Q4 blocks at <= 48 rows
@@ -37,7 +40,7 @@ from typing import TypeAlias
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels.cpu import bf16_gemm, block_linear, int8_linear, packed_linear
+from kvflow.kernels.cpu import bf16_gemm, block_linear, block_vnni, int8_linear, packed_linear
 from kvflow.kernels.cpu.bf16_gemm import PanelWeight
 from kvflow.kernels.cpu.block_linear import BlockWeights
 from kvflow.kernels.cpu.int8_linear import QuantWeights
@@ -46,6 +49,7 @@ from kvflow.kernels.cpu.skinny_linear import native_applies, run_native
 # Module switches: benchmarks and tests compare each route with the next one down.
 ONEDNN_FLOAT32 = True
 GGUF_BLOCKS = True
+GGUF_VNNI = True
 
 # A layer's weight packed at load (gpu_worker/weight_packing.py): for the native bf16
 # GEMM, or an opaque mkldnn tensor in oneDNN's blocked layout.
@@ -81,6 +85,21 @@ def _int8_route(x: torch.Tensor, quant: QuantWeights, blocks_apply: bool) -> boo
     return not (quant.origin != "float" and exact_is_faster) and int8_linear.applies(x, quant)
 
 
+def _vnni_route(
+    x: torch.Tensor, blocks: BlockWeights | None, bias: torch.Tensor | None, quant: QuantWeights
+) -> bool:
+    """Whether a `gguf` layer's call goes to the VNNI block kernel: the same int8
+    digits and integer dots as the int8 kernel, read from the blocks' tiled layout
+    (one sequential stream per thread), faster at one or two rows (docs/benchmarks.md)."""
+    return (
+        GGUF_VNNI
+        and blocks is not None
+        and quant.origin != "float"  # q8_0's weights are not the blocks' values
+        and x.shape[0] <= block_vnni.FASTER_ROWS
+        and block_vnni.applies(x, blocks, bias)
+    )
+
+
 def linear(
     x: torch.Tensor,  # [rows, in_features]
     weight: torch.Tensor,  # [out_features, in_features]
@@ -89,6 +108,9 @@ def linear(
     quant: QuantWeights | None = None,  # the layer's quantized weights (`--quantization`)
     packed_weight: PackedWeight | None = None,  # `weight` packed at load (weight_packing.py)
 ) -> torch.Tensor:  # [rows, out_features]
+    if quant is not None and _vnni_route(x, blocks, bias, quant):
+        assert blocks is not None  # _vnni_route checked it
+        return block_vnni.block_vnni_linear(x, blocks, bias)
     blocks_apply = blocks is not None and GGUF_BLOCKS and block_linear.applies(x, blocks, bias)
     if quant is not None and _int8_route(x, quant, blocks_apply):
         return int8_linear.int8_linear(x, quant, bias)

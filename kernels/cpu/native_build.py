@@ -195,6 +195,7 @@ NATIVE_KERNELS = (
     "elementwise",
     "int8_linear",
     "bf16_gemm",
+    "block_vnni",
 )
 
 

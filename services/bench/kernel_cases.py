@@ -238,10 +238,11 @@ def cpu_linear_cases(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) 
     float32 weights (`torch`: F.linear; `cpu-native`: kvflow's route, kernels/cpu/linear.py)
     and each GGUF block format (`torch`: F.linear on the dequantized weights;
     `cpu-native`: the block kernel, at <= its MAX_ROWS; `cpu-int8`: the int8 kernel of
-    `--quantization gguf`). Bytes: the weights in the form read, x and y."""
+    `--quantization gguf`; `cpu-vnni`: its VNNI block kernel, at <= 8 rows, where the CPU
+    has VNNI). Bytes: the weights in the form read, x and y."""
     import gguf
 
-    from kvflow.kernels.cpu import block_linear, int8_linear
+    from kvflow.kernels.cpu import block_linear, block_vnni, int8_linear
     from kvflow.kernels.cpu.linear import linear
 
     if dev.type != "cpu" or dt != torch.float32:
@@ -272,6 +273,8 @@ def cpu_linear_cases(a: argparse.Namespace, dev: torch.device, dt: torch.dtype) 
             if int8_linear.library() is not None:  # `--quantization gguf`'s kernel
                 quant = int8_linear.QuantWeights.from_blocks(blocks)
                 impls["cpu-int8"] = functools.partial(int8_linear.int8_linear, x, quant)
+            if rows <= block_vnni.MAX_ROWS and block_vnni.available():
+                impls["cpu-vnni"] = functools.partial(block_vnni.block_vnni_linear, x, blocks)
             cases.append(Case(
                 f"linear_{fmt.lower()} {rows}x{k}->{n}", blocks.nbytes + activations, flops, impls
             ))  # fmt: skip

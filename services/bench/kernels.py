@@ -111,6 +111,7 @@ def _impls_to_run(device: torch.device) -> tuple[set[str], str]:
     impls = {"torch", "torch-ref", "torch-gather+sdpa", "torch-sdpa(contiguous kv)", "cpu-native"}
     impls.add("cpu-int8")  # `--quantization`'s kernel on the GGUF formats
     impls.add("cpu-onednn")  # oneDNN on packed bf16 weights, the native GEMM's baseline
+    impls.add("cpu-vnni")  # `--quantization gguf`'s VNNI block kernel at 1-2 rows
     impls.add("cpu-native(avx2 build)")  # the paged decode's loops for CPUs without AVX-512
     return impls, note
 

@@ -99,10 +99,11 @@ def test_cpu_linear_cases_agree_and_count_the_bytes_read():
         torch.testing.assert_close(
             case.impls["cpu-native"](), case.impls["torch"](), atol=1e-4, rtol=1e-4, msg=name
         )
-        if "cpu-int8" in case.impls:  # two int8 activation digits: ~1e-4 relative
-            torch.testing.assert_close(
-                case.impls["cpu-int8"](), case.impls["torch"](), atol=1e-2, rtol=1e-3, msg=name
-            )
+        for impl in ("cpu-int8", "cpu-vnni"):  # two int8 activation digits: ~1e-4 relative
+            if impl in case.impls:
+                torch.testing.assert_close(
+                    case.impls[impl](), case.impls["torch"](), atol=1e-2, rtol=1e-3, msg=name
+                )
     if formats:  # Q4_1: 64 rows x 2 blocks x (16 code bytes + 4 + 4 float scale/offset)
         assert cases["linear_q4_1 3x64->64"].bytes == 64 * 2 * 24 + activations
 

@@ -17,6 +17,7 @@ from kvflow.kernels.cpu import block_linear as module
 from kvflow.kernels.cpu import linear as linear_module
 from kvflow.kernels.cpu.block_linear import (
     MAX_ROWS,
+    MAX_ROWS_BF16,
     PORTABLE_MARCH,
     BlockWeights,
     applies,
@@ -115,7 +116,9 @@ def test_dispatcher_routes_rows_to_the_blocks_until_max_rows(monkeypatch) -> Non
 def test_steps_aside_where_it_does_not_apply() -> None:
     blocks, _ = _quantized("Q8_0", 16, 64)
     assert not applies(torch.randn(MAX_ROWS + 1, 64), blocks, None)
-    assert not applies(torch.randn(2, 64, dtype=torch.bfloat16), blocks, None)
+    assert not applies(torch.randn(2, 64, dtype=torch.float16), blocks, None)
+    assert not applies(torch.randn(MAX_ROWS_BF16 + 1, 64, dtype=torch.bfloat16), blocks, None)
+    assert not applies(torch.randn(2, 64, dtype=torch.bfloat16), blocks, torch.randn(16))
     assert not applies(torch.randn(2, 32), blocks, None)  # wrong in_features
     assert not applies(torch.randn(2, 64), blocks, torch.randn(15))  # wrong bias
     assert not applies(torch.randn(3, 2, 64), blocks, None)
@@ -131,3 +134,20 @@ def test_malformed_blocks_are_rejected() -> None:
         BlockWeights.from_gguf("Q8_0", raw, 48)
     with pytest.raises(ValueError):
         BlockWeights.from_gguf("Q8_0", raw, 64)  # 34 bytes per row hold one block, not two
+
+
+@pytest.mark.parametrize("block_format", sorted(module.FORMATS))
+def test_bfloat16_rows_use_the_unrounded_weights(block_format: str) -> None:
+    """bf16 rows (a bf16 model's decode step): widened, multiplied with the float32
+    weights the blocks encode (not their bf16 rounding), the result rounded once; the
+    dispatcher sends them here up to MAX_ROWS_BF16 rows."""
+    blocks, weight = _quantized(block_format, 37, 160)
+    x = torch.randn(MAX_ROWS_BF16, 160).to(torch.bfloat16)
+    bias = torch.randn(37).to(torch.bfloat16)
+    y = block_linear(x, blocks, bias)
+    assert y.dtype == torch.bfloat16
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(y.double(), expected, atol=0.02, rtol=8e-3)  # bf16 output
+    assert torch.equal(y, block_linear(x.float(), blocks, bias.float()).to(torch.bfloat16))
+    routed = linear_module.linear(x, weight.to(torch.bfloat16), bias, blocks)
+    assert torch.equal(routed, y)

@@ -126,3 +126,36 @@ def test_offline_generation_end_to_end(tiny_model_dir) -> None:
     alone = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in prompts]
     assert together == alone
     assert all(len(tokens) == 12 for tokens in together)
+
+
+@pytest.mark.embedded
+@pytest.mark.slow
+def test_gguf_decode_steps_follow_the_float_model(monkeypatch) -> None:
+    """Single-stream decode under gguf (one row per step: the VNNI block kernel where the
+    CPU has it, else the int8 kernel) against the float model's exact block route: the
+    same greedy tokens, each token's logprob within 0.05 (the bound of the teacher-forced
+    test above: measured ~0.01 on the logits)."""
+    from kvflow.kernels.cpu import block_vnni
+    from kvflow.kernels.cpu import linear as linear_module
+
+    calls: list[int] = []
+    original = block_vnni.block_vnni_linear
+
+    def counting(x, blocks, bias=None):
+        calls.append(x.shape[0])
+        return original(x, blocks, bias)
+
+    monkeypatch.setattr(block_vnni, "block_vnni_linear", counting)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+    outputs = {}
+    for method in ("none", "gguf"):
+        llm = LLM(dtype="float32", quantization=method, num_threads=1)
+        outputs[method] = llm.chat(CHAT, params)[0].outputs[0]
+        llm.close()
+    exact, quantized = outputs["none"], outputs["gguf"]
+    assert quantized.token_ids == exact.token_ids
+    assert exact.logprobs is not None and quantized.logprobs is not None
+    for token, a, b in zip(exact.token_ids, exact.logprobs, quantized.logprobs, strict=True):
+        assert abs(a[token].logprob - b[token].logprob) < 0.05
+    if block_vnni.available() and linear_module.GGUF_VNNI:
+        assert calls and set(calls) == {1}  # the decode steps, not the prefill
