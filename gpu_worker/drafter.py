@@ -77,6 +77,7 @@ class Drafter:
         device: torch.device,
         attention_backend: str,
         block_size: int,
+        kv_dtype: torch.dtype,
         target_vocab_size: int,
         seed: int,
     ) -> None:
@@ -87,7 +88,9 @@ class Drafter:
                 f"target's {target_vocab_size}: a draft model must share the target's tokenizer"
             )
         self.model = load_model(model_dir, dtype, device, attention_backend)
-        self.kv_spec = KVCacheSpec.from_hf_config(hf_config, block_size, dtype)
+        # The target's cache dtype: a quantized format fits any head_dim, and one setting
+        # (one --kv-cache-dtype) governs every cache of the engine and its sizing.
+        self.kv_spec = KVCacheSpec.from_hf_config(hf_config, block_size, kv_dtype)
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed + 1)
         self.computed: dict[str, int] = {}  # req_id -> draft KV positions valid
@@ -181,6 +184,7 @@ def make_drafter(
     device: DeviceConfig,
     block_size: int,
     dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     target_vocab_size: int,
     seed: int,
 ) -> Drafter | None:
@@ -196,6 +200,7 @@ def make_drafter(
         torch.device(device.device),
         device.attention_backend,
         block_size,
+        kv_dtype,
         target_vocab_size,
         seed,
     )

@@ -27,7 +27,7 @@ from kvflow.gpu_worker.denormals import flush_denormals_on_cpu
 from kvflow.gpu_worker.drafter import Drafter, make_drafter
 from kvflow.gpu_worker.grammar_bitmask import apply_grammar_bitmask
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
-from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
 from kvflow.gpu_worker.kv_connector.connector import KVConnectorWorker, make_connector_worker
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
 from kvflow.gpu_worker.parallel_state import get_pp_group
@@ -85,7 +85,8 @@ class ModelRunner:
             config.model.quantization,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
-        spec = KVCacheSpec.from_hf_config(self.hf_config, config.cache.block_size, self.dtype)
+        kv_dtype = kv_storage_dtype(config.cache.kv_cache_dtype, self.dtype)
+        spec = KVCacheSpec.from_hf_config(self.hf_config, config.cache.block_size, kv_dtype)
         # This rank's KV heads (a shard, or one replica when heads are fewer than ranks),
         # of this pipeline stage's layers.
         layers = self.model.attention_layers()
@@ -112,6 +113,7 @@ class ModelRunner:
             config.device,
             config.cache.block_size,
             self.dtype,
+            kv_dtype,
             self.vocab_size,
             config.model.seed,
         )
@@ -142,6 +144,12 @@ class ModelRunner:
             layer.kv_cache = cache
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)
+        spec = self.kv_spec
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %s, %.2f GiB",
+            num_blocks, spec.block_size, str(spec.dtype).removeprefix("torch."),
+            num_blocks * spec.bytes_per_block / (1 << 30),
+        )  # fmt: skip
         self.num_blocks = num_blocks
         config = self.config
         self.kv_connector = make_connector_worker(

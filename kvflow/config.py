@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -18,6 +19,13 @@ from kvflow.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
 from kvflow.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDType = Literal[
+    "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"
+]
+# The 8-bit formats of kernels/kv_codec.py (codes + a float32 scale per row); `fp8` is
+# the name vLLM users type for fp8_e4m3.
+QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
+_KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 
 
 LoadBalance = Literal["prefix-aware", "least-load", "round-robin"]
@@ -46,6 +54,9 @@ class ModelConfig:
     seed: int = _opt(0, "seed of the global sampler generator")
 
 
+_KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(KVCacheDType)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = _opt(16, "tokens per KV block")
@@ -55,8 +66,18 @@ class CacheConfig:
     )
     num_blocks: int | None = _opt(None, "override the number of KV blocks (tests)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
+    kv_cache_dtype: KVCacheDType = _opt(
+        "auto",
+        "KV cache storage: auto = the model dtype; int8, fp8 (= fp8_e4m3) or fp8_e5m2 = "
+        "8-bit codes + a float32 scale per (token, head) row, ~half a bf16 cache",
+    )
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(_KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory <= 0:
@@ -288,6 +309,11 @@ class EngineConfig:
             if quantization != "none" and by_section["model"].get("dtype", "auto") == "auto"
             else resolve_dtype(by_section["model"].get("dtype", "auto"), device)
         )
+        kv_cache_dtype = resolve_kv_cache_dtype(
+            by_section["cache"].get("kv_cache_dtype", "auto"), by_section["model"]["dtype"]
+        )
+        check_kv_cache_backend(kv_cache_dtype, by_section["device"]["attention_backend"])
+        by_section["cache"]["kv_cache_dtype"] = kv_cache_dtype
         return cls(**{name: _SECTION_TYPES[name](**kw) for name, kw in by_section.items()})
 
 
@@ -310,6 +336,35 @@ def check_quantization(quantization: str, device: str, dtype: str) -> None:
     if quantization == "gguf" and dtype not in ("auto", "float32"):
         raise ConfigError(
             "quantization gguf reads the blocks of a float32 GGUF model: dtype float32"
+        )
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The cache's concrete name: the model dtype for auto, fp8_e4m3 for fp8, else as
+    given. A float cache of another dtype than the model's would only round values the
+    model computed at its own precision (or store more bytes for nothing): refused."""
+    if kv_cache_dtype not in _KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"kv_cache_dtype must be one of {', '.join(_KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    name = _KV_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    if name not in QUANTIZED_KV_DTYPES and name != model_dtype:
+        raise ConfigError(
+            f"kv_cache_dtype {name} differs from the model dtype {model_dtype}: a float KV "
+            f"cache holds the model dtype (use auto), or pick int8, fp8_e4m3 or fp8_e5m2"
+        )
+    return name
+
+
+def check_kv_cache_backend(kv_cache_dtype: str, attention_backend: str) -> None:
+    """The torch and cpu backends read and write a quantized cache (torch_backend.py);
+    the Triton kernels do not yet, and would read its bytes as floats."""
+    if kv_cache_dtype in QUANTIZED_KV_DTYPES and attention_backend == "triton":
+        raise ConfigError(
+            f"kv_cache_dtype {kv_cache_dtype} runs on the torch and cpu attention backends "
+            "for now; use --attention-backend torch (or a float KV cache) with triton"
         )
 
 

@@ -124,9 +124,11 @@ def kv_namespace(model_id: str, dtype: str, block_size: int) -> str:
 def engine_kv_namespace(config: EngineConfig) -> str:
     """The namespace of an engine's KV blocks (its --model as given: instances that
     share a directory name their model alike; resolved paths differ across hosts)."""
-    return kv_namespace(
-        config.model.model or "embedded", config.model.dtype, config.cache.block_size
-    )
+    dtype: str = config.model.dtype
+    kv_dtype = config.cache.kv_cache_dtype
+    if kv_dtype not in ("auto", dtype):  # a quantized cache: rows of another layout
+        dtype = f"{dtype}/kv:{kv_dtype}"
+    return kv_namespace(config.model.model or "embedded", dtype, config.cache.block_size)
 
 
 def block_file_path(storage_path: str, namespace: str, key: str) -> str:

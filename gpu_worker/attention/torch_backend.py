@@ -20,6 +20,13 @@ prefill kernel (kernels/cpu/prefill_attention.cpp) a prefill with no cached pref
 sliding window runs natively where the kernel supports the shape; every other prefill
 (cached prefix, window, other head_dim or CPU) keeps SDPA.
 
+A quantized cache (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`, kernels/kv_codec.py) holds
+rows of head_dim 8-bit codes and a float32 scale. Where no native kernel takes them, the
+store quantizes the step's K/V rows and index-copies them like float rows, and whatever
+is read back from the cache (decode contexts, a cached prefix) is dequantized to the
+query dtype right after the gather, so SDPA sees plain values. A fresh prefill attends
+its own unquantized K/V, as with a float cache.
+
 The cache may be an empty tensor (not bound yet, e.g. a profiling pass): then nothing is
 stored and every request must be a whole prefill.
 """
@@ -34,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
+from kvflow.kernels import kv_codec
 from kvflow.kernels.cpu import elementwise
 from kvflow.kernels.cpu.paged_decode import PagedDecodeAttention, check_indices
 from kvflow.kernels.cpu.prefill_attention import PrefillAttention
@@ -67,17 +75,18 @@ class _DecodeBatch:
         return (blocks * self.block_size + positions % self.block_size).reshape(-1)
 
     def gather(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decodes' contexts as k, v [num_decodes, kv_heads, context, head_dim] views
-        of one scratch pair, allocated on the first layer and reused by the others."""
-        _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+        """The decodes' contexts as k, v [num_decodes, kv_heads, context, width] views
+        of one scratch pair, allocated on the first layer and reused by the others
+        (width = head_dim, or head_dim + 4 for the rows of a quantized cache)."""
+        _, num_blocks, block_size, kv_heads, width = kv_cache.shape
         if not self.scratch:
-            rows = (self.num_decodes * self.context, kv_heads, head_dim)
+            rows = (self.num_decodes * self.context, kv_heads, width)
             self.scratch["k"], self.scratch["v"] = (
                 kv_cache.new_empty(rows),
                 kv_cache.new_empty(rows),
             )
-        per_slot = (num_blocks * block_size, kv_heads, head_dim)
-        shape = (self.num_decodes, self.context, kv_heads, head_dim)
+        per_slot = (num_blocks * block_size, kv_heads, width)
+        shape = (self.num_decodes, self.context, kv_heads, width)
         k, v = (
             torch.index_select(kv_cache[i].view(per_slot), 0, self.slots, out=self.scratch[name])
             .view(shape)
@@ -130,6 +139,9 @@ class _StepPlan:
     store_rows: torch.Tensor | None  # token rows whose slot >= 0; None = every token
     store_slots: torch.Tensor  # [num_stored] int64
     all_slots: torch.Tensor  # [num_tokens] int64, -1 = not stored (the native store's)
+    # The storage dtype of a cache of kv_codec rows (dequantize what is read back), else
+    # None. Such a cache moves as uint8 bytes: torch has no CPU index ops for fp8.
+    codec: torch.dtype | None
     num_actual_tokens: int
     decode: _DecodeBatch | None
     prefills: list[_Prefill]
@@ -195,6 +207,7 @@ def _plan_step(md: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
         store_rows=store_rows,
         store_slots=store_slots,
         all_slots=slot_mapping,
+        codec=kv_cache.dtype if kv_codec.is_quantized(kv_cache.dtype) else None,
         num_actual_tokens=starts[-1],
         decode=_plan_decodes(md, decodes, block_size),
         prefills=prefills,
@@ -244,8 +257,9 @@ class TorchAttentionBackend:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         plan = self._plan_for(metadata, kv_cache, query.shape[0])
+        cache = kv_cache if plan.codec is None else kv_cache.view(torch.uint8)
         if plan.has_cache:
-            _store_kv(key, value, kv_cache, plan)
+            _store_kv(key, value, kv_cache, cache, plan)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         if plan.num_actual_tokens < query.shape[0]:  # padding rows (CUDA graph batches)
             out[plan.num_actual_tokens :].zero_()
@@ -259,31 +273,39 @@ class TorchAttentionBackend:
                 decode.token_rows, out, scale, sliding_window, indices_checked=True,
             )  # fmt: skip
         elif decode is not None:
-            _decode_attention(query, kv_cache, decode, out, scale, sliding_window)
+            _decode_attention(query, cache, decode, out, scale, sliding_window, plan.codec)
         for prefill in plan.prefills:
             _prefill_attention(
-                query, key, value, kv_cache, prefill, out, scale, sliding_window,
-                self._prefill_kernel,
+                query, key, value, cache, prefill, out, scale, sliding_window,
+                self._prefill_kernel, plan.codec,
             )  # fmt: skip
         return out
 
 
 def _store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cache: torch.Tensor,  # kv_cache, or its uint8 view if quantized
+    plan: _StepPlan,
 ) -> None:
     """key/value rows to their slots: natively on CPUs (one call, padding rows skipped in
-    it), else index_copy_ of the rows whose slot is set (the reference)."""
+    it), else index_copy_ of the rows whose slot is set (the reference), quantized to
+    kv_codec rows first for a quantized cache (after dropping the padding rows)."""
     if plan.native_store is None:  # the layout is the same in every layer: check once
         plan.native_store = elementwise.store_applies(key, value, kv_cache, plan.all_slots)
     if plan.native_store:
         elementwise.store_kv(key, value, kv_cache, plan.all_slots)
         return
-    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    _, num_blocks, block_size, kv_heads, width = cache.shape
     if plan.store_rows is not None:
         key, value = key[plan.store_rows], value[plan.store_rows]
+    if plan.codec is not None:
+        key = kv_codec.quantize_rows(key, plan.codec).view(torch.uint8)
+        value = kv_codec.quantize_rows(value, plan.codec).view(torch.uint8)
     slots = num_blocks * block_size
-    kv_cache[0].view(slots, kv_heads, head_dim).index_copy_(0, plan.store_slots, key)
-    kv_cache[1].view(slots, kv_heads, head_dim).index_copy_(0, plan.store_slots, value)
+    cache[0].view(slots, kv_heads, width).index_copy_(0, plan.store_slots, key)
+    cache[1].view(slots, kv_heads, width).index_copy_(0, plan.store_slots, value)
 
 
 def _decode_attention(
@@ -293,8 +315,11 @@ def _decode_attention(
     out: torch.Tensor,
     scale: float,
     window: int | None,
+    codec: torch.dtype | None = None,
 ) -> None:
-    k, v = batch.gather(kv_cache)  # [B, KH, L, D] each
+    k, v = batch.gather(kv_cache)  # [B, KH, L, D] each ([B, KH, L, D + 4] rows if quantized)
+    if codec is not None:
+        k, v = (_dequantize(rows, codec, query.dtype) for rows in (k, v))
     num_heads, kv_heads, head_dim = query.shape[1], k.shape[1], k.shape[3]
     # GQA: the G = H / KH query heads of a KV head become G query rows of that head.
     q = query[batch.rows].view(batch.num_decodes, kv_heads, num_heads // kv_heads, head_dim)
@@ -314,6 +339,7 @@ def _prefill_attention(
     scale: float,
     window: int | None,
     kernel: PrefillAttention | None = None,
+    codec: torch.dtype | None = None,
 ) -> None:
     rows = slice(prefill.start, prefill.end)
     mask = prefill.mask(window, query.device)
@@ -327,10 +353,12 @@ def _prefill_attention(
     if prefill.block_ids is None:  # no cached prefix: the context is this step's K/V
         k, v = key[rows], value[rows]  # [seq_len, KH, D]
     else:
-        kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        k = kv_cache[0].index_select(0, prefill.block_ids).view(-1, kv_heads, head_dim)
-        v = kv_cache[1].index_select(0, prefill.block_ids).view(-1, kv_heads, head_dim)
+        kv_heads, width = kv_cache.shape[3], kv_cache.shape[4]
+        k = kv_cache[0].index_select(0, prefill.block_ids).view(-1, kv_heads, width)
+        v = kv_cache[1].index_select(0, prefill.block_ids).view(-1, kv_heads, width)
         k, v = k[: prefill.seq_len], v[: prefill.seq_len]
+        if codec is not None:  # only the context's rows: the block's tail may be unwritten
+            k, v = (_dequantize(rows, codec, query.dtype) for rows in (k, v))
     attended = F.scaled_dot_product_attention(
         query[rows].transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
         k.transpose(0, 1).unsqueeze(0),  # [1, KH, seq_len, D]
@@ -341,3 +369,8 @@ def _prefill_attention(
         enable_gqa=query.shape[1] != k.shape[1],
     )  # [1, H, q_len, D]
     out[rows] = attended[0].transpose(0, 1)
+
+
+def _dequantize(rows: torch.Tensor, codec: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 rows [..., D + 4] gathered from a quantized cache as values [..., D]."""
+    return kv_codec.dequantize_rows(rows.view(codec), dtype)

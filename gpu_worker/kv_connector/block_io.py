@@ -1,7 +1,8 @@
 """One KV block as bytes: gathered from, and scattered into, the per-layer caches.
 
-The paged cache is one view per layer, `[2, num_blocks, block_size, kv_heads, head_dim]`
-(kv_cache.py). A block travels as `[num_layers, 2, block_size, kv_heads, head_dim]`
+The paged cache is one view per layer, `[2, num_blocks, block_size, kv_heads, width]`
+(kv_cache.py; width = head_dim, or head_dim + 4 for the 8-bit rows of a quantized
+cache). A block travels as `[num_layers, 2, block_size, kv_heads, width]`
 with a msgspec header naming dtype and shape, so the receiver checks the layout
 before it writes a byte (a mismatch is an error, never a silent reinterpretation)::
 
@@ -14,6 +15,8 @@ import struct
 
 import msgspec
 import torch
+
+from kvflow.kernels import kv_codec
 
 _LEN = struct.Struct("<I")
 
@@ -45,6 +48,8 @@ def scatter_blocks(caches: list[torch.Tensor], block_ids: list[int], blocks: tor
     index = torch.tensor(block_ids, device=caches[0].device)
     for layer, cache in enumerate(caches):
         source = blocks[:, layer].transpose(0, 1).to(cache.device, non_blocking=True)
+        if kv_codec.is_quantized(cache.dtype):  # as bytes: no CPU index_copy_ for fp8
+            cache, source = cache.view(torch.uint8), source.view(torch.uint8)
         cache.index_copy_(1, index, source)
 
 
@@ -61,6 +66,21 @@ def encode_block(block: torch.Tensor) -> bytes:
     return _LEN.pack(len(header)) + header + payload
 
 
+def layout_mismatch(
+    shape: list[int], dtype: str, expected_shape: list[int], expected_dtype: str
+) -> str:
+    """Why blocks of another layout cannot be written here, in the user's terms."""
+    message = (
+        f"KV blocks of shape {shape} {dtype}, this cache holds {expected_shape} {expected_dtype}"
+    )
+    if dtype != expected_dtype:
+        message += (
+            f": the sender's KV cache stores {dtype} and this one {expected_dtype}; "
+            "run both instances with the same --kv-cache-dtype"
+        )
+    return message
+
+
 def decode_block(
     data: bytes, expected_shape: list[int], expected_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -69,10 +89,7 @@ def decode_block(
     header = _decoder.decode(data[_LEN.size : _LEN.size + header_len])
     want_dtype = str(expected_dtype).removeprefix("torch.")
     if header.shape != expected_shape or header.dtype != want_dtype:
-        raise ValueError(
-            f"KV block of shape {header.shape} {header.dtype}, "
-            f"this cache holds {expected_shape} {want_dtype}"
-        )
+        raise ValueError(layout_mismatch(header.shape, header.dtype, expected_shape, want_dtype))
     payload = memoryview(data)[_LEN.size + header_len :]
     elem = torch.empty((), dtype=expected_dtype).element_size()
     expected_bytes = elem

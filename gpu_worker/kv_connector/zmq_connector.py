@@ -35,7 +35,7 @@ import msgspec
 import torch
 import zmq
 
-from kvflow.gpu_worker.kv_connector.block_io import scatter_blocks
+from kvflow.gpu_worker.kv_connector.block_io import layout_mismatch, scatter_blocks
 from kvflow.gpu_worker.kv_connector.connector import KVConnectorWorker
 from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.proto.kv_transfer import (
@@ -172,7 +172,7 @@ class ZmqWorker(KVConnectorWorker):
             )
         if header.dtype != self.dtype_name or header.shape != self.block_shape:
             raise ValueError(
-                f"blocks of {header.shape} {header.dtype}, this cache holds {self.block_shape} {self.dtype_name}"
+                layout_mismatch(header.shape, header.dtype, self.block_shape, self.dtype_name)
             )
         # One staging copy joins the frames, then one indexed copy per layer writes
         # them (per-block, per-layer copies cost more in call overhead than in bytes).

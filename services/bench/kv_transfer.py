@@ -27,6 +27,12 @@ from kvflow.kv_transfer_config import KVTransferConfig
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model whose KV shape to use (embedded)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="the cache's storage (auto = --dtype; the 8-bit formats add a scale per row)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=5)
@@ -35,25 +41,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache
+    from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
     from kvflow.gpu_worker.model_files import resolve_model_dir
     from kvflow.gpu_worker.model_loader import load_hf_config
     from kvflow.proto.kv_transfer import KVBlockTransfer, KVConnectorMeta
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = kv_storage_dtype(args.kv_cache_dtype, model_dtype)
     spec = KVCacheSpec.from_hf_config(
         load_hf_config(resolve_model_dir(args.model)), args.block_size, dtype
     )
     num_blocks = -(-args.prompt_tokens // args.block_size)
     caches = [allocate_kv_cache(spec, num_blocks, torch.device("cpu")) for _ in range(2)]
-    for cache in caches[0]:
-        cache.normal_()
+    for cache in caches[0]:  # any bytes: the transfer never reads them as numbers
+        cache.view(torch.uint8).random_()
     producer, consumer = _connectors(caches)
     keys = [f"{i:064x}" for i in range(num_blocks)]
     block_ids = list(range(num_blocks))
     total = num_blocks * spec.bytes_per_block
     save_s, pull_s, copy_s = [], [], []
-    source = torch.empty(total // dtype.itemsize, dtype=dtype).normal_()
+    source = torch.empty(total, dtype=torch.uint8).random_()  # the memcpy baseline
     target = torch.empty_like(source)
     for round_index in range(args.rounds):
         round_keys = [f"{round_index}{k[1:]}" for k in keys]
@@ -70,11 +77,12 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         target.copy_(source)
         copy_s.append(time.perf_counter() - start)
-    assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1])), "KV differs"
+    same = (torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*caches))
+    assert all(same), "KV differs"
     producer.close()
     consumer.close()
     mb = total / 1e6
-    print(f"KV of {args.prompt_tokens} tokens: {num_blocks} blocks, {mb:.1f} MB ({args.dtype})")
+    print(f"KV of {args.prompt_tokens} tokens: {num_blocks} blocks, {mb:.1f} MB ({dtype})")
     for name, times in (("save", save_s), ("pull", pull_s), ("memcpy", copy_s)):
         median = statistics.median(times)
         print(f"{name:>7}: {median * 1e3:8.1f} ms  {total / median / 1e9:6.2f} GB/s")

@@ -145,3 +145,28 @@ def test_producer_copies_each_layer_during_the_forward(
     for a, b in zip(files[True], files[False]):
         assert a.relative_to(folders[True]) == b.relative_to(folders[False])
         assert a.read_bytes() == b.read_bytes()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_blocks_cross_instances(
+    tiny_model_dir: Path, tmp_path: Path, kv_cache_dtype: str
+) -> None:
+    """A quantized cache's blocks go to disk and into another instance byte for byte:
+    the second instance, computing the last prompt token over the loaded prefix, gives
+    what the first gives over its own cached prefix (a local prefix-cache hit reads the
+    same dequantized rows; its first, fresh run attended unquantized K/V instead)."""
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    kv = _kv("kv_both", tmp_path)
+    first = _llm(tiny_model_dir, kv, kv_cache_dtype=kv_cache_dtype)
+    first.generate(PROMPTS[:1], params)
+    local_hit = first.generate(PROMPTS[:1], params)[0].outputs[0]
+    second = _llm(tiny_model_dir, kv, kv_cache_dtype=kv_cache_dtype)
+    counts = _count_scheduled(second)
+    loaded = second.generate(PROMPTS[:1], params)[0].outputs[0]
+    assert counts[0] == 1  # the prompt's last token only: the rest came from disk
+    assert loaded.token_ids == local_hit.token_ids
+    # A float instance never reads them: another namespace, so it computes the prompt.
+    plain = _llm(tiny_model_dir, kv)
+    plain_counts = _count_scheduled(plain)
+    plain.generate(PROMPTS[:1], params)
+    assert plain_counts[0] > 1
