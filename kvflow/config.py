@@ -312,7 +312,6 @@ class EngineConfig:
         kv_cache_dtype = resolve_kv_cache_dtype(
             by_section["cache"].get("kv_cache_dtype", "auto"), by_section["model"]["dtype"]
         )
-        check_kv_cache_backend(kv_cache_dtype, by_section["device"]["attention_backend"])
         by_section["cache"]["kv_cache_dtype"] = kv_cache_dtype
         return cls(**{name: _SECTION_TYPES[name](**kw) for name, kw in by_section.items()})
 
@@ -356,16 +355,6 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
             f"cache holds the model dtype (use auto), or pick int8, fp8_e4m3 or fp8_e5m2"
         )
     return name
-
-
-def check_kv_cache_backend(kv_cache_dtype: str, attention_backend: str) -> None:
-    """The torch and cpu backends read and write a quantized cache (torch_backend.py);
-    the Triton kernels do not yet, and would read its bytes as floats."""
-    if kv_cache_dtype in QUANTIZED_KV_DTYPES and attention_backend == "triton":
-        raise ConfigError(
-            f"kv_cache_dtype {kv_cache_dtype} runs on the torch and cpu attention backends "
-            "for now; use --attention-backend torch (or a float KV cache) with triton"
-        )
 
 
 def resolve_device(device: str) -> str:

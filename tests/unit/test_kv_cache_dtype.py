@@ -49,8 +49,9 @@ def test_engine_config_resolves_before_the_workers_see_it() -> None:
     assert EngineConfig.create(device="cpu", dtype="bfloat16").cache.kv_cache_dtype == "bfloat16"
     with pytest.raises(ConfigError, match="differs from the model dtype float32"):
         EngineConfig.create(device="cpu", dtype="float32", kv_cache_dtype="bfloat16")
-    with pytest.raises(ConfigError, match="torch and cpu attention backends"):
-        EngineConfig.create(device="cuda", kv_cache_dtype="int8", attention_backend="triton")
+    # Every backend serves a quantized cache (the Triton kernels read the rows too).
+    triton = EngineConfig.create(device="cuda", kv_cache_dtype="int8", attention_backend="triton")
+    assert triton.cache.kv_cache_dtype == "int8"
 
 
 def test_disaggregated_namespaces_keep_cache_layouts_apart() -> None:
