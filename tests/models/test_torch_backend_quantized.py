@@ -94,8 +94,8 @@ def _case(name: str, codec: torch.dtype, dtype: torch.dtype):
 def test_matches_dequantized_reference(
     name: str, codec: torch.dtype, dtype: torch.dtype, backend_name: str
 ) -> None:
-    """ "cpu" runs whatever native kernels accept a quantized cache (none yet: the
-    torch paths), so a native store or decode kernel meets the same reference."""
+    """ "cpu" runs the native store and decode kernels where they take the cache, so
+    they meet the same reference as the torch paths."""
     q_lens, seq_lens, heads, kv_heads, head_dim, block_size, padding, window = CASES[name]
     cache, histories, md = _case(name, codec, dtype)
     g = torch.Generator().manual_seed(7)
@@ -108,6 +108,10 @@ def test_matches_dequantized_reference(
     out = get_attention_backend(backend_name).forward(query, key, value, cache, md, scale, window)
     assert out.shape == query.shape and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
+    if backend_name == "cpu" and codec == torch.int8 and dtype == torch.float32:
+        # The native int8 decode scores an int16-rounded query against the codes with
+        # VNNI (kernels/cpu/paged_decode_quant_avx512.h): ~5e-5 from that rounding.
+        tol = 2e-4
     starts = md.query_start_loc_cpu
     for i, ((k, v), q_len, seq_len) in enumerate(zip(histories, q_lens, seq_lens)):
         if q_len == 1 or q_len < seq_len:  # reads its context back from the cache
