@@ -130,12 +130,19 @@ def run_transformers(
     )
 
 
+# kvflow's quantized --kv-cache-dtype -> vLLM's; a float cache is vLLM's "auto"
+VLLM_KV_CACHE_DTYPES = {"int8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
 def vllm_job(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-    """What vLLM's run needs of kvflow's: the same model, dtype, prompts and limits."""
+    """What vLLM's run needs of kvflow's: the same model, dtype, prompts and limits, and
+    an 8-bit KV cache where kvflow's is one (vLLM has fp8 formats, no int8: fp8_e4m3
+    stands in for int8, the same bytes per element)."""
     config = llm.engine.config
     return {
         "model": str(llm.engine.model_dir),
         "dtype": config.model.dtype,
+        "kv_cache_dtype": VLLM_KV_CACHE_DTYPES.get(config.cache.kv_cache_dtype, "auto"),
         "prompts": prompts,
         "output_len": output_len,
         "max_num_seqs": config.scheduler.max_num_seqs,

@@ -4,8 +4,8 @@
 This file is run by the peer's own interpreter (a virtual environment with vLLM's CPU
 or CUDA build), not imported by kvflow: it needs only the standard library and vllm.
 
-    stdin:  {"model": dir, "dtype": "float32", "prompts": [[ids]], "output_len": n,
-             "max_num_seqs": n, "max_num_batched_tokens": n, "seed": n}
+    stdin:  {"model": dir, "dtype": "float32", "kv_cache_dtype": "auto", "prompts": [[ids]],
+             "output_len": n, "max_num_seqs": n, "max_num_batched_tokens": n, "seed": n}
     stdout: a line "kvflow-peer-result: " + {"elapsed_s", "load_s", "prompt_tokens",
              "output_tokens", "version"} (vLLM logs on stdout too)
 
@@ -27,6 +27,7 @@ def main() -> int:
     llm = LLM(
         model=job["model"],
         dtype=job["dtype"],
+        kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
         max_model_len=max(len(p) for p in job["prompts"]) + job["output_len"],
         max_num_seqs=job["max_num_seqs"],
         max_num_batched_tokens=job["max_num_batched_tokens"],

@@ -68,7 +68,7 @@ def test_throughput_compared_with_vllm_in_its_own_environment(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """The peer runs in another interpreter (here: this one with a stand-in `vllm`
-    package on its path), gets kvflow's model, dtype and limits, and its numbers land
+    package on its path), gets kvflow's model, dtype, limits and 8-bit KV cache, and its numbers land
     in the same report."""
     (tmp_path / "fake" / "vllm").mkdir(parents=True)
     (tmp_path / "fake" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
@@ -79,7 +79,7 @@ def test_throughput_compared_with_vllm_in_its_own_environment(
     command = [
         str(KVFLOW), "bench", "throughput", "--model", str(tiny_model_dir), *ENGINE_ARGS,
         "--num-prompts", "3", "--input-len", "16", "--output-len", "8", "--max-num-seqs", "4",
-        "--compare", "vllm", "--peer-python", str(peer), "--json",
+        "--kv-cache-dtype", "int8", "--compare", "vllm", "--peer-python", str(peer), "--json",
     ]  # fmt: skip
     env = {**os.environ, "FAKE_VLLM_LOG": str(log)}
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
@@ -90,6 +90,7 @@ def test_throughput_compared_with_vllm_in_its_own_environment(
     asked = json.loads(log.read_text())
     assert asked["env"] == "cpu"
     assert asked["kwargs"]["model"] == str(tiny_model_dir)
+    assert asked["kwargs"]["kv_cache_dtype"] == "fp8_e4m3"  # vLLM's 8-bit cache for int8
     assert (
         asked["kwargs"]["max_num_seqs"] == 4 and asked["kwargs"]["enable_prefix_caching"] is False
     )
