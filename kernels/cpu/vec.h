@@ -87,44 +87,40 @@ inline f32x8 round_bf16(f32x8 v) {
 // plain arithmetic (nearbyint would not vectorize; the ternaries need
 // -fno-trapping-math). x is clamped to [-87, 88]: e^-87 ~ 1e-38 is 0 for a softmax
 // weight, e^88 ~ 1.7e38 is near FLT_MAX.
-inline float exp_approx(float x) {
-    constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    const float k = (x * 1.44269504088896341f + kRound) - kRound;
-    const float r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-    float p = 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+// 2^k for an integral k (as a float or eight of them) from the exponent bits.
+inline float pow2_of_integral(float k) {
     const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
     float two_k;
     std::memcpy(&two_k, &bits, sizeof two_k);
-    return p * two_k;
+    return two_k;
 }
 
-// exp_approx on eight lanes, step for step (so both forms round alike).
-inline f32x8 exp_approx(f32x8 x) {
-    typedef int32_t i32x8 __attribute__((vector_size(32)));
-    constexpr float kRound = 12582912.0f;
-    x = x < -87.0f ? f32x8{} - 87.0f : x;
-    x = x > 88.0f ? f32x8{} + 88.0f : x;
-    const f32x8 k = (x * 1.44269504088896341f + kRound) - kRound;
-    const f32x8 r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
-    f32x8 p = f32x8{} + 1.0f / 720;
+inline f32x8 pow2_of_integral(f32x8 k) {
+    const i32x8 bits = (__builtin_convertvector(k, i32x8) + 127) << 23;
+    f32x8 two_k;
+    std::memcpy(&two_k, &bits, sizeof two_k);
+    return two_k;
+}
+
+// One definition for a float and for eight lanes (so both forms round alike).
+template <typename V>
+inline V exp_approx(V x) {
+    constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+    const V zero{};
+    x = x < -87.0f ? zero - 87.0f : x;
+    x = x > 88.0f ? zero + 88.0f : x;
+    const V k = (x * 1.44269504088896341f + kRound) - kRound;
+    const V r = x - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+    V p = zero + 1.0f / 720;
     p = p * r + 1.0f / 120;
     p = p * r + 1.0f / 24;
     p = p * r + 1.0f / 6;
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const i32x8 bits = (__builtin_convertvector(k, i32x8) + 127) << 23;
-    f32x8 two_k;
-    std::memcpy(&two_k, &bits, sizeof two_k);
-    return p * two_k;
+    return p * pow2_of_integral(k);
 }
 
 }  // namespace kvflow_cpu
