@@ -10,10 +10,12 @@ ones a loop allocates later still are, so cycles made while serving are still fr
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
 import time
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +32,23 @@ def freeze_startup_heap() -> None:
     )
 
 
+@contextlib.contextmanager
+def heap_frozen_while() -> Iterator[None]:
+    """The objects alive on entry leave the collector's scans until exit: for a library
+    call that runs many steps (`LLM.generate`) in a process that is not only serving.
+    Freezing for good there would keep whatever becomes cyclic garbage later (an `LLM`
+    the caller drops) forever; thawing on exit hands it back to the collector."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for the mmap threshold on 64-bit
-_TRIM_THRESHOLD = 4 << 30
+_TRIM_THRESHOLD = 1 << 30
 _TOP_PAD = 256 << 20
 
 
@@ -44,7 +59,7 @@ def keep_freed_memory() -> bool:
     By default glibc maps large ones fresh or trims the heap after freeing them, so the
     next step faults every page in again and the kernel zeroes it: ~8% of a 2,048-token
     prefill's CPU time, measured. Buffers up to 32 MB now come from the heap, which grows
-    in 256 MB steps and keeps up to 4 GiB free. False where the C library has no
+    in 256 MB steps and keeps up to 1 GiB free. False where the C library has no
     mallopt (not glibc); nothing changes there.
     """
     try:

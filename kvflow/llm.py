@@ -11,7 +11,7 @@ from tqdm import tqdm
 from kvflow.config import EngineConfig
 from kvflow.engine import LLMEngine
 from kvflow.errors import ConfigError
-from kvflow.heap import freeze_startup_heap, keep_freed_memory
+from kvflow.heap import heap_frozen_while, keep_freed_memory
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import Conversation, apply_chat_template
@@ -46,7 +46,6 @@ class LLM:
         keep_freed_memory()  # this process runs the model's steps
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
-        freeze_startup_heap()
 
     def close(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); also done at exit."""
@@ -101,11 +100,12 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm)
         try:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        progress.update(1)
+            with heap_frozen_while():  # the steps' collections scan only what they make
+                while self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            progress.update(1)
         except BaseException:  # incl. KeyboardInterrupt: the next generate() must work
             self.engine.recover_from_failed_step()
             for request_id in request_ids:

@@ -73,3 +73,30 @@ def test_freed_buffers_are_reused_without_faulting_pages_in_again() -> None:
     # Kept: the pages fault in once, for the first buffer. glibc's default maps the
     # first buffer, unmaps it on free, then faults the heap's copy in again.
     assert faults < 1.5 * pages <= default_faults
+
+
+_LIBRARY_CHILD = """
+import gc, weakref
+from kvflow.heap import heap_frozen_while
+
+class Node:
+    pass
+
+kept = Node()
+kept.self = kept  # alive across the call, garbage after: like an LLM the caller drops
+dead = weakref.ref(kept)
+with heap_frozen_while():
+    frozen = gc.get_freeze_count()
+del kept
+gc.collect()
+print(int(frozen > 0), gc.get_freeze_count(), int(dead() is None))
+"""
+
+
+def test_a_library_call_thaws_what_it_froze() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _LIBRARY_CHILD], capture_output=True, text=True, check=True,
+        timeout=120,
+    ).stdout.split()  # fmt: skip
+    froze_during, frozen_after, collected = map(int, out)
+    assert froze_during and frozen_after == 0 and collected
