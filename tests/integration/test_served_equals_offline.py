@@ -2,7 +2,7 @@
 workload, with steps in flight (async scheduling) on both.
 
 The workload has chunked prefills (a 32-token budget), prefix-cache hits (prompts that
-share their first blocks), preemptions (24 blocks of 4 tokens for ~300 tokens of
+share their first blocks), preemptions (18 blocks of 4 tokens for ~300 tokens of
 demand), stop strings, n > 1 and seeded sampling. Over HTTP the requests arrive
 concurrently, so batches, preemptions and chunk boundaries differ from the offline
 run's; outputs must not. Why exact equality holds: float32 on a tiny model whose
@@ -33,7 +33,7 @@ from kvflow import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-ENGINE = ["--num-blocks", "24", "--block-size", "4", "--max-num-batched-tokens", "32"]
+ENGINE = ["--num-blocks", "18", "--block-size", "4", "--max-num-batched-tokens", "32"]
 SHARED_PREFIX = list(range(300, 316))  # 4 full blocks shared by half of the prompts
 
 
@@ -81,7 +81,7 @@ def offline_llm(model_dir: Path, async_scheduling: bool) -> LLM:
     return LLM(
         str(model_dir),
         dtype="float32",
-        num_blocks=24,
+        num_blocks=18,
         block_size=4,
         max_num_batched_tokens=32,
         async_scheduling=async_scheduling,
@@ -97,7 +97,7 @@ def test_served_and_offline_give_the_same_outputs(async_server: Server, tiny_mod
     assert served == offline
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.kv_cache.prefix_cache_hits > 0
-    # The served run preempted too (~300 tokens of demand for 96 slots), and it shows.
+    # The served run preempted too (~300 tokens of demand for 72 slots), and it shows.
     preempted = lambda: metric_values(async_server.base_url).get(  # noqa: E731
         "kvflow:num_preemptions_total", 0.0
     )
@@ -122,7 +122,7 @@ def test_async_offline_equals_sync_offline(tiny_model_dir: Path) -> None:
         ]
         assert llm.engine.scheduler.num_preemptions > 0
         llm.engine.kv_cache.check_integrity()
-        assert llm.engine.kv_cache.num_free_blocks == 24
+        assert llm.engine.kv_cache.num_free_blocks == 18
     assert results[True] == results[False]
     for (_, p), outs in zip(WORKLOAD, results[True]):
         for token_ids, _, reason, _ in outs:  # exactly max_tokens, or stopped earlier
