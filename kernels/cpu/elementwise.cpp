@@ -182,7 +182,6 @@ constexpr float codec_qmax() {
 // instructions; the ternary is a lane select).
 template <int MAN, int BIAS>
 inline u32x8 encode_fp8(f32x8 x) {
-    typedef int32_t i32x8 __attribute__((vector_size(32)));
     u32x8 u;
     std::memcpy(&u, &x, sizeof u);
     const u32x8 sign = (u >> 24) & 0x80u;
@@ -215,7 +214,6 @@ inline uint8_t encode(float v) {
 // Eight codes (low byte of each lane).
 template <int C>
 inline u32x8 encode(f32x8 v) {
-    typedef int32_t i32x8 __attribute__((vector_size(32)));
     if constexpr (C == kInt8) {
         constexpr float kRound = 12582912.0f;  // |v| <= 127: exact round half to even
         return u32x8(__builtin_convertvector((v + kRound) - kRound, i32x8)) & 0xFFu;
