@@ -83,3 +83,15 @@ def forward_context(
 def get_forward_context() -> ForwardContext:
     assert _current is not None, "attention called outside forward_context()"
     return _current
+
+
+@contextmanager
+def replaced_metadata(metadata: AttentionMetadata) -> Iterator[None]:
+    """Inside a step's context, run a forward on other metadata: a CPU decode graph
+    records the step's forward on its static buffers (gpu_worker/cpu_graphs.py)."""
+    context = get_forward_context()
+    saved, context.attn_metadata = context.attn_metadata, metadata
+    try:
+        yield
+    finally:
+        context.attn_metadata = saved

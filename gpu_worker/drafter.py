@@ -95,7 +95,7 @@ class Drafter:
         self.generator = torch.Generator(device=device).manual_seed(seed + 1)
         self.computed: dict[str, int] = {}  # req_id -> draft KV positions valid
         self.pending: dict[str, _Pending] = {}
-        # On CUDA (ModelRunner.capture_cuda_graphs): forwards 2..k, one token per
+        # On CUDA (ModelRunner.capture_decode_graphs): forwards 2..k, one token per
         # request, replay a captured graph instead of ~300 kernel launches each.
         self.graphs: DecodeGraphs | None = None
 

@@ -199,7 +199,7 @@ def _build_runner(
         )
     with phases.measure("kv_cache_allocate"):
         runner.initialize_kv_cache(num_blocks)
-    took = runner.capture_cuda_graphs(config.scheduler.max_num_seqs, max_model_len)
+    took = runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)
     if took > 0:  # a phase that did not run (CPU, --enforce-eager) is absent
         phases.add("cuda_graph_capture", took)
     return runner, max_model_len, peaks

@@ -23,6 +23,7 @@ import torch
 from kvflow.config import CacheConfig, DeviceConfig, ModelConfig
 from kvflow.errors import ConfigError
 from kvflow.gpu_worker.attn_metadata import forward_context
+from kvflow.gpu_worker.cpu_graphs import CpuDecodeGraphs, make_cpu_decode_graphs
 from kvflow.gpu_worker.denormals import flush_denormals_on_cpu
 from kvflow.gpu_worker.drafter import Drafter, make_drafter
 from kvflow.gpu_worker.grammar_bitmask import apply_grammar_bitmask
@@ -30,7 +31,7 @@ from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
 from kvflow.gpu_worker.kv_connector.connector import KVConnectorWorker, make_connector_worker
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
-from kvflow.gpu_worker.parallel_state import get_pp_group
+from kvflow.gpu_worker.parallel_state import get_pp_group, get_tp_group
 from kvflow.gpu_worker.rejection_sampler import DraftBatch, RejectionSampler
 from kvflow.gpu_worker.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from kvflow.gpu_worker.spec_metadata import verification_metadata
@@ -106,7 +107,7 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler.generator)
         self.num_blocks = 0
         self.kv_connector: KVConnectorWorker | None = None
-        self.decode_graphs: DecodeGraphs | None = None
+        self.decode_graphs: DecodeGraphs | CpuDecodeGraphs | None = None
         # The draft model of `draft_model` speculation: its KV cache has our block ids.
         self.drafter: Drafter | None = make_drafter(
             config.speculative,
@@ -156,13 +157,24 @@ class ModelRunner:
             config.kv_transfer, config.kv_namespace, caches, config.kv_load_timeout
         )
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
-        """Capture decode CUDA graphs of the model, and of the draft model when there is
-        one (after the KV caches are bound); returns the seconds it took, 0.0 where graphs
-        do not apply: CPU, `enforce_eager`, or a backend other than Triton (the torch
-        backend plans on the host every step)."""
-        if self.device.type != "cuda" or self.config.device.enforce_eager:
-            return 0.0  # before any Triton import: CPU images ship without Triton
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        """Set up decode graphs after the KV caches are bound; returns the seconds the
+        capture took. CUDA: every size captured now, the model's and the draft model's
+        (cuda_graphs.py; the Triton backend only). CPU: each size is recorded by the
+        first decode step of that size (cpu_graphs.py). None with `enforce_eager`."""
+        if self.config.device.enforce_eager:
+            return 0.0
+        if self.device.type == "cpu":
+            if get_tp_group().size == 1 and self.stage_link is None:
+                block_size = self.config.cache.block_size
+                self.decode_graphs = make_cpu_decode_graphs(
+                    self.model, max_num_seqs, max_model_len, block_size
+                )
+            return 0.0
+        return self._capture_cuda_graphs(max_num_seqs, max_model_len)
+
+    def _capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        # Imported here: CPU images ship without Triton.
         from kvflow.gpu_worker.cuda_graphs import capture_decode_graphs, capture_sizes
 
         start = time.perf_counter()
@@ -216,7 +228,7 @@ class ModelRunner:
                 hidden = self._stage_forward(inputs)
                 if hidden is None:  # handed on to the next stage
                     return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
-            elif graphs is not None and graphs.can_run(inputs.metadata):
+            elif graphs is not None and after_layer is None and graphs.can_run(inputs.metadata):
                 # [num_reqs, hidden], one token each
                 hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
             else:

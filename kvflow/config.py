@@ -202,7 +202,7 @@ class DeviceConfig:
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = _opt(
         "auto", "cpu (CPU default: torch + native decode kernel), torch, or triton (CUDA default)"
     )
-    enforce_eager: bool = _opt(False, "disable CUDA graphs")
+    enforce_eager: bool = _opt(False, "disable decode graphs (CUDA graphs, and their CPU replays)")
     num_threads: int | None = _opt(None, "torch CPU threads (default: all cores)")
     peak_flops: float | None = _opt(
         None, "the device's peak FLOP/s for roofline %% (default: GPU table or CPU calibration)"

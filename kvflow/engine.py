@@ -129,7 +129,7 @@ class LLMEngine:
             )
         )
         runner.initialize_kv_cache(runner.determine_num_blocks())
-        runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
+        runner.capture_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         return runner
 
     def close(self) -> None:

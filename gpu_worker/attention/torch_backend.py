@@ -232,9 +232,15 @@ class TorchAttentionBackend:
         self._decode_kernel = decode_kernel
         self._prefill_kernel = prefill_kernel
 
-    def _plan_for(
+    @property
+    def has_decode_kernel(self) -> bool:
+        return self._decode_kernel is not None
+
+    def plan_for(
         self, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_rows: int
     ) -> _StepPlan:
+        """The step's plan, made once per metadata and reused by every layer (a CPU
+        decode graph makes it before recording: planning reads tensor data)."""
         plan = self._plan
         if plan is None or plan.metadata is not metadata:
             plan = self._plan = _plan_step(metadata, kv_cache)
@@ -256,7 +262,7 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        plan = self._plan_for(metadata, kv_cache, query.shape[0])
+        plan = self.plan_for(metadata, kv_cache, query.shape[0])
         cache = kv_cache if plan.codec is None else kv_cache.view(torch.uint8)
         if plan.has_cache:
             _store_kv(key, value, kv_cache, cache, plan)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflow.kernels.cpu import native_calls
 from kvflow.kernels.cpu.native_build import INT64, POINTER, load_bound
 
 
@@ -108,7 +109,8 @@ def bf16_gemm(
         return y
     library = _library(packed.march)
     assert library is not None  # pack() checked it
-    status = library.kvflow_bf16_gemm(
+    status = native_calls.run(
+        library.kvflow_bf16_gemm,
         x.data_ptr(),
         packed.data.data_ptr(),
         None if bias is None else bias.data_ptr(),

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.kernels.cpu import native_calls
 from kvflow.kernels.cpu.native_build import INT64, POINTER, load_bound
 
 MAX_ROWS = 48  # measured crossover with oneDNN on float32 weights: between 48 and 64
@@ -192,7 +193,8 @@ def block_linear(
         if x.dtype == torch.float32
         else library.kvflow_block_linear_bf16
     )
-    status = function(
+    status = native_calls.run(
+        function,
         blocks.code, x.data_ptr(), blocks.address, None if bias is None else bias.data_ptr(),
         y.data_ptr(), rows, blocks.in_features, blocks.out_features, x.stride(0),
     )  # fmt: skip

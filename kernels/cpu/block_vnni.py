@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from kvflow.kernels.cpu import native_calls
 from kvflow.kernels.cpu.block_linear import BlockWeights
 from kvflow.kernels.cpu.native_build import INT64, POINTER, load_bound
 
@@ -74,7 +75,8 @@ def block_vnni_linear(
     y = torch.empty(rows, blocks.out_features)
     library = _library()
     assert library is not None  # applies() checked it
-    status = library.kvflow_block_vnni_linear(
+    status = native_calls.run(
+        library.kvflow_block_vnni_linear,
         blocks.code, x.data_ptr(), blocks.address, None if bias is None else bias.data_ptr(),
         y.data_ptr(), rows, blocks.in_features, blocks.out_features, x.stride(0),
     )  # fmt: skip

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvflow.kernels import kv_codec
+from kvflow.kernels.cpu import native_calls
 from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound, load_module
 
 _SIGNATURES = {
@@ -76,7 +77,8 @@ def rms_norm(
     out = torch.empty_like(x)
     summed = None if residual is None else torch.empty_like(x)
     _check(
-        library.kvflow_rms_norm(
+        native_calls.run(
+            library.kvflow_rms_norm,
             DTYPE_CODES[x.dtype],
             x.data_ptr(),
             0 if residual is None else residual.data_ptr(),
@@ -98,8 +100,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
     d = x.shape[-1] // 2
     out = x.new_empty((*x.shape[:-1], d))
     _check(
-        library.kvflow_silu_and_mul(
-            DTYPE_CODES[x.dtype], x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d
+        native_calls.run(
+            library.kvflow_silu_and_mul,
+            DTYPE_CODES[x.dtype],
+            x.data_ptr(),
+            out.data_ptr(),
+            x.numel() // (2 * d),
+            d,
         ),
         "silu_and_mul",
     )
@@ -117,7 +124,8 @@ def rotary_qk(
     library = _library()
     assert library is not None, "call only where rotary_applies() is true"
     rows, q_heads, head_dim = q.shape
-    status = library.kvflow_rotary_qk(
+    status = native_calls.run(
+        library.kvflow_rotary_qk,
         DTYPE_CODES[q.dtype], q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         rows, q_heads, k.shape[1], head_dim, q.stride(0), k.stride(0),
     )  # fmt: skip
@@ -161,13 +169,15 @@ def store_kv(
     # The shapes are checked in the kernel (status 2): callers check the layout once per
     # step with store_applies, and the kernel guards against a layer that differs.
     if codec is None:
-        status = library.kvflow_store_kv(
+        status = native_calls.run(
+            library.kvflow_store_kv,
             DTYPE_CODES[key.dtype], key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(),
             slots.data_ptr(), rows, kv_heads * head_dim, key.stride(0), value.stride(0),
             num_blocks * block_size, cache_heads * cache_row,
         )  # fmt: skip
     else:
-        status = library.kvflow_store_kv_quant(
+        status = native_calls.run(
+            library.kvflow_store_kv_quant,
             DTYPE_CODES[key.dtype], codec, key.data_ptr(), value.data_ptr(),
             kv_cache.data_ptr(), slots.data_ptr(), rows, kv_heads, head_dim, key.stride(0),
             value.stride(0), num_blocks * block_size, cache_heads * cache_row,

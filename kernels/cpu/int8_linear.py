@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.kernels.cpu import native_calls
 from kvflow.kernels.cpu.block_linear import BLOCK, BlockWeights
 from kvflow.kernels.cpu.native_build import INT64, POINTER, load_bound
 
@@ -196,7 +197,8 @@ def int8_linear(
         b32 = bias.float().contiguous()
     n = weights.codes.shape[0]
     y = torch.empty(x.shape[0], n)
-    status = lib.kvflow_int8_linear(
+    status = native_calls.run(
+        lib.kvflow_int8_linear,
         weights.bits, x32.data_ptr(), *weights.addresses, None if b32 is None else b32.data_ptr(),
         y.data_ptr(), x.shape[0], weights.in_features, n, x32.stride(0),
     )  # fmt: skip

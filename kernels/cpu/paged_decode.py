@@ -12,6 +12,7 @@ import ctypes
 import torch
 
 from kvflow.kernels import kv_codec
+from kvflow.kernels.cpu import native_calls
 from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, cpu_flags, load_bound
 
 _SIGNATURE = [ctypes.c_int, *[POINTER] * 7, INT64, POINTER, *[INT64] * 8, ctypes.c_float]
@@ -87,7 +88,8 @@ class PagedDecodeAttention:
             )
         k_ptr = kv_cache.data_ptr()
         lead = (DTYPE_CODES[dtype],) if codec is None else (DTYPE_CODES[dtype], codec)
-        status = (self._fn if codec is None else self._quant_fn)(
+        status = native_calls.run(
+            self._fn if codec is None else self._quant_fn,
             *lead,
             query.data_ptr(),
             k_ptr,

@@ -12,6 +12,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from kvflow.kernels.cpu import native_calls
 from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
 
 _SIGNATURES = {
@@ -67,7 +68,8 @@ class PrefillAttention:
         for name, t in (("query", query), ("key", key), ("value", value), ("out", out)):
             if t.stride()[1:] != (head_dim, 1):
                 raise ValueError(f"{name} must have contiguous [heads, head_dim] rows")
-        status = self._fn(
+        status = native_calls.run(
+            self._fn,
             DTYPE_CODES[dtype],
             query.data_ptr(),
             key.data_ptr(),

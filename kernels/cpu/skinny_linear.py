@@ -15,6 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kvflow.kernels.cpu import native_calls
 from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
 
 MAX_ROWS = 8
@@ -60,7 +61,8 @@ def run_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     y = torch.empty(rows, out_features, dtype=x.dtype)
     library = _library()
     assert library is not None  # native_applies checked it
-    status = library.kvflow_skinny_linear(
+    status = native_calls.run(
+        library.kvflow_skinny_linear,
         DTYPE_CODES[x.dtype],
         x.data_ptr(),
         weight.data_ptr(),

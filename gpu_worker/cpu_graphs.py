@@ -1,0 +1,140 @@
+"""CPU decode graphs: the forward of a decode-only step, recorded once per batch size
+and replayed (gpu_worker/op_tape.py), the CPU's counterpart of cuda_graphs.py.
+
+At one decode row a step of the embedded 30-layer model is ~300 native kernel calls
+that take ~5 ms, and ~4 ms of Python around them (modules, launchers, route and shape
+checks, attention planning). A replay keeps only the calls: the same kernels on the
+same memory, in the same order.
+
+How it differs from the CUDA graphs:
+- Exact sizes, no padding: a padding row costs real compute on a CPU. A size is
+  recorded the first time a decode-only step of that many requests runs (the recording
+  is that step's own forward, so it costs no extra pass), and the graphs of the least
+  recently used sizes are dropped beyond `memory_budget` bytes of their activations.
+- The attention backend is the torch one with the native decode kernel: its plan for
+  the static metadata is made before recording (planning reads tensor data), and the
+  kernel reads every length and block table from the static buffers.
+- Bounds: the native kernel follows block tables unchecked, so each replay checks the
+  step's lengths against its block tables first, as an eager step's plan does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from kvflow.gpu_worker.attention.torch_backend import TorchAttentionBackend
+from kvflow.gpu_worker.attn_metadata import AttentionMetadata, replaced_metadata
+from kvflow.gpu_worker.graph_inputs import StaticDecodeInputs
+from kvflow.gpu_worker.op_tape import DataDependentOp, OpTape
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MEMORY_BUDGET = 512 << 20  # bytes of recorded activations over all sizes
+
+
+def make_cpu_decode_graphs(
+    model: nn.Module, max_num_seqs: int, max_model_len: int, block_size: int
+) -> CpuDecodeGraphs | None:
+    """Decode graphs for `model` (its KV cache bound), or None where a replay could not
+    stand in for its forward: an attention backend without the native decode kernel."""
+    layers = model.attention_layers()  # type: ignore[operator]  # every decoder has it
+    backend = layers[0].backend
+    if not isinstance(backend, TorchAttentionBackend) or not backend.has_decode_kernel:
+        return None
+    return CpuDecodeGraphs(
+        model, backend, layers[0].kv_cache, max_num_seqs, max_model_len, block_size
+    )
+
+
+class CpuDecodeGraphs:
+    """One recorded forward per decode batch size; see the module docstring."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: TorchAttentionBackend,
+        kv_cache: torch.Tensor,  # the first layer's: the plans are made against it
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        memory_budget: int | None = None,  # bytes; None: DEFAULT_MEMORY_BUDGET
+    ) -> None:
+        self.model, self.backend, self.kv_cache = model, backend, kv_cache
+        self.max_model_len, self.block_size = max_model_len, block_size
+        self.memory_budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+        self.static = StaticDecodeInputs.allocate(
+            max_num_seqs, math.ceil(max_model_len / block_size), kv_cache.device
+        )
+        self.tapes: OrderedDict[int, OpTape] = OrderedDict()  # size -> tape, LRU first
+        self.refused: set[int] = set()  # sizes whose forward cannot be replayed
+        self.num_replays = 0
+        self.num_recordings = 0
+
+    def can_run(self, md: AttentionMetadata) -> bool:
+        return (
+            md.is_decode_only
+            and 0 < md.num_reqs <= self.static.input_ids.shape[0]
+            and md.num_reqs not in self.refused
+            and md.block_tables.shape[1] <= self.static.block_tables.shape[1]
+        )
+
+    @torch.inference_mode()
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """The hidden states [n, hidden] of a decode-only forward: a replay, or the
+        step's own forward recorded when its size has no graph yet."""
+        n = md.num_reqs
+        self._check_lengths(md)
+        self.static.load(input_ids, positions, md, n)
+        tape = self.tapes.get(n)
+        if tape is None:
+            return self._record(n)
+        self.tapes.move_to_end(n)
+        tape.replay()
+        self.num_replays += 1
+        return tape.output  # type: ignore[no-any-return]  # the recorded forward's hidden
+
+    def _check_lengths(self, md: AttentionMetadata) -> None:
+        """What an eager step's plan checks before the kernel follows the tables."""
+        capacity = md.block_tables.shape[1] * self.block_size
+        if min(md.seq_lens_cpu) < 1 or max(md.seq_lens_cpu) > capacity:
+            raise ValueError("a decode's seq_len is below 1 or beyond its block table")
+
+    def _record(self, n: int) -> torch.Tensor:
+        metadata = self.static.metadata(n, self.max_model_len)
+        plan = self.backend.plan_for(metadata, self.kv_cache, n)  # before: it reads data
+        ids, positions = self.static.input_ids[:n], self.static.positions[:n]
+        tape = OpTape()
+        try:
+            with replaced_metadata(metadata):
+                hidden = tape.record(lambda: self.model(ids, positions))
+        except DataDependentOp as error:
+            self.refused.add(n)
+            logger.warning("decode batches of %d run eagerly: %s", n, error)
+            with replaced_metadata(metadata):
+                return self.model(ids, positions)  # type: ignore[no-any-return]
+        static_slots = plan.all_slots.data_ptr() == self.static.slot_mapping.data_ptr()
+        if not (plan.kernel_takes_query and static_slots):
+            # the torch decode path plans from host lists; a slot copy would be stale
+            self.refused.add(n)
+            return hidden  # type: ignore[no-any-return]  # computed eagerly all the same
+        tape.keep.append(plan)  # the kernels read its index tensors
+        self.tapes[n] = tape
+        self.num_recordings += 1
+        self._evict()
+        return hidden  # type: ignore[no-any-return]
+
+    def _evict(self) -> None:
+        """Drop the least recently replayed graphs beyond the memory budget."""
+        while len(self.tapes) > 1 and self.nbytes > self.memory_budget:
+            self.tapes.popitem(last=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tape.nbytes for tape in self.tapes.values())
