@@ -78,9 +78,8 @@ def test_a_forward_that_reads_tensor_data_is_refused(read: object) -> None:
 
 def test_recordings_do_not_nest_and_a_tape_records_once() -> None:
     tape = OpTape()
-    with native_calls.recording(lambda f, a: None):
-        with pytest.raises(RuntimeError, match="already"):
-            tape.record(lambda: torch.zeros(1))
+    with native_calls.recording(lambda f, a: None), pytest.raises(RuntimeError, match="already"):
+        tape.record(lambda: torch.zeros(1))
     tape.record(lambda: torch.zeros(1) + 1)
     with pytest.raises(RuntimeError, match="once"):
         tape.record(lambda: torch.zeros(1))
