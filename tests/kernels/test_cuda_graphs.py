@@ -9,7 +9,8 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
-from kvflow.gpu_worker.cuda_graphs import _StaticInputs, capture_sizes
+from kvflow.gpu_worker.cuda_graphs import capture_sizes
+from kvflow.gpu_worker.graph_inputs import StaticDecodeInputs
 from kvflow.gpu_worker.input_batch import ModelInputs
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -43,7 +44,7 @@ def _decode_inputs(seq_lens: list[int], blocks: list[list[int]]) -> ModelInputs:
 
 
 def test_static_inputs_load_pads_with_inert_rows() -> None:
-    static = _StaticInputs.allocate(max_size=4, max_blocks=3, device=torch.device("cpu"))
+    static = StaticDecodeInputs.allocate(max_size=4, max_blocks=3, device=torch.device("cpu"))
     for inputs, size in [
         (_decode_inputs([5, 9, 2], [[7, 8], [1, 2, 3], [4]]), 4),
         (_decode_inputs([6], [[7, 8]]), 2),  # a smaller step after a larger one
