@@ -228,12 +228,15 @@ class ModelRunner:
                 hidden = self._stage_forward(inputs)
                 if hidden is None:  # handed on to the next stage
                     return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
+                hidden = hidden[inputs.metadata.logits_indices]
             elif graphs is not None and after_layer is None and graphs.can_run(inputs.metadata):
                 # [num_reqs, hidden], one token each
                 hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.metadata)
-            else:
-                hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
-            logits = self.model.compute_logits(hidden[inputs.metadata.logits_indices])
+                hidden = hidden[inputs.metadata.logits_indices]
+            else:  # [num_logits, hidden]: the last layer runs its MLP for these rows only
+                rows = inputs.metadata.logits_indices
+                hidden = self.model(inputs.input_ids, inputs.positions, output_rows=rows)
+            logits = self.model.compute_logits(hidden)
         num_sampled = inputs.num_sample_rows
         if plan.grammar_bitmask is not None:  # guided requests never carry drafts
             row_req_ids = inputs.sample_row_req_ids()

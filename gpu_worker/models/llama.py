@@ -96,8 +96,11 @@ class LlamaAttention(nn.Module):
             sliding_window=spec.sliding_windows[layer],
         )
 
-    def forward(self, hidden: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """hidden [T, hidden_size] -> [T, hidden_size]."""
+    def forward(
+        self, hidden: torch.Tensor, rope: Rope, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size], or [len(rows), hidden_size]: every
+        token's K/V is stored, the output projected only for `rows`."""
         # One view as heads, one split: [T, H, D], [T, KH, D] x 2 (2 ops, not 5, per layer)
         heads = self.qkv_proj(hidden).view(
             -1, self.num_heads + 2 * self.num_kv_heads, self.head_dim
@@ -107,6 +110,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, rope)
         out = self.attn(q, k, v)  # [T, H * D]
+        if rows is not None:
+            out = out[rows]
         return self.o_proj(out)
 
 
@@ -133,14 +138,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block input, residual stream so far) -> (block output, residual stream)."""
+        """(block input, residual stream so far) -> (block output, residual stream), of
+        every token or only of `rows` (whose K/V are stored all the same)."""
         if residual is None:  # first layer: the embeddings are the residual stream
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, rope)
+        hidden = self.self_attn(hidden, rope, rows)
+        if rows is not None:
+            residual = residual[rows]
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -185,11 +197,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, received: Activations | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        received: Activations | None = None,
+        output_rows: torch.Tensor | None = None,
     ) -> Any:
-        """The last stage (or the only one): normed hidden [T, hidden]. A stage before
-        it: (hidden, residual) for the next. A stage after the first starts from what
-        it `received`."""
+        """The last stage (or the only one): normed hidden [T, hidden], or only its
+        `output_rows` (the LM head's: the last layer then projects and runs its MLP for
+        those rows alone, since no later layer reads the others). A stage before it:
+        (hidden, residual) for the next. A stage after the first starts from what it
+        `received`."""
         residual: torch.Tensor | None = None
         if received is None:
             assert self.embed_tokens is not None
@@ -197,8 +215,10 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = received
         rope = self.rotary_emb(positions, hidden.dtype)
-        for layer in itertools.islice(self.layers, self.start, self.end):  # no new ModuleList
-            hidden, residual = layer(hidden, residual, rope)
+        last = self.end - 1 if self.norm is not None else None
+        layers = itertools.islice(self.layers, self.start, self.end)  # no new ModuleList
+        for i, layer in enumerate(layers, self.start):
+            hidden, residual = layer(hidden, residual, rope, output_rows if i == last else None)
         assert residual is not None, "a stage has at least one layer"
         if self.norm is None:
             return hidden, residual
@@ -249,11 +269,15 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, received: Activations | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        received: Activations | None = None,
+        output_rows: torch.Tensor | None = None,
     ) -> Any:
-        """input_ids, positions [T] int64 -> hidden [T, hidden]; inside forward_context().
-        A pipeline stage: see LlamaModel.forward."""
-        return self.model(input_ids, positions, received)
+        """input_ids, positions [T] int64 -> hidden [T, hidden], or [len(output_rows),
+        hidden]; inside forward_context(). A pipeline stage: see LlamaModel.forward."""
+        return self.model(input_ids, positions, received, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (the last stage)."""

@@ -23,6 +23,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from kvflow.gpu_worker.attn_metadata import forward_context
 from kvflow.gpu_worker.model_loader import load_model
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
@@ -151,3 +152,21 @@ def test_greedy_tokens_match_transformers(checkpoint, kv_model, paged_runner) ->
     while len(tokens) < 8:
         tokens.append(int(runner.step([("r", tokens[-1:])])[0][-1].argmax()))
     assert tokens == hf_out
+
+
+def test_output_rows_get_their_logits_and_every_row_its_kv(kv_model, paged_runner, prefill_logits):
+    """With `output_rows` the last layer projects and runs its MLP only for those rows
+    (any order, or none), yet stores every token's K/V: a later decode reads them all."""
+    a = _prompt(11, seed=7)
+    expected = prefill_logits(kv_model, a)
+    runner = paged_runner(kv_model, num_blocks=8, block_size=4)
+    md, positions = runner.metadata([("a", a[:10])])
+    ids, pos = torch.tensor(a[:10]), torch.tensor(positions)
+    with torch.inference_mode(), forward_context(md):
+        hidden = kv_model(ids, pos, output_rows=torch.tensor([9, 3]))
+        logits = kv_model.compute_logits(hidden)
+        none = kv_model(ids, pos, output_rows=torch.tensor([], dtype=torch.int64))
+    assert hidden.shape == (2, kv_model.config.hidden_size) and none.shape[0] == 0
+    torch.testing.assert_close(logits, expected[[9, 3]], atol=1e-4, rtol=1e-4)
+    (decoded,) = runner.step([("a", a[10:11])])
+    torch.testing.assert_close(decoded, expected[10:11], atol=1e-4, rtol=1e-4)
