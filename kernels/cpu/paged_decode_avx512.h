@@ -31,14 +31,6 @@ namespace avx512 {
 
 constexpr int kTile = 16;
 
-// Asks for the `bytes` from p to be brought to the L2 (prefetcht2: on Zen 4 this keeps
-// many more lines in flight than prefetcht0, which waits on the L1's few miss buffers).
-// Written as asm because GCC deletes a loop of __builtin_prefetch calls it sees no use of.
-inline void prefetch_l2(const void* p, int64_t bytes) {
-    const char* c = static_cast<const char*>(p);
-    for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht2 %0" : : "m"(c[off]));
-}
-
 // Lane i of the result is the sum of v[i]'s 16 lanes. Inputs are taken in the order
 // s -> v[4 * (s % 4) + s / 4], which the steps below transpose back into place.
 inline __m512 reduce16(const __m512* v) {

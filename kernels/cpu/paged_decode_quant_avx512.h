@@ -433,7 +433,7 @@ void attend_one(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, int6
     auto prefetch_until = [&](int64_t end) {
         for (end = std::min(end, 2 * n); cursor < end; ++cursor) {
             const uint8_t* cache = cursor < n ? k_cache : v_cache;
-            const uintptr_t begin = reinterpret_cast<uintptr_t>(cache + offsets[cursor % n]);
+            const uintptr_t begin = reinterpret_cast<uintptr_t>(cache + offsets[cursor < n ? cursor : cursor - n]);
             uintptr_t line = begin & ~uintptr_t{63};
             if (line >= first_line && line < next_line) line = next_line;  // the row after
             else first_line = line;
@@ -442,17 +442,22 @@ void attend_one(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, int6
             next_line = line;
         }
     };
-    auto for_each_tile = [&](const uint8_t* cache, auto&& f) {
+    // Calls f(t0, count, rows, prefetch) per tile; f calls prefetch(i) at step i of
+    // `steps` over its work, which moves the cursor a share of a tile on (a burst of a
+    // tile's lines at once stalls on the full miss queue; paged_decode_attention.cpp).
+    auto for_each_tile = [&](const uint8_t* cache, int64_t steps, auto&& f) {
         const uint8_t* rows[kTile];
-        const int64_t base = cache == k_cache ? 0 : n;
+        const int64_t base = cache == k_cache ? 0 : n, share = (kTile + steps - 1) / steps;
         for (int64_t t0 = 0; t0 < n; t0 += kTile) {
             const int count = static_cast<int>(std::min<int64_t>(kTile, n - t0));
-            prefetch_until(base + t0 + kTile + kAhead);
+            const int64_t from = base + t0 + kAhead;
+            auto prefetch = [&](int64_t i) { prefetch_until(from + (i + 1) * share); };
             for (int r = 0; r < kTile; ++r) rows[r] = cache + offsets[t0 + (r < count ? r : 0)];
-            f(t0, count, rows);
+            f(t0, count, rows, prefetch);
         }
     };
-    for_each_tile(k_cache, [&](int64_t t0, int count, const uint8_t* const* rows) {
+    prefetch_until(kAhead);
+    for_each_tile(k_cache, heads, [&](int64_t t0, int count, const uint8_t* const* rows, auto&& prefetch) {
         const uint8_t* kv_rows[kTile];
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
             for (int r = 0; r < kTile; ++r) kv_rows[r] = rows[r] + kh * row_bytes;
@@ -461,23 +466,28 @@ void attend_one(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, int6
             if constexpr (byte_query<C, T>()) {
                 const uint8_t* buf = reinterpret_cast<const uint8_t*>(w.tile.data());
                 convert_tile_pairs(kv_rows, D, reinterpret_cast<uint8_t*>(w.tile.data()));
-                for (int64_t h = kh * G; h < (kh + 1) * G; ++h)
+                for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+                    prefetch(h);
                     score_tile_bytes(buf, count, D, w.qb.data() + h * D, w.corr[h],
                                      _mm512_mul_ps(sk, _mm512_set1_ps(w.post[h])), scores + h * n + t0);
+                }
                 continue;
             }
 #endif
             convert_tile<C>(kv_rows, D, w.tile.data());
-            for (int64_t h = kh * G; h < (kh + 1) * G; ++h)
+            for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+                prefetch(h);
                 score_tile<C>(w.tile.data(), count, D, w.q.data() + h * D,
                               w.qi.data() + h * D, _mm512_mul_ps(sk, _mm512_set1_ps(w.post[h])),
                               scores + h * n + t0);
+            }
         }
     });
     avx512::softmax_numerators<false>(scores, heads, n, w.denom.data());
-    for_each_tile(v_cache, [&](int64_t t0, int count, const uint8_t* const* rows) {
+    for_each_tile(v_cache, kv_heads, [&](int64_t t0, int count, const uint8_t* const* rows, auto&& prefetch) {
         const uint8_t* kv_rows[kTile];
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
+            prefetch(kh);
             for (int r = 0; r < kTile; ++r) kv_rows[r] = rows[r] + kh * row_bytes;
             accumulate_tile<C>(kv_rows, count, D, G, scores + kh * G * n + t0, n,
                                w.acc.data() + kh * G * D);
