@@ -45,6 +45,7 @@ struct Scratch {
     std::vector<f32x8> q, acc;  // [heads, head_dim / 8] (vector path)
     std::vector<float> q_flat, acc_flat, scores, denom;
     std::vector<uint16_t> q_bf16;  // [heads, head_dim] (AVX-512 BF16 path)
+    std::vector<uint16_t> q_packed;  // [kv heads, head_dim / 8, 4, 8] (score_tile_heads)
     std::vector<int64_t> slots;    // [n]: the cache slot of each visible position
 };
 
@@ -253,6 +254,15 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
         x::prepare_query(q + (h0 + h) * D, D, s.scale, w.q_flat.data() + h * D,
                          w.q_bf16.data() + h * D);
     const float post_scale = x::deferred_scale<T>(s.scale);
+    const bool together = x::heads_together<T>(G);
+#if defined(__AVX512BF16__)
+    const int64_t packed_size = D / 8 * x::kHeadSlots * 8;
+    if (together) {
+        w.q_packed.resize((kv_end - kv_begin) * packed_size);
+        for (int64_t kh = 0; kh < kv_end - kv_begin; ++kh)
+            x::pack_heads(w.q_bf16.data() + kh * G * D, G, D, w.q_packed.data() + kh * packed_size);
+    }
+#endif
     float* scores = w.scores.data();
     const int64_t* slots = w.slots.data();
 
@@ -303,10 +313,20 @@ void attend_one_avx512(const T* q, const T* k_cache, const T* v_cache, const int
             f(t0, count, rows, prefetch);
         }
     };
-    for_each_tile(k_cache, 0, heads, [&](int64_t t0, int count, const T* const* rows, auto&& prefetch) {
+    for_each_tile(k_cache, 0, together ? kv_heads : heads, [&](int64_t t0, int count, const T* const* rows, auto&& prefetch) {
         const T* kv_rows[x::kTile];
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
             for (int r = 0; r < x::kTile; ++r) kv_rows[r] = rows[r] + kh * D;
+#if defined(__AVX512BF16__)
+            if constexpr (sizeof(T) == 2) {
+                if (together) {
+                    prefetch();
+                    x::score_tile_heads(kv_rows, count, D, w.q_packed.data() + kh * packed_size, G,
+                                        post_scale, scores + kh * G * n + t0, n);
+                    continue;
+                }
+            }
+#endif
             for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
                 prefetch();
                 x::score_tile(kv_rows, count, D, w.q_flat.data() + h * D,
