@@ -76,18 +76,23 @@ constexpr bool byte_query() {
     return vnni_keys<C>() && sizeof(T) == 2;
 }
 
-// The scales of the tile's 16 rows (rows past count repeat a valid row). Scalar loads:
-// left to itself GCC makes this a vpgatherqd, which Zen 4 runs as microcode (it was a
-// quarter of the int8 value pass).
+// The scales of the tile's 16 rows (rows past count repeat a valid row), gathered in
+// registers: GCC makes a loop of loads a vpgatherqd, which Zen 4 runs as microcode (it
+// was a quarter of the int8 value pass), and 16 scalar stores read back as one vector
+// wait for the stores to retire (no store forwarding).
 inline __m512 tile_scales(const uint8_t* const* rows, int64_t D) {
-    alignas(64) float s[kTile];
-    for (int r = 0; r < kTile; ++r) {
-        float x;
-        std::memcpy(&x, rows[r] + D, sizeof(float));
-        asm("" : "+x"(x));  // keeps the loads scalar
-        s[r] = x;
+    __m128 q[4];
+    for (int k = 0; k < 4; ++k) {
+        const __m128 a = _mm_load_ss(reinterpret_cast<const float*>(rows[4 * k] + D));
+        const __m128 b = _mm_load_ss(reinterpret_cast<const float*>(rows[4 * k + 1] + D));
+        const __m128 c = _mm_load_ss(reinterpret_cast<const float*>(rows[4 * k + 2] + D));
+        const __m128 d = _mm_load_ss(reinterpret_cast<const float*>(rows[4 * k + 3] + D));
+        q[k] = _mm_movelh_ps(_mm_unpacklo_ps(a, b), _mm_unpacklo_ps(c, d));
     }
-    return _mm512_load_ps(s);
+    const __m256 lo = _mm256_insertf128_ps(_mm256_castps128_ps256(q[0]), q[1], 1);
+    const __m256 hi = _mm256_insertf128_ps(_mm256_castps128_ps256(q[2]), q[3], 1);
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                                               _mm256_castps_pd(hi), 1));
 }
 
 // The tile's K codes converted once for the G query heads that score them: int16 for
