@@ -31,14 +31,6 @@ namespace avx512 {
 
 constexpr int kTile = 16;
 
-// Asks for the `bytes` from p to be brought to the L2 (prefetcht2: on Zen 4 this keeps
-// many more lines in flight than prefetcht0, which waits on the L1's few miss buffers).
-// Written as asm because GCC deletes a loop of __builtin_prefetch calls it sees no use of.
-inline void prefetch_l2(const void* p, int64_t bytes) {
-    const char* c = static_cast<const char*>(p);
-    for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht2 %0" : : "m"(c[off]));
-}
-
 // Lane i of the result is the sum of v[i]'s 16 lanes. Inputs are taken in the order
 // s -> v[4 * (s % 4) + s / 4], which the steps below transpose back into place.
 inline __m512 reduce16(const __m512* v) {
@@ -137,6 +129,73 @@ inline void score_tile(const T* const* rows, int count, int64_t D, const float* 
     }
     const __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(post_scale));
     _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << count) - 1), s);
+}
+
+#if defined(__AVX512BF16__)
+// Scores of the G <= 4 query heads of one KV head against a tile of bf16 rows at once.
+// Why: score_tile leaves each row's 16 partial sums in a vector of its own and pays a
+// 16-vector reduction per head (45 shuffles and adds for 16 scores, three times at
+// G = 3). Here each 128-bit block of a vector belongs to one head: the query vector of
+// columns 8c .. 8c + 7 holds the 8 columns of each head side by side ([head 0 | head 1 |
+// head 2 | head 3], see pack_heads), the row's 8 columns are broadcast to all four
+// blocks, and one vdpbf16ps gives 4 partial sums of the row for every head. One
+// reduction (44 shuffles and adds) then yields all heads' 16 scores. The products and
+// sums are the same float32 arithmetic as score_tile's, in another order.
+constexpr int kHeadSlots = 4;
+
+// q of heads h0 .. h0 + G - 1 (bf16 bits, D each) in the layout above: D / 8 vectors of
+// 32 bf16, the blocks of missing heads zero.
+inline void pack_heads(const uint16_t* q, int64_t G, int64_t D, uint16_t* packed) {
+    for (int64_t c = 0; c < D / 8; ++c)
+        for (int64_t j = 0; j < kHeadSlots; ++j)
+            for (int64_t e = 0; e < 8; ++e)
+                packed[(c * kHeadSlots + j) * 8 + e] = j < G ? q[j * D + 8 * c + e] : 0;
+}
+
+// scores[j * n + 0 .. count) for the G heads packed by pack_heads, times post_scale.
+inline void score_tile_heads(const Bf16* const* rows, int count, int64_t D, const uint16_t* packed,
+                             int64_t G, float post_scale, float* scores, int64_t n) {
+    __m512 acc[kTile];
+    for (int r = 0; r < kTile; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D / 8; ++c) {
+        const __m512bh qc = (__m512bh)_mm512_loadu_si512(packed + c * 32);
+#pragma GCC unroll 16
+        for (int r = 0; r < kTile; ++r) {
+            const __m512i k = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + 8 * c)));
+            acc[r] = _mm512_dpbf16_ps(acc[r], qc, (__m512bh)k);
+        }
+    }
+    __m512 y[4];  // block j of y[m]: head j's scores of rows 4m .. 4m + 3
+    for (int m = 0; m < 4; ++m) {
+        __m512 x[2];
+        for (int i = 0; i < 2; ++i) {  // rows 4m + 2i, 4m + 2i + 1: two partials each per block
+            const __m512d a = _mm512_castps_pd(acc[4 * m + 2 * i]), b = _mm512_castps_pd(acc[4 * m + 2 * i + 1]);
+            x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+        }
+        y[m] = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    // 4 x 4 transpose of 128-bit blocks: head j's 16 scores in one vector
+    const __m512 t0 = _mm512_shuffle_f32x4(y[0], y[1], 0x44), t1 = _mm512_shuffle_f32x4(y[0], y[1], 0xEE);
+    const __m512 t2 = _mm512_shuffle_f32x4(y[2], y[3], 0x44), t3 = _mm512_shuffle_f32x4(y[2], y[3], 0xEE);
+    const __m512 out[4] = {_mm512_shuffle_f32x4(t0, t2, 0x88), _mm512_shuffle_f32x4(t0, t2, 0xDD),
+                           _mm512_shuffle_f32x4(t1, t3, 0x88), _mm512_shuffle_f32x4(t1, t3, 0xDD)};
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 ps = _mm512_set1_ps(post_scale);
+    for (int64_t j = 0; j < G; ++j) _mm512_mask_storeu_ps(scores + j * n, valid, _mm512_mul_ps(out[j], ps));
+}
+#endif
+
+// Whether bf16 rows of G query heads per KV head are scored by score_tile_heads.
+template <typename T>
+inline bool heads_together(int64_t G) {
+#if defined(__AVX512BF16__)
+    return sizeof(T) == 2 && G >= 2 && G <= kHeadSlots;
+#else
+    (void)G;
+    return false;
+#endif
 }
 
 // Loads the 2 * P float32 vectors of 32 * P elements (split layout for bf16).

@@ -69,11 +69,30 @@ constexpr bool vnni_keys() {
 #endif
 }
 
-// The scales of the tile's 16 rows (rows past count repeat a valid row).
+// Whether int8 keys are scored with vpdpbusd on an int8 query (bfloat16 queries only:
+// see score_tile_bytes); the other VNNI int8 cases keep the int16 query.
+template <int C, typename T>
+constexpr bool byte_query() {
+    return vnni_keys<C>() && sizeof(T) == 2;
+}
+
+// The scales of the tile's 16 rows (rows past count repeat a valid row), gathered in
+// registers: GCC makes a loop of loads a vpgatherqd, which Zen 4 runs as microcode (it
+// was a quarter of the int8 value pass), and 16 scalar stores read back as one vector
+// wait for the stores to retire (no store forwarding).
 inline __m512 tile_scales(const uint8_t* const* rows, int64_t D) {
-    alignas(64) float s[kTile];
-    for (int r = 0; r < kTile; ++r) std::memcpy(s + r, rows[r] + D, sizeof(float));
-    return _mm512_load_ps(s);
+    __m128 q[4];
+    for (int k = 0; k < 4; ++k) {
+        const __m128 a = _mm_load_ss(reinterpret_cast<const float*>(rows[4 * k] + D));
+        const __m128 b = _mm_load_ss(reinterpret_cast<const float*>(rows[4 * k + 1] + D));
+        const __m128 c = _mm_load_ss(reinterpret_cast<const float*>(rows[4 * k + 2] + D));
+        const __m128 d = _mm_load_ss(reinterpret_cast<const float*>(rows[4 * k + 3] + D));
+        q[k] = _mm_movelh_ps(_mm_unpacklo_ps(a, b), _mm_unpacklo_ps(c, d));
+    }
+    const __m256 lo = _mm256_insertf128_ps(_mm256_castps128_ps256(q[0]), q[1], 1);
+    const __m256 hi = _mm256_insertf128_ps(_mm256_castps128_ps256(q[2]), q[3], 1);
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                                               _mm256_castps_pd(hi), 1));
 }
 
 // The tile's K codes converted once for the G query heads that score them: int16 for
@@ -131,6 +150,69 @@ inline void score_tile(const float* buf, int count, int64_t D, const float* qf,
     const __m512 s = _mm512_mul_ps(avx512::reduce16(acc), scales);
     _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << count) - 1), s);
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The byte path (byte_query): vpdpbusd multiplies unsigned by signed bytes, so the tile's
+// K codes become unsigned by flipping their top bit (k + 128) and the query is the
+// signed operand, q_i8 = round(q * 127 / max |q|) per head; the 128 * sum(q_i8) this adds
+// to every score is one subtraction per 16 scores. A 64-byte row is then one
+// instruction per head instead of vpdpwssd's two plus the conversion to int16.
+//
+// Pair layout: vector p of the converted tile holds two rows' 32-column chunk c side by
+// side, [row a | row b], so its 16 int32 sums are 8 partial sums of each row and the
+// tile's 16 scores come out of 8 vectors (reduce_pairs: 7 adds) instead of 16 (reduce16:
+// 15). Rows are paired (k, k + 4) and (k + 8, k + 12) so that reduce_pairs's steps leave
+// row i in lane i.
+constexpr int kPairRows[kTile] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+// Writes the tile's K codes + 128 in the pair layout: pair p, chunk c at (p * D / 32 + c)
+// * 64 bytes of buf (16 * D bytes in all).
+inline void convert_tile_pairs(const uint8_t* const* rows, int64_t D, uint8_t* buf) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int p = 0; p < kTile / 2; ++p) {
+        const uint8_t* a = rows[kPairRows[2 * p]];
+        const uint8_t* b = rows[kPairRows[2 * p + 1]];
+        for (int64_t c = 0; c < D; c += 32) {
+            const __m512i x = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c))),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c)), 1);
+            _mm512_store_si512(buf + p * 2 * D + 2 * c, _mm512_xor_si512(x, flip));
+        }
+    }
+}
+
+// Lane i = the sum of row i's 8 partials, from the 8 pair vectors (rows as kPairRows).
+inline __m512i reduce_pairs(const __m512i* v) {
+    __m512i w[4];
+    for (int k = 0; k < 4; ++k)  // 128-bit blocks: block j of w[k] is row 4j + k's 4 partials
+        w[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_i32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512i x[2];
+    for (int k = 0; k < 2; ++k)  // two partials of two rows per block
+        x[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(w[2 * k], w[2 * k + 1]),
+                                _mm512_unpackhi_epi64(w[2 * k], w[2 * k + 1]));
+    const __m512 a = _mm512_castsi512_ps(x[0]), b = _mm512_castsi512_ps(x[1]);
+    return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))),
+                            _mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+// scores[0 .. count) of one head from the tile convert_tile_pairs wrote: qb its int8
+// query, corr = 128 * sum(qb), scales the rows' scales times the query's factor.
+inline void score_tile_bytes(const uint8_t* buf, int count, int64_t D, const int8_t* qb,
+                             int32_t corr, __m512 scales, float* scores) {
+    __m512i acc[kTile / 2];
+    for (int p = 0; p < kTile / 2; ++p) acc[p] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < D; c += 32) {
+        const __m512i qc = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c)));
+#pragma GCC unroll 8
+        for (int p = 0; p < kTile / 2; ++p)
+            acc[p] = _mm512_dpbusd_epi32(acc[p], _mm512_load_si512(buf + p * 2 * D + 2 * c), qc);
+    }
+    const __m512i sums = _mm512_sub_epi32(reduce_pairs(acc), _mm512_set1_epi32(corr));
+    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scales);
+    _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << count) - 1), s);
+}
+#endif
 
 // acc[g][col .. col + 16P) += sum over rows r < count of w[g * kTile + r] * codes_r, for
 // GB heads (accumulators acc + g * D).
@@ -282,6 +364,8 @@ struct AlignedAlloc {
 struct Scratch {
     std::vector<float> q, acc, scores, denom, post;
     std::vector<int16_t> qi;
+    std::vector<int8_t> qb;      // [heads, D] (byte_query)
+    std::vector<int32_t> corr;   // [heads]: 128 * sum of the head's qb
     std::vector<int64_t> rows;
     std::vector<float, AlignedAlloc<float>> tile;  // [kTile, D] (convert_tile)  // [n]: byte offset of each visible position's slot
 };
@@ -292,6 +376,8 @@ template <int C, typename T>
 inline void prepare_queries(const T* q, int64_t heads, int64_t D, float scale, Scratch& w) {
     w.q.resize(heads * D);
     w.qi.resize(heads * D);
+    w.qb.resize(heads * D);
+    w.corr.resize(heads);
     w.post.resize(heads);
     for (int64_t h = 0; h < heads; ++h) {
         float* qf = w.q.data() + h * D;
@@ -301,7 +387,17 @@ inline void prepare_queries(const T* q, int64_t heads, int64_t D, float scale, S
             amax = std::max(amax, std::fabs(qf[d]));
         }
         w.post[h] = code_factor<C>();
-        if (vnni_keys<C>()) {
+        if (byte_query<C, T>()) {
+            const float mult = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int32_t sum = 0;
+            for (int64_t d = 0; d < D; ++d) {
+                const int8_t v = static_cast<int8_t>(std::nearbyint(qf[d] * mult));
+                w.qb[h * D + d] = v;
+                sum += v;
+            }
+            w.corr[h] = 128 * sum;
+            w.post[h] = amax > 0.0f ? amax / 127.0f : 0.0f;
+        } else if (vnni_keys<C>()) {
             const float mult = amax > 0.0f ? 32767.0f / amax : 0.0f;
             for (int64_t d = 0; d < D; ++d)
                 w.qi[h * D + d] = static_cast<int16_t>(std::nearbyint(qf[d] * mult));
@@ -342,7 +438,7 @@ void attend_one(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, int6
     auto prefetch_until = [&](int64_t end) {
         for (end = std::min(end, 2 * n); cursor < end; ++cursor) {
             const uint8_t* cache = cursor < n ? k_cache : v_cache;
-            const uintptr_t begin = reinterpret_cast<uintptr_t>(cache + offsets[cursor % n]);
+            const uintptr_t begin = reinterpret_cast<uintptr_t>(cache + offsets[cursor < n ? cursor : cursor - n]);
             uintptr_t line = begin & ~uintptr_t{63};
             if (line >= first_line && line < next_line) line = next_line;  // the row after
             else first_line = line;
@@ -351,32 +447,52 @@ void attend_one(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, int6
             next_line = line;
         }
     };
-    auto for_each_tile = [&](const uint8_t* cache, auto&& f) {
+    // Calls f(t0, count, rows, prefetch) per tile; f calls prefetch(i) at step i of
+    // `steps` over its work, which moves the cursor a share of a tile on (a burst of a
+    // tile's lines at once stalls on the full miss queue; paged_decode_attention.cpp).
+    auto for_each_tile = [&](const uint8_t* cache, int64_t steps, auto&& f) {
         const uint8_t* rows[kTile];
-        const int64_t base = cache == k_cache ? 0 : n;
+        const int64_t base = cache == k_cache ? 0 : n, share = (kTile + steps - 1) / steps;
         for (int64_t t0 = 0; t0 < n; t0 += kTile) {
             const int count = static_cast<int>(std::min<int64_t>(kTile, n - t0));
-            prefetch_until(base + t0 + kTile + kAhead);
+            const int64_t from = base + t0 + kAhead;
+            auto prefetch = [&](int64_t i) { prefetch_until(from + (i + 1) * share); };
             for (int r = 0; r < kTile; ++r) rows[r] = cache + offsets[t0 + (r < count ? r : 0)];
-            f(t0, count, rows);
+            f(t0, count, rows, prefetch);
         }
     };
-    for_each_tile(k_cache, [&](int64_t t0, int count, const uint8_t* const* rows) {
+    prefetch_until(kAhead);
+    for_each_tile(k_cache, heads, [&](int64_t t0, int count, const uint8_t* const* rows, auto&& prefetch) {
         const uint8_t* kv_rows[kTile];
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
             for (int r = 0; r < kTile; ++r) kv_rows[r] = rows[r] + kh * row_bytes;
-            convert_tile<C>(kv_rows, D, w.tile.data());
             const __m512 sk = tile_scales(kv_rows, D);
-            for (int64_t h = kh * G; h < (kh + 1) * G; ++h)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+            if constexpr (byte_query<C, T>()) {
+                const uint8_t* buf = reinterpret_cast<const uint8_t*>(w.tile.data());
+                convert_tile_pairs(kv_rows, D, reinterpret_cast<uint8_t*>(w.tile.data()));
+                for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+                    prefetch(h);
+                    score_tile_bytes(buf, count, D, w.qb.data() + h * D, w.corr[h],
+                                     _mm512_mul_ps(sk, _mm512_set1_ps(w.post[h])), scores + h * n + t0);
+                }
+                continue;
+            }
+#endif
+            convert_tile<C>(kv_rows, D, w.tile.data());
+            for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+                prefetch(h);
                 score_tile<C>(w.tile.data(), count, D, w.q.data() + h * D,
                               w.qi.data() + h * D, _mm512_mul_ps(sk, _mm512_set1_ps(w.post[h])),
                               scores + h * n + t0);
+            }
         }
     });
     avx512::softmax_numerators<false>(scores, heads, n, w.denom.data());
-    for_each_tile(v_cache, [&](int64_t t0, int count, const uint8_t* const* rows) {
+    for_each_tile(v_cache, kv_heads, [&](int64_t t0, int count, const uint8_t* const* rows, auto&& prefetch) {
         const uint8_t* kv_rows[kTile];
         for (int64_t kh = 0; kh < kv_heads; ++kh) {
+            prefetch(kh);
             for (int r = 0; r < kTile; ++r) kv_rows[r] = rows[r] + kh * row_bytes;
             accumulate_tile<C>(kv_rows, count, D, G, scores + kh * G * n + t0, n,
                                w.acc.data() + kh * G * D);
