@@ -40,7 +40,7 @@ class Attention(nn.Module):
         out = self.backend.forward(
             q,
             k,
-            v.contiguous(),
+            v,  # a view of the fused projection: the backends take its row stride
             self.kv_cache,
             context.attn_metadata,
             self.scale,
