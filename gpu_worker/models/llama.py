@@ -6,7 +6,9 @@ Tokens of all requests of a step are flattened into one dimension (no batch dim)
 
 Pre-norm blocks keep the residual stream separate and fuse its add into the next norm
 (`RMSNorm.add_and_norm`). Logits are computed only for the rows the sampler needs
-(`compute_logits`), never for every prompt token by default.
+(`compute_logits`), never for every prompt token by default; given those rows
+(`output_rows`), the last layer also projects and runs its MLP for them alone, since
+nothing else reads its output (every token's K/V is stored before that point).
 
 Pipeline parallelism: a model built inside `pipeline_parallel(stage)` holds only that
 stage's layers (the others are `StageMissing` placeholders, so parameter names keep
