@@ -75,46 +75,78 @@ struct Packed {
     std::vector<uint16_t> kb, vb;
 };
 
+// bf16 path, one (KV head, block of kKBlock keys): K as 32-bit words (dim pairs), a
+// transpose of [key, D / 2] into [D / 2, key]; V rows interleaved pairwise with
+// vpermt2w. Keys past L are written as zeros (the buffers are reused, not cleared).
+template <typename T>
+void pack_block_bf16(const T* k, const T* v, const Shape& s, int64_t blocks, int64_t kh,
+                     int64_t b, Packed& p) {
+#if defined(__AVX512BF16__)
+    const int64_t L = s.q_len, D = s.head_dim, pad = blocks * kKBlock;
+    const int64_t t0 = b * kKBlock, n = std::min(kKBlock, L - t0);
+    uint16_t* kd = p.kb.data() + (kh * blocks + b) * kKBlock * D;
+    for (int64_t j = 0; j < kKBlock; ++j) {
+        const T* kr = k + (t0 + j) * s.k_stride + kh * D;
+        for (int64_t c = 0; c < D / 2; ++c) {
+            uint32_t word = 0;
+            if (j < n) std::memcpy(&word, kr + 2 * c, 4);
+            std::memcpy(kd + (c * kKBlock + j) * 2, &word, 4);
+        }
+    }
+    // vd[(t / 2) * D * 2 + d * 2 + t % 2] = v[t][d]: 32 dims of two rows, two vectors out.
+    alignas(64) static const uint16_t lo_idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                    37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_load_si512(lo_idx);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    uint16_t* vd = p.vb.data() + kh * pad * D + t0 * D;
+    for (int64_t j = 0; j < kKBlock; j += 2) {
+        const T* r0 = v + (t0 + j) * s.v_stride + kh * D;
+        const T* r1 = r0 + s.v_stride;
+        uint16_t* dst = vd + j * D;
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512i a = j < n ? _mm512_loadu_si512(r0 + d) : _mm512_setzero_si512();
+            const __m512i c = j + 1 < n ? _mm512_loadu_si512(r1 + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(a, lo, c));
+            _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(a, hi, c));
+        }
+    }
+#else
+    (void)k, (void)v, (void)s, (void)blocks, (void)kh, (void)b, (void)p;
+#endif
+}
+
 template <typename T>
 void pack(const T* q, const T* k, const T* v, const Shape& s, int64_t blocks, Packed& p) {
     const int64_t L = s.q_len, H = s.num_heads, KH = s.num_kv_heads, D = s.head_dim;
     const int64_t pad = blocks * kKBlock;
     if constexpr (dot_bf16<T>()) {
-        p.kb.assign(KH * pad * D, 0);
-        p.vb.assign(KH * pad * D, 0);
-    } else {
-        p.qf.resize(L * H * D);
-        p.kf.assign(KH * pad * D, 0.0f);
-        p.vf.assign(KH * pad * D, 0.0f);
+        // resize, not assign: pack_block_bf16 writes every element, padding included.
+        p.kb.resize(KH * pad * D);
+        p.vb.resize(KH * pad * D);
+#pragma omp parallel for schedule(static)
+        for (int64_t task = 0; task < KH * blocks; ++task)
+            pack_block_bf16(k, v, s, blocks, task / blocks, task % blocks, p);
+        (void)q;
+        return;
     }
+    p.qf.resize(L * H * D);
+    p.kf.assign(KH * pad * D, 0.0f);
+    p.vf.assign(KH * pad * D, 0.0f);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < L; ++t) {
         for (int64_t kh = 0; kh < KH; ++kh) {
             const T* kr = k + t * s.k_stride + kh * D;
             const T* vr = v + t * s.v_stride + kh * D;
             const int64_t b = t / kKBlock, j = t % kKBlock;
-            if constexpr (dot_bf16<T>()) {
-                uint16_t* kd = p.kb.data() + (kh * blocks + b) * kKBlock * D;
-                uint16_t* vd = p.vb.data() + kh * pad * D + (t / 2) * D * 2 + (t % 2);
-                for (int64_t d = 0; d < D; ++d) {
-                    uint16_t kbits, vbits;
-                    std::memcpy(&kbits, kr + d, 2);
-                    std::memcpy(&vbits, vr + d, 2);
-                    kd[(d / 2) * kKBlock * 2 + j * 2 + (d % 2)] = kbits;
-                    vd[d * 2] = vbits;
-                }
-            } else {
-                float* kd = p.kf.data() + (kh * blocks + b) * kKBlock * D;
-                float* vd = p.vf.data() + (kh * pad + t) * D;
-                for (int64_t d = 0; d < D; ++d) {
-                    kd[d * kKBlock + j] = load(kr[d]);
-                    vd[d] = load(vr[d]);
-                }
+            float* kd = p.kf.data() + (kh * blocks + b) * kKBlock * D;
+            float* vd = p.vf.data() + (kh * pad + t) * D;
+            for (int64_t d = 0; d < D; ++d) {
+                kd[d * kKBlock + j] = load(kr[d]);
+                vd[d] = load(vr[d]);
             }
         }
-        if constexpr (!dot_bf16<T>())
-            for (int64_t i = 0; i < H * D; ++i)
-                p.qf[t * H * D + i] = load(q[t * s.q_stride + i]);
+        for (int64_t i = 0; i < H * D; ++i) p.qf[t * H * D + i] = load(q[t * s.q_stride + i]);
     }
 }
 
@@ -345,7 +377,10 @@ void attend_tile(const T* q, const Packed& p, T* out, const Shape& s, int64_t bl
 template <typename T>
 void prefill(const T* q, const T* k, const T* v, T* out, const Shape& s) {
     const int64_t blocks = (s.q_len + kKBlock - 1) / kKBlock;
-    Packed packed;
+    // Per calling thread, kept: no allocation (nor page faults) per call. Named through a
+    // reference: inside the parallel region a thread_local would be each worker's own.
+    thread_local Packed kept;
+    Packed& packed = kept;
     pack(q, k, v, s, blocks, packed);
     const int64_t tiles = (s.q_len + kQTile - 1) / kQTile, KH = s.num_kv_heads;
 #pragma omp parallel
