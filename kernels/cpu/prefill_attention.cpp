@@ -236,6 +236,21 @@ inline void accumulate_block(const float* vf, const uint16_t* vb, int64_t D, int
         for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc[r] + col + 16 * i, a[r][i]);
 }
 
+// exp of x <= 0 (or -inf), as avx512::exp16 (the same reduction and polynomial, so the
+// same values down to e^-87) in fewer instructions: vscalefps makes p * 2^k, which also
+// gives 0 below e^-87 without avx512::exp16's clamp. Lanes where x is -inf come out NaN:
+// every caller masks them.
+inline __m512 exp_nonpositive(__m512 x) {
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, k);
+}
+
 // Lanes of keys key0 .. key0 + 15 at or before position pos (causal).
 inline __mmask16 visible(int64_t key0, int64_t pos) {
     const int64_t n = pos - key0 + 1;
@@ -265,17 +280,17 @@ inline __m512 softmax_block(__m512 (*sc)[kMaxVecs], const int64_t* pos, int64_t 
         new_max[r] = pos[r] < 0 ? 0.0f : std::max(max[r], _mm512_reduce_max_ps(m));
         if (pos[r] >= 0) max[r] = new_max[r];
     }
-    // exp(-inf) = 0 on a row's first block; exp16 clamps to e^-87, so zero it exactly.
+    // On a row's first block the old max is -inf: exp_nonpositive gives NaN, alpha is 0.
     const __m512 om = _mm512_load_ps(old_max), nm = _mm512_load_ps(new_max);
     const __mmask16 had = _mm512_cmp_ps_mask(om, lowest, _CMP_NEQ_OQ);
-    const __m512 alpha = _mm512_maskz_mov_ps(had, avx512::exp16(_mm512_sub_ps(om, nm)));
+    const __m512 alpha = _mm512_maskz_mov_ps(had, exp_nonpositive(_mm512_sub_ps(om, nm)));
     alignas(64) float al[16];
     _mm512_store_ps(al, alpha);
     for (int r = 0; r < kRows; ++r) {
         const __m512 mx = _mm512_set1_ps(new_max[r]);
         __m512 total = _mm512_mul_ps(sum[r], _mm512_set1_ps(al[r]));
         for (int v = 0; v < NK; ++v) {
-            __m512 e = _mm512_maskz_mov_ps(masks[r][v], avx512::exp16(_mm512_sub_ps(sc[r][v], mx)));
+            __m512 e = _mm512_maskz_mov_ps(masks[r][v], exp_nonpositive(_mm512_sub_ps(sc[r][v], mx)));
             if constexpr (dot_bf16<T>()) {
 #if defined(__AVX512BF16__)
                 const __m256bh b = _mm512_cvtneps_pbh(e);
