@@ -158,6 +158,8 @@ struct TaskState {
     std::vector<float> sum;         // [rows, 16]: partial sums, added up at the end
     std::vector<float> weights;     // [kRows, kKBlock] float path
     std::vector<uint16_t> bweights; // [kRows, kKBlock] bf16 path
+    std::vector<const void*> query; // [rows]: each row's query (no divisions per block)
+    std::vector<int64_t> pos;       // [rows]: each row's position
 };
 
 // Scores of kRows query rows against the first 16 * NK keys of a block, into s[r][0..NK).
@@ -322,11 +324,14 @@ void attend_tile(const T* q, const Packed& p, T* out, const Shape& s, int64_t bl
     w.weights.assign(kRows * kKBlock, 0.0f);
     w.bweights.assign(kRows * kKBlock, 0);
     // Row r = position offset r / G, head kh * G + r % G; a group past `rows` repeats row 0.
-    auto row_query = [&](int64_t r) -> const void* {
+    w.query.resize(rows);
+    w.pos.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = q0 + r / G, h = kh * G + r % G;
-        if constexpr (dot_bf16<T>()) return q + t * s.q_stride + h * D;
-        return p.qf.data() + (t * s.num_heads + h) * D;
-    };
+        w.pos[r] = t;
+        if constexpr (dot_bf16<T>()) w.query[r] = q + t * s.q_stride + h * D;
+        else w.query[r] = p.qf.data() + (t * s.num_heads + h) * D;
+    }
     const int64_t end = q0 + positions;  // keys past the tile's last position are unseen
     for (int64_t key0 = 0; key0 < end; key0 += kKBlock) {
         const int64_t b = key0 / kKBlock;
@@ -343,14 +348,14 @@ void attend_tile(const T* q, const Packed& p, T* out, const Shape& s, int64_t bl
             for (int r = 0; r < kRows; ++r) {
                 const bool real = r0 + r < rows;
                 const int64_t row = real ? r0 + r : 0;
-                qr[r] = row_query(row);
+                qr[r] = w.query[row];
                 acc[r] = real ? w.acc.data() + row * D : w.spare.data();
-                pos[r] = real ? q0 + row / G : -1;
+                pos[r] = real ? w.pos[row] : -1;
                 sum[r] = _mm512_loadu_ps(w.sum.data() + row * 16);
                 max[r] = w.max[row];
             }
             // Keys past the group's last position are masked for all its rows: not computed.
-            const int64_t last = q0 + std::min(rows - 1, r0 + kRows - 1) / G;
+            const int64_t last = w.pos[std::min(rows - 1, r0 + kRows - 1)];
             const int64_t seen = std::min(kKBlock, last + 1 - key0);
             const int nk = static_cast<int>((seen + 15) / 16);
             const int keys = static_cast<int>(seen + 1) & ~1;  // whole pairs (padding: zeros)
