@@ -75,46 +75,78 @@ struct Packed {
     std::vector<uint16_t> kb, vb;
 };
 
+// bf16 path, one (KV head, block of kKBlock keys): K as 32-bit words (dim pairs), a
+// transpose of [key, D / 2] into [D / 2, key]; V rows interleaved pairwise with
+// vpermt2w. Keys past L are written as zeros (the buffers are reused, not cleared).
+template <typename T>
+void pack_block_bf16(const T* k, const T* v, const Shape& s, int64_t blocks, int64_t kh,
+                     int64_t b, Packed& p) {
+#if defined(__AVX512BF16__)
+    const int64_t L = s.q_len, D = s.head_dim, pad = blocks * kKBlock;
+    const int64_t t0 = b * kKBlock, n = std::min(kKBlock, L - t0);
+    uint16_t* kd = p.kb.data() + (kh * blocks + b) * kKBlock * D;
+    for (int64_t j = 0; j < kKBlock; ++j) {
+        const T* kr = k + (t0 + j) * s.k_stride + kh * D;
+        for (int64_t c = 0; c < D / 2; ++c) {
+            uint32_t word = 0;
+            if (j < n) std::memcpy(&word, kr + 2 * c, 4);
+            std::memcpy(kd + (c * kKBlock + j) * 2, &word, 4);
+        }
+    }
+    // vd[(t / 2) * D * 2 + d * 2 + t % 2] = v[t][d]: 32 dims of two rows, two vectors out.
+    alignas(64) static const uint16_t lo_idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                    37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_load_si512(lo_idx);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    uint16_t* vd = p.vb.data() + kh * pad * D + t0 * D;
+    for (int64_t j = 0; j < kKBlock; j += 2) {
+        const T* r0 = v + (t0 + j) * s.v_stride + kh * D;
+        const T* r1 = r0 + s.v_stride;
+        uint16_t* dst = vd + j * D;
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512i a = j < n ? _mm512_loadu_si512(r0 + d) : _mm512_setzero_si512();
+            const __m512i c = j + 1 < n ? _mm512_loadu_si512(r1 + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(a, lo, c));
+            _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(a, hi, c));
+        }
+    }
+#else
+    (void)k, (void)v, (void)s, (void)blocks, (void)kh, (void)b, (void)p;
+#endif
+}
+
 template <typename T>
 void pack(const T* q, const T* k, const T* v, const Shape& s, int64_t blocks, Packed& p) {
     const int64_t L = s.q_len, H = s.num_heads, KH = s.num_kv_heads, D = s.head_dim;
     const int64_t pad = blocks * kKBlock;
     if constexpr (dot_bf16<T>()) {
-        p.kb.assign(KH * pad * D, 0);
-        p.vb.assign(KH * pad * D, 0);
-    } else {
-        p.qf.resize(L * H * D);
-        p.kf.assign(KH * pad * D, 0.0f);
-        p.vf.assign(KH * pad * D, 0.0f);
+        // resize, not assign: pack_block_bf16 writes every element, padding included.
+        p.kb.resize(KH * pad * D);
+        p.vb.resize(KH * pad * D);
+#pragma omp parallel for schedule(static)
+        for (int64_t task = 0; task < KH * blocks; ++task)
+            pack_block_bf16(k, v, s, blocks, task / blocks, task % blocks, p);
+        (void)q;
+        return;
     }
+    p.qf.resize(L * H * D);
+    p.kf.assign(KH * pad * D, 0.0f);
+    p.vf.assign(KH * pad * D, 0.0f);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < L; ++t) {
         for (int64_t kh = 0; kh < KH; ++kh) {
             const T* kr = k + t * s.k_stride + kh * D;
             const T* vr = v + t * s.v_stride + kh * D;
             const int64_t b = t / kKBlock, j = t % kKBlock;
-            if constexpr (dot_bf16<T>()) {
-                uint16_t* kd = p.kb.data() + (kh * blocks + b) * kKBlock * D;
-                uint16_t* vd = p.vb.data() + kh * pad * D + (t / 2) * D * 2 + (t % 2);
-                for (int64_t d = 0; d < D; ++d) {
-                    uint16_t kbits, vbits;
-                    std::memcpy(&kbits, kr + d, 2);
-                    std::memcpy(&vbits, vr + d, 2);
-                    kd[(d / 2) * kKBlock * 2 + j * 2 + (d % 2)] = kbits;
-                    vd[d * 2] = vbits;
-                }
-            } else {
-                float* kd = p.kf.data() + (kh * blocks + b) * kKBlock * D;
-                float* vd = p.vf.data() + (kh * pad + t) * D;
-                for (int64_t d = 0; d < D; ++d) {
-                    kd[d * kKBlock + j] = load(kr[d]);
-                    vd[d] = load(vr[d]);
-                }
+            float* kd = p.kf.data() + (kh * blocks + b) * kKBlock * D;
+            float* vd = p.vf.data() + (kh * pad + t) * D;
+            for (int64_t d = 0; d < D; ++d) {
+                kd[d * kKBlock + j] = load(kr[d]);
+                vd[d] = load(vr[d]);
             }
         }
-        if constexpr (!dot_bf16<T>())
-            for (int64_t i = 0; i < H * D; ++i)
-                p.qf[t * H * D + i] = load(q[t * s.q_stride + i]);
+        for (int64_t i = 0; i < H * D; ++i) p.qf[t * H * D + i] = load(q[t * s.q_stride + i]);
     }
 }
 
@@ -126,6 +158,8 @@ struct TaskState {
     std::vector<float> sum;         // [rows, 16]: partial sums, added up at the end
     std::vector<float> weights;     // [kRows, kKBlock] float path
     std::vector<uint16_t> bweights; // [kRows, kKBlock] bf16 path
+    std::vector<const void*> query; // [rows]: each row's query (no divisions per block)
+    std::vector<int64_t> pos;       // [rows]: each row's position
 };
 
 // Scores of kRows query rows against the first 16 * NK keys of a block, into s[r][0..NK).
@@ -204,6 +238,21 @@ inline void accumulate_block(const float* vf, const uint16_t* vb, int64_t D, int
         for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc[r] + col + 16 * i, a[r][i]);
 }
 
+// exp of x <= 0 (or -inf), as avx512::exp16 (the same reduction and polynomial, so the
+// same values down to e^-87) in fewer instructions: vscalefps makes p * 2^k, which also
+// gives 0 below e^-87 without avx512::exp16's clamp. Lanes where x is -inf come out NaN:
+// every caller masks them.
+inline __m512 exp_nonpositive(__m512 x) {
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, k);
+}
+
 // Lanes of keys key0 .. key0 + 15 at or before position pos (causal).
 inline __mmask16 visible(int64_t key0, int64_t pos) {
     const int64_t n = pos - key0 + 1;
@@ -233,17 +282,17 @@ inline __m512 softmax_block(__m512 (*sc)[kMaxVecs], const int64_t* pos, int64_t 
         new_max[r] = pos[r] < 0 ? 0.0f : std::max(max[r], _mm512_reduce_max_ps(m));
         if (pos[r] >= 0) max[r] = new_max[r];
     }
-    // exp(-inf) = 0 on a row's first block; exp16 clamps to e^-87, so zero it exactly.
+    // On a row's first block the old max is -inf: exp_nonpositive gives NaN, alpha is 0.
     const __m512 om = _mm512_load_ps(old_max), nm = _mm512_load_ps(new_max);
     const __mmask16 had = _mm512_cmp_ps_mask(om, lowest, _CMP_NEQ_OQ);
-    const __m512 alpha = _mm512_maskz_mov_ps(had, avx512::exp16(_mm512_sub_ps(om, nm)));
+    const __m512 alpha = _mm512_maskz_mov_ps(had, exp_nonpositive(_mm512_sub_ps(om, nm)));
     alignas(64) float al[16];
     _mm512_store_ps(al, alpha);
     for (int r = 0; r < kRows; ++r) {
         const __m512 mx = _mm512_set1_ps(new_max[r]);
         __m512 total = _mm512_mul_ps(sum[r], _mm512_set1_ps(al[r]));
         for (int v = 0; v < NK; ++v) {
-            __m512 e = _mm512_maskz_mov_ps(masks[r][v], avx512::exp16(_mm512_sub_ps(sc[r][v], mx)));
+            __m512 e = _mm512_maskz_mov_ps(masks[r][v], exp_nonpositive(_mm512_sub_ps(sc[r][v], mx)));
             if constexpr (dot_bf16<T>()) {
 #if defined(__AVX512BF16__)
                 const __m256bh b = _mm512_cvtneps_pbh(e);
@@ -275,11 +324,14 @@ void attend_tile(const T* q, const Packed& p, T* out, const Shape& s, int64_t bl
     w.weights.assign(kRows * kKBlock, 0.0f);
     w.bweights.assign(kRows * kKBlock, 0);
     // Row r = position offset r / G, head kh * G + r % G; a group past `rows` repeats row 0.
-    auto row_query = [&](int64_t r) -> const void* {
+    w.query.resize(rows);
+    w.pos.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = q0 + r / G, h = kh * G + r % G;
-        if constexpr (dot_bf16<T>()) return q + t * s.q_stride + h * D;
-        return p.qf.data() + (t * s.num_heads + h) * D;
-    };
+        w.pos[r] = t;
+        if constexpr (dot_bf16<T>()) w.query[r] = q + t * s.q_stride + h * D;
+        else w.query[r] = p.qf.data() + (t * s.num_heads + h) * D;
+    }
     const int64_t end = q0 + positions;  // keys past the tile's last position are unseen
     for (int64_t key0 = 0; key0 < end; key0 += kKBlock) {
         const int64_t b = key0 / kKBlock;
@@ -296,14 +348,14 @@ void attend_tile(const T* q, const Packed& p, T* out, const Shape& s, int64_t bl
             for (int r = 0; r < kRows; ++r) {
                 const bool real = r0 + r < rows;
                 const int64_t row = real ? r0 + r : 0;
-                qr[r] = row_query(row);
+                qr[r] = w.query[row];
                 acc[r] = real ? w.acc.data() + row * D : w.spare.data();
-                pos[r] = real ? q0 + row / G : -1;
+                pos[r] = real ? w.pos[row] : -1;
                 sum[r] = _mm512_loadu_ps(w.sum.data() + row * 16);
                 max[r] = w.max[row];
             }
             // Keys past the group's last position are masked for all its rows: not computed.
-            const int64_t last = q0 + std::min(rows - 1, r0 + kRows - 1) / G;
+            const int64_t last = w.pos[std::min(rows - 1, r0 + kRows - 1)];
             const int64_t seen = std::min(kKBlock, last + 1 - key0);
             const int nk = static_cast<int>((seen + 15) / 16);
             const int keys = static_cast<int>(seen + 1) & ~1;  // whole pairs (padding: zeros)
@@ -345,7 +397,10 @@ void attend_tile(const T* q, const Packed& p, T* out, const Shape& s, int64_t bl
 template <typename T>
 void prefill(const T* q, const T* k, const T* v, T* out, const Shape& s) {
     const int64_t blocks = (s.q_len + kKBlock - 1) / kKBlock;
-    Packed packed;
+    // Per calling thread, kept: no allocation (nor page faults) per call. Named through a
+    // reference: inside the parallel region a thread_local would be each worker's own.
+    thread_local Packed kept;
+    Packed& packed = kept;
     pack(q, k, v, s, blocks, packed);
     const int64_t tiles = (s.q_len + kQTile - 1) / kQTile, KH = s.num_kv_heads;
 #pragma omp parallel
