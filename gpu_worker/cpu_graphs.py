@@ -31,6 +31,7 @@ from kvflow.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata, replaced_metadata
 from kvflow.gpu_worker.graph_inputs import StaticDecodeInputs
 from kvflow.gpu_worker.op_tape import DataDependentOp, OpTape
+from kvflow.kernels.cpu.paged_decode import check_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,10 @@ class CpuDecodeGraphs:
         """The hidden states [n, hidden] of a decode-only forward: a replay, or the
         step's own forward recorded when its size has no graph yet."""
         n = md.num_reqs
-        self._check_lengths(md)
+        # What an eager step's plan checks before the kernel follows the tables (from
+        # the host lists: no tensor read).
+        lens = md.seq_lens_cpu
+        check_lengths(min(lens), max(lens), md.block_tables.shape[1], self.block_size)
         self.static.load(input_ids, positions, md, n)
         tape = self.tapes.get(n)
         if tape is None:
@@ -99,12 +103,6 @@ class CpuDecodeGraphs:
         tape.replay()
         self.num_replays += 1
         return tape.output  # type: ignore[no-any-return]  # the recorded forward's hidden
-
-    def _check_lengths(self, md: AttentionMetadata) -> None:
-        """What an eager step's plan checks before the kernel follows the tables."""
-        capacity = md.block_tables.shape[1] * self.block_size
-        if min(md.seq_lens_cpu) < 1 or max(md.seq_lens_cpu) > capacity:
-            raise ValueError("a decode's seq_len is below 1 or beyond its block table")
 
     def _record(self, n: int) -> torch.Tensor:
         metadata = self.static.metadata(n, self.max_model_len)

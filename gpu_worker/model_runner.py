@@ -31,7 +31,7 @@ from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
 from kvflow.gpu_worker.kv_connector.connector import KVConnectorWorker, make_connector_worker
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
-from kvflow.gpu_worker.parallel_state import get_pp_group, get_tp_group
+from kvflow.gpu_worker.parallel_state import get_pp_group
 from kvflow.gpu_worker.rejection_sampler import DraftBatch, RejectionSampler
 from kvflow.gpu_worker.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from kvflow.gpu_worker.spec_metadata import verification_metadata
@@ -164,12 +164,11 @@ class ModelRunner:
         first decode step of that size (cpu_graphs.py). None with `enforce_eager`."""
         if self.config.device.enforce_eager:
             return 0.0
-        if self.device.type == "cpu":
-            if get_tp_group().size == 1 and self.stage_link is None:
-                block_size = self.config.cache.block_size
-                self.decode_graphs = make_cpu_decode_graphs(
-                    self.model, max_num_seqs, max_model_len, block_size
-                )
+        if self.device.type == "cpu":  # one rank: gpu_worker/main.py makes ranks eager
+            block_size = self.config.cache.block_size
+            self.decode_graphs = make_cpu_decode_graphs(
+                self.model, max_num_seqs, max_model_len, block_size
+            )
             return 0.0
         return self._capture_cuda_graphs(max_num_seqs, max_model_len)
 

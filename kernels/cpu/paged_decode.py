@@ -167,7 +167,12 @@ def check_indices(
     if not (int(token_rows.min()) >= 0 and int(token_rows.max()) < num_query_rows):
         raise ValueError("token_rows out of range of query")
     lens = seq_lens[req_indices.long()]
-    if int(lens.min()) < 1 or int(lens.max()) > block_tables.shape[1] * block_size:
+    check_lengths(int(lens.min()), int(lens.max()), block_tables.shape[1], block_size)
+
+
+def check_lengths(shortest: int, longest: int, table_width: int, block_size: int) -> None:
+    """Decode contexts the kernel reads through block tables `table_width` blocks wide."""
+    if shortest < 1 or longest > table_width * block_size:
         raise ValueError("a decode's seq_len is below 1 or beyond its block table")
 
 
