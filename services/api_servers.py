@@ -7,6 +7,10 @@ routes by them), and has a frontend id of its own, by which the detokenizers rou
 outputs. Their engine health comes from the engines' messages and stats; the
 launcher's process watchdog reaches only its own frontend. SIGTERM stops them
 gracefully (in-flight streams may finish); they die with the launcher.
+
+Each binds the port only once it sees every engine serve, and the launcher opens its
+own (and says it is ready) only after all of them did: a connection the kernel hands
+to a frontend still starting would otherwise wait, or get a 503.
 """
 
 from __future__ import annotations
@@ -15,16 +19,29 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
+from kvflow.errors import KvflowError
 from kvflow.proto.addresses import ServiceAddresses
-from kvflow.proto.lifecycle import die_with_parent, set_process_name
+from kvflow.proto.lifecycle import StopFlag, die_with_parent, set_process_name
 from kvflow.services.frontend.config import FrontendConfig, new_frontend_id
 from kvflow.services.frontend.routing import RoutingConfig
 
 logger = logging.getLogger(__name__)
+
+
+_POLL_S = 0.1
+
+
+@dataclass
+class ApiServer:
+    process: BaseProcess
+    listening: EventType  # set once its port accepts requests
 
 
 def start_api_servers(
@@ -33,24 +50,38 @@ def start_api_servers(
     addresses: Sequence[ServiceAddresses],
     model_dir: Path,
     routing: RoutingConfig,
-) -> list[BaseProcess]:
+) -> list[ApiServer]:
     """Start `count` extra frontends (0 starts none)."""
     spawn = multiprocessing.get_context("spawn")
-    processes: list[BaseProcess] = []
+    servers: list[ApiServer] = []
     for index in range(1, count + 1):
         config = dataclasses.replace(frontend, frontend_id=new_frontend_id())
+        listening = spawn.Event()
         process = spawn.Process(
             target=_api_server_main,
             args=(os.getpid(), index, logging.getLogger().level, config, list(addresses)),
-            kwargs={"model_dir": model_dir, "routing": routing},
+            kwargs={"model_dir": model_dir, "routing": routing, "listening": listening},
             name=f"kvflow-api{index}",
         )
         process.start()
-        processes.append(process)
-    return processes
+        servers.append(ApiServer(process, listening))
+    return servers
 
 
-def stop_api_servers(processes: list[BaseProcess], timeout_s: float) -> None:
+def wait_api_servers(servers: list[ApiServer], timeout_s: float, stop: StopFlag) -> None:
+    """Until every extra frontend listens (or `stop`); KvflowError if one exits or the
+    time runs out."""
+    deadline = time.monotonic() + timeout_s
+    for server in servers:
+        while not server.listening.wait(_POLL_S) and not stop.is_set():
+            if not server.process.is_alive():
+                raise KvflowError(f"{server.process.name} exited ({server.process.exitcode})")
+            if time.monotonic() >= deadline:
+                raise KvflowError(f"{server.process.name} did not listen within {timeout_s:.0f} s")
+
+
+def stop_api_servers(servers: list[ApiServer], timeout_s: float) -> None:
+    processes = [server.process for server in servers]
     for process in processes:
         process.terminate()  # SIGTERM: the frontend's graceful shutdown
     for process in processes:
@@ -70,12 +101,15 @@ def _api_server_main(
     *,
     model_dir: Path,
     routing: RoutingConfig,
+    listening: EventType,
 ) -> None:
     from kvflow.services.frontend.main import run_frontend
 
     die_with_parent(parent_pid)
     set_process_name(f"kvflow-api{index}")
     logging.basicConfig(level=log_level, format=f"%(levelname)s api{index} %(name)s: %(message)s")
-    run_frontend(config, addresses, model_dir, routing=routing, reuse_port=True)
+    run_frontend(
+        config, addresses, model_dir, routing=routing, reuse_port=True, on_ready=listening.set
+    )
     logging.shutdown()
     os._exit(0)

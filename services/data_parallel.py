@@ -195,7 +195,7 @@ def serve_data_parallel(config: EngineConfig, options: ServeOptions) -> int:
             engines += await_joins(options.dp_hosts, size, context, options.startup_timeout_s, stop)
         if not stop.is_set():
             supervisor.start()
-            _run_frontend(config, options, engines, model_dir, preload.get(), start)
+            _run_frontend(config, options, engines, model_dir, preload.get(), start, stop)
             stop.install()  # the frontend's loop restored the default handlers on exit
         return 0
     except KvflowError as exc:
@@ -237,8 +237,13 @@ def _run_frontend(
     model_dir: Path,
     tokenizer: Any,
     start: float,
+    stop: StopFlag,
 ) -> None:
-    from kvflow.services.api_servers import start_api_servers, stop_api_servers
+    from kvflow.services.api_servers import (
+        start_api_servers,
+        stop_api_servers,
+        wait_api_servers,
+    )
     from kvflow.services.frontend.main import run_frontend
     from kvflow.services.frontend.routing import RoutingConfig
 
@@ -247,6 +252,7 @@ def _run_frontend(
     addresses = [group.addresses for group in groups]
     extra = start_api_servers(options.api_server_count - 1, frontend, addresses, model_dir, routing)
     try:
+        wait_api_servers(extra, options.startup_timeout_s, stop)
         run_frontend(
             frontend,
             addresses,

@@ -103,7 +103,7 @@ def serve_on_ray(config: EngineConfig, options: ServeOptions) -> int:
         monitor.start()
         try:
             if not stop.is_set():
-                _run_frontend(config, options, engines, model_dir, preload.get(), start)
+                _run_frontend(config, options, engines, model_dir, preload.get(), start, stop)
         finally:
             monitor.close()
         return 0

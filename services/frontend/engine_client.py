@@ -201,6 +201,10 @@ class EngineClient:
         return self.health_problem() is None
 
     @property
+    def every_engine_serves(self) -> bool:
+        return all(problem is None for problem in self.engine_problems().values())
+
+    @property
     def is_degraded(self) -> bool:
         """Serving, but not with every engine."""
         problems = self.engine_problems().values()

@@ -83,10 +83,14 @@ def run_frontend(
         timeout_graceful_shutdown=int(config.shutdown_grace_s + _SHUTDOWN_MARGIN_S),
     )
     server = _Server(uv_config)
-    sockets = [shared_port_socket(config.host, config.port)] if reuse_port else None
     _run(
         serve(
-            server, client, config.shutdown_grace_s, on_ready, on_exit=web_ui.close, sockets=sockets
+            server,
+            client,
+            config.shutdown_grace_s,
+            on_ready,
+            on_exit=web_ui.close,
+            shared_port=reuse_port,
         )
     )
 
@@ -119,12 +123,24 @@ async def serve(
     grace_s: float,
     on_ready: Callable[[], None] | None = None,
     on_exit: Callable[[], None] | None = None,
-    sockets: list[socket.socket] | None = None,
+    shared_port: bool = False,
 ) -> None:
     """Run `server` until it is told to exit; fail the streams still open `grace_s`
     after that (steps 2-3 of the module docstring). `on_exit` is called as soon as
-    the server is told to exit (the web UI ends its never-ending stats streams)."""
+    the server is told to exit (the web UI ends its never-ending stats streams).
+    The port opens once every engine serves, or after the client's stats timeout
+    (then /health says why not): a request before the first stats would get a 503
+    from a server that already said it was up. `shared_port`: bind with SO_REUSEPORT."""
     _install_signal_handlers(server)
+    if not client.started:
+        await client.start()
+    await _wait_for_engines(server, client)
+    if server.should_exit:  # told to stop while waiting: the lifespan never runs
+        await client.close()
+        return
+    sockets = None
+    if shared_port:
+        sockets = [shared_port_socket(server.config.host, server.config.port)]
     serving = asyncio.create_task(server.serve(sockets=sockets))
     watcher = asyncio.create_task(_watch(server, client, grace_s, on_ready, on_exit))
     try:
@@ -133,6 +149,18 @@ async def serve(
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+
+
+async def _wait_for_engines(server: uvicorn.Server, client: EngineClient) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + client.stats_timeout_s
+    while not client.every_engine_serves and not server.should_exit:
+        if loop.time() >= deadline:
+            logger.warning(
+                "opening the port before every engine serves: %s", client.engine_problems()
+            )
+            return
+        await asyncio.sleep(_POLL_S)
 
 
 async def _watch(

@@ -209,7 +209,13 @@ def metric_values(base_url: str) -> dict[str, float]:
 def listening_addresses(port: int) -> set[str]:
     """Local addresses with a TCP socket listening on `port`, from /proc/net/tcp{,6}
     (IPv4 as dotted quads, IPv6 as 32 hex digits)."""
-    found = set()
+    return set(listening_sockets(port))
+
+
+def listening_sockets(port: int) -> list[str]:
+    """The local address of each TCP socket listening on `port` (SO_REUSEPORT: one
+    per process sharing it)."""
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             rows = Path(table).read_text().splitlines()[1:]
@@ -221,7 +227,7 @@ def listening_addresses(port: int) -> set[str]:
             if state != "0A" or int(port_hex, 16) != port:  # 0A = LISTEN
                 continue
             if len(address) == 8:  # one little-endian 32-bit word
-                found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+                found.append(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
             else:
-                found.add(address)
+                found.append(address)
     return found

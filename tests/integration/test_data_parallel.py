@@ -210,17 +210,19 @@ def test_an_explicit_data_parallel_rank_wins(dp_server: Server) -> None:
 def test_two_api_servers_share_the_port(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    from serve_harness import listening_addresses
+    from serve_harness import listening_sockets
 
     server = start_server(
         tiny_model_dir, tmp_path_factory.mktemp("api2"), "--api-server-count", "2"
     )
     try:
         port = int(server.base_url.rsplit(":", 1)[1])
-        # It names itself once its interpreter has started (seconds on a loaded machine).
-        assert wait_for(lambda: child_pid(server.pid, "kvflow-api1") is not None, 60.0)
-        assert listening_addresses(port) == {"127.0.0.1"}
-        # Every request on a fresh connection: the kernel spreads them over both.
+        # Each listens once it has heard from the engine; the first answers /health.
+        assert wait_for(lambda: len(listening_sockets(port)) == 2, 30.0)
+        assert set(listening_sockets(port)) == {"127.0.0.1"}
+        assert child_pid(server.pid, "kvflow-api1") is not None
+        # Every request on a fresh connection: the kernel spreads them over both; none
+        # meets a frontend that has not heard from the engine yet (a 503).
         for i in range(24):
             body = {"model": MODEL_NAME, "prompt": _prompt(i), "max_tokens": 2}
             response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)

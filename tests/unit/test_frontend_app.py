@@ -225,6 +225,7 @@ class Harness:
     server: uvicorn.Server
     thread: threading.Thread
     metrics: FrontendMetrics
+    opened_after_s: float  # from the start of serve() to its port accepting requests
     http: httpx.Client = field(init=False)
 
     def __post_init__(self) -> None:
@@ -240,9 +241,16 @@ class Harness:
         self.fake.close()
 
 
-def start_harness(tmp: Path, watchdog: Any = None, **overrides: Any) -> Harness:
+def start_harness(
+    tmp: Path, watchdog: Any = None, stats_from_s: float | None = 0.0, **overrides: Any
+) -> Harness:
+    """`stats_from_s`: the fake engine's first stats go out this long after the start
+    (None: only when the test turns them on)."""
     addresses = ServiceAddresses.ipc(str(tmp))
     fake = FakeEngine(addresses)
+    fake.publish_stats = stats_from_s == 0.0
+    if stats_from_s:
+        threading.Timer(stats_from_s, lambda: setattr(fake, "publish_stats", True)).start()
     config = FrontendConfig(
         served_model_name=MODEL,
         max_model_len=MAX_MODEL_LEN,
@@ -263,13 +271,16 @@ def start_harness(tmp: Path, watchdog: Any = None, **overrides: Any) -> Harness:
 
         uvloop.run(serve(server, client, config.shutdown_grace_s, ready.set))
 
+    start = time.monotonic()
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    assert ready.wait(10), "the server did not start"
+    assert ready.wait(15), "the server did not start"
+    opened_after_s = time.monotonic() - start
     port = server.servers[0].sockets[0].getsockname()[1]
-    harness = Harness(f"http://127.0.0.1:{port}", fake, client, server, thread, metrics)
-    fake.wait_for(lambda: client.is_healthy and bool(client.latest_stats))
-    return harness
+    # No wait for the engine's health here: serve() opens the port only once it serves.
+    return Harness(
+        f"http://127.0.0.1:{port}", fake, client, server, thread, metrics, opened_after_s
+    )
 
 
 @pytest.fixture(scope="module")
@@ -768,6 +779,26 @@ def test_stale_stats_turn_unhealthy_and_recover(own: Callable[..., Harness]) -> 
     assert "unresponsive" in events[-2]["error"]["message"]
     # Its KV blocks are freed: the abort goes out right after the error is streamed.
     h.fake.wait_for(lambda: h.fake.added[0].req_id in h.fake.aborted)
+    h.fake.publish_stats = True
+    h.fake.wait_for(lambda: h.http.get("/health").status_code == 200)
+
+
+def test_the_port_opens_when_the_engine_serves(own: Callable[..., Harness]) -> None:
+    h = own(stats_from_s=1.0)
+    assert h.opened_after_s >= 1.0
+    # The first request after the port opened is served, not refused as "not ready".
+    r = h.post("/v1/completions", {"prompt": "x"})
+    assert r.status_code == 200, r.text
+
+
+def test_the_port_opens_without_stats_after_the_stats_timeout(
+    own: Callable[..., Harness],
+) -> None:
+    h = own(stats_from_s=None, stats_timeout_s=1.0)
+    assert h.opened_after_s >= 1.0
+    health = h.http.get("/health")
+    assert health.status_code == 503
+    assert "no scheduler stats received yet" in health.json()["error"]["message"]
     h.fake.publish_stats = True
     h.fake.wait_for(lambda: h.http.get("/health").status_code == 200)
 
