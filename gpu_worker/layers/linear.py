@@ -24,7 +24,7 @@ from torch import nn
 from kvflow.gpu_worker.parallel_state import divide, get_tp_group
 from kvflow.kernels.cpu.block_linear import BlockWeights
 from kvflow.kernels.cpu.int8_linear import QuantWeights
-from kvflow.kernels.cpu.linear import PackedWeight, linear
+from kvflow.kernels.cpu.linear import PackedWeight, linear, linear_silu_and_mul
 
 
 def new_parameter(
@@ -92,10 +92,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     The checkpoint provides them separately with shard_id 0, 1, ...; each rank holds
     [gate_r | up_r], so SiluAndMul splits the local output in halves without a collective.
+    `glu`: the two halves are a GLU's gate and up, and `silu_and_mul` may fuse the
+    activation into the matmul (weight_packing.py packs the halves for it).
     """
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool) -> None:
+    def __init__(
+        self, input_size: int, output_sizes: Sequence[int], bias: bool, glu: bool = False
+    ) -> None:
         super().__init__(input_size, output_sizes, bias, shard_ids=range(len(output_sizes)))
+        self.glu = glu and len(output_sizes) == 2 and output_sizes[0] == output_sizes[1]
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up in one pass where the CPU route allows it, else None."""
+        return linear_silu_and_mul(x, self.bias, self.blocks, self.quant, self.packed_weight)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -122,13 +122,16 @@ class LlamaMLP(nn.Module):
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], bias=spec.mlp_bias
+            config.hidden_size, [inter, inter], bias=spec.mlp_bias, glu=True
         )
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        hidden = self.gate_up_proj.silu_and_mul(x)  # fused into the matmul where it can be
+        if hidden is None:
+            hidden = self.act(self.gate_up_proj(x))
+        return self.down_proj(hidden)
 
 
 class LlamaDecoderLayer(nn.Module):

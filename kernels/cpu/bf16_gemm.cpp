@@ -26,7 +26,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec.h"
+
 namespace {
+
+using namespace kvflow_cpu;
 
 // Tile shape: kRows rows x kVectors vectors of 16 columns (24 accumulators of the 32
 // zmm registers). The panel width kPanel = 16 * kVectors is part of the packed layout
@@ -57,12 +61,11 @@ inline __mmask16 column_mask(int64_t n, int64_t N) {
     return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (left > 0 ? left : 0)) - 1);
 }
 
-// Rows [m, m + MR) x the panel starting at column n0.
+// The float32 products of rows [m, m + MR) with one panel, into acc.
 template <int MR, int NR>
-inline void tile(const Problem& p, const uint16_t* panel, int64_t m, int64_t n0) {
+inline void accumulate(const Problem& p, const uint16_t* panel, int64_t m, __m512 (&acc)[MR][NR]) {
     constexpr int64_t NB = 16 * NR;
     const int64_t pairs = p.K / 2;
-    __m512 acc[MR][NR];
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
@@ -82,6 +85,18 @@ inline void tile(const Problem& p, const uint16_t* panel, int64_t m, int64_t n0)
             for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
         }
     }
+}
+
+// acc + bias rounded to bf16 (the GEMM's output), back as float32.
+inline __m512 rounded(__m512 acc, __m512 bias) {
+    return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_add_ps(acc, bias)));
+}
+
+// Rows [m, m + MR) x the panel starting at column n0.
+template <int MR, int NR>
+inline void tile(const Problem& p, const uint16_t* panel, int64_t m, int64_t n0) {
+    __m512 acc[MR][NR];
+    accumulate<MR, NR>(p, panel, m, acc);
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
         const int64_t n = n0 + 16 * j;
@@ -96,6 +111,47 @@ inline void tile(const Problem& p, const uint16_t* panel, int64_t m, int64_t n0)
     }
 }
 
+// silu(gate) * up as elementwise.cpp's silu_and_mul computes it from the bf16 gate and
+// up (the same operations on 16 lanes: the same bits), rounded to bf16.
+inline __m256i silu_times(__m512 gate, __m512 up) {
+    const f32x16 g = (f32x16)gate;
+    const f32x16 silu = round_bf16(g / (1.0f + exp_approx(-g)));
+    const __m512i bits = (__m512i)(round_bf16_bits(silu * (f32x16)up) >> 16);
+    return _mm512_cvtepi32_epi16(bits);
+}
+
+// Rows [m, m + MR) of silu(gate) * up for the columns n0 .. n0 + NB of the gate panel and
+// the up panel of the same columns: the gate's products wait, rounded, in L1 while the
+// up panel's are computed.
+template <int MR, int NR>
+inline void glu_tile(const Problem& p, const uint16_t* gate_panel, const uint16_t* up_panel,
+                     int64_t m, int64_t n0) {
+    const int64_t inter = p.N / 2;
+    __m512 acc[MR][NR];
+    alignas(64) float gate[MR][NR][16];  // in L1, not registers: the up's products need them
+    accumulate<MR, NR>(p, gate_panel, m, acc);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+        const int64_t n = n0 + 16 * j;
+        const __m512 b = bias_vector(p.bias, n, column_mask(n, inter));
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) _mm512_store_ps(gate[i][j], rounded(acc[i][j], b));
+    }
+    accumulate<MR, NR>(p, up_panel, m, acc);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+        const int64_t n = n0 + 16 * j;
+        const __mmask16 mask = column_mask(n, inter);
+        if (!mask) break;
+        const __m512 b = bias_vector(p.bias == nullptr ? nullptr : p.bias + inter, n, mask);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) {
+            const __m256i out = silu_times(_mm512_load_ps(gate[i][j]), rounded(acc[i][j], b));
+            _mm256_mask_storeu_epi16(p.y + (m + i) * inter + n, mask, out);
+        }
+    }
+}
+
 // The last `rows` (< MR) rows of a row block: a tile of exactly that many rows.
 template <int NR, int R>
 inline void rows_tail(const Problem& p, const uint16_t* panel, int64_t m, int64_t n0,
@@ -106,23 +162,57 @@ inline void rows_tail(const Problem& p, const uint16_t* panel, int64_t m, int64_
     }
 }
 
+template <int NR, int R>
+inline void glu_rows_tail(const Problem& p, const uint16_t* gate_panel, const uint16_t* up_panel,
+                          int64_t m, int64_t n0, int64_t rows) {
+    if constexpr (R > 0) {
+        if (rows == R) return glu_tile<R, NR>(p, gate_panel, up_panel, m, n0);
+        glu_rows_tail<NR, R - 1>(p, gate_panel, up_panel, m, n0, rows);
+    }
+}
+
+// Rows per row block: x's block (kXBlockBytes) stays in L2 while the panels stream past.
+template <int MR>
+int64_t block_rows(const Problem& p) {
+    constexpr int64_t kXBlockBytes = 256 * 1024;
+    return std::max<int64_t>(MR, kXBlockBytes / (2 * p.K) / MR * MR);
+}
+
 // Tasks are (row block, panel), row blocks outermost, split evenly between threads: at
 // decode sizes there is one row block and threads own whole panels; a long prefill's
-// rows go by blocks whose x (kXBlockBytes) stays in L2 while the panels stream past.
+// rows go by blocks.
 template <int MR, int NR>
 void gemm(const Problem& p) {
-    constexpr int64_t NB = 16 * NR, kXBlockBytes = 256 * 1024;
-    const int64_t panels = (p.N + NB - 1) / NB, pairs = p.K / 2;
-    const int64_t block_rows = std::max<int64_t>(MR, kXBlockBytes / (2 * p.K) / MR * MR);
-    const int64_t row_blocks = (p.M + block_rows - 1) / block_rows;
+    constexpr int64_t NB = 16 * NR;
+    const int64_t panels = (p.N + NB - 1) / NB, pairs = p.K / 2, rows = block_rows<MR>(p);
+    const int64_t row_blocks = (p.M + rows - 1) / rows;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < row_blocks * panels; ++t) {
-        const int64_t q = t % panels, m0 = t / panels * block_rows;
-        const int64_t m1 = std::min(p.M, m0 + block_rows);
+        const int64_t q = t % panels, m0 = t / panels * rows;
+        const int64_t m1 = std::min(p.M, m0 + rows);
         const uint16_t* panel = p.w + q * pairs * NB * 2;
         int64_t m = m0;
         for (; m + MR <= m1; m += MR) tile<MR, NR>(p, panel, m, q * NB);
         rows_tail<NR, MR - 1>(p, panel, m, q * NB, m1 - m);
+    }
+}
+
+// The same tasks over pairs of panels (gate panel q, up panel q): p.N = 2 * inter, the
+// gate's panels first, then the up's, each half padded to whole panels; y is [M, inter].
+template <int MR, int NR>
+void glu_gemm(const Problem& p) {
+    constexpr int64_t NB = 16 * NR;
+    const int64_t panels = (p.N / 2 + NB - 1) / NB, pairs = p.K / 2, rows = block_rows<MR>(p);
+    const int64_t row_blocks = (p.M + rows - 1) / rows;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < row_blocks * panels; ++t) {
+        const int64_t q = t % panels, m0 = t / panels * rows;
+        const int64_t m1 = std::min(p.M, m0 + rows);
+        const uint16_t* gate = p.w + q * pairs * NB * 2;
+        const uint16_t* up = gate + panels * pairs * NB * 2;
+        int64_t m = m0;
+        for (; m + MR <= m1; m += MR) glu_tile<MR, NR>(p, gate, up, m, q * NB);
+        glu_rows_tail<NR, MR - 1>(p, gate, up, m, q * NB, m1 - m);
     }
 }
 
@@ -159,6 +249,28 @@ int kvflow_bf16_gemm(const void* x, const void* w, const void* bias, void* y, in
     return 0;
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)rows, (void)in_features, (void)out_features;
+    (void)x_row_stride;
+    return 3;
+#endif
+}
+
+// silu(gate) * up of a gate|up layer [2 * inter, in_features] packed as two halves (the
+// gate's panels, then the up's, each padded to whole panels): x as above, bias bf16
+// [2 * inter] or null, y bf16 [rows, inter] contiguous. Bit for bit what
+// kvflow_bf16_gemm on the whole layer followed by elementwise.cpp's kvflow_silu_and_mul
+// gives, without writing and rereading the [rows, 2 * inter] intermediate.
+int kvflow_bf16_gemm_silu_mul(const void* x, const void* w, const void* bias, void* y,
+                              int64_t rows, int64_t in_features, int64_t inter,
+                              int64_t x_row_stride) {
+#if defined(KVFLOW_DPBF16)
+    if (rows < 0 || in_features <= 0 || in_features % 2 || inter <= 0) return 1;
+    const Problem p{static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
+                    static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y),
+                    rows, in_features, 2 * inter, x_row_stride};
+    glu_gemm<kRows, kVectors>(p);
+    return 0;
+#else
+    (void)x, (void)w, (void)bias, (void)y, (void)rows, (void)in_features, (void)inter;
     (void)x_row_stride;
     return 3;
 #endif

@@ -5,6 +5,13 @@ PANEL output columns x all of `in` as interleaved k-pairs, for AVX512_BF16's
 vdpbf16ps); `bf16_gemm(x, packed, bias)` is then F.linear with float32 accumulation
 and one bf16 rounding of the output, at any number of rows.
 
+A gate|up layer (the MLP's `gate_up_proj`) is packed by `pack(weight, glu=True)`: its
+two halves each padded to whole panels, so that one task holds the gate's and the up's
+panel of the same columns and `bf16_gemm_silu_and_mul` applies silu(gate) * up as
+the products come out. That is the unfused GEMM + SiLU*up bit for bit, without the
+[rows, 2 * inter] intermediate: at a 2,048-token prefill of SmolLM2 the separate
+SiLU*up pass reread 12.6 MB a layer (docs/benchmarks.md, "SiLU*up in the GEMM").
+
 Where it applies it replaces oneDNN's packed inner product (packed_linear.py) for the
 layer: measured on a Zen 4 EPYC (AVX512_BF16, no AMX) it is faster at every shape of
 SmolLM2 and every row count tried, 1 to 1024 (docs/benchmarks.md, "Native bf16 GEMM").
@@ -29,6 +36,7 @@ from kvflow.kernels.cpu.native_build import INT64, POINTER, load_bound
 def _library(march: str = "native") -> ctypes.CDLL | None:
     signatures = {
         "kvflow_bf16_gemm": [*[POINTER] * 4, *[INT64] * 4],
+        "kvflow_bf16_gemm_silu_mul": [*[POINTER] * 4, *[INT64] * 4],
         "kvflow_bf16_gemm_isa": [],
         "kvflow_bf16_gemm_panel": [],
     }
@@ -50,6 +58,17 @@ class PanelWeight:
     out_features: int
     in_features: int
     march: str = "native"  # the build that packed it (tests pack for an older ISA)
+    glu: bool = False  # gate|up: each half padded to whole panels (its panels, then up's)
+
+    def halves(self) -> tuple[PanelWeight, PanelWeight]:
+        """A glu weight's gate and up, each a PanelWeight of out_features / 2 (views)."""
+        assert self.glu
+        panels = self.data.shape[0] // 2
+        half = self.out_features // 2
+        return (
+            PanelWeight(self.data[:panels], half, self.in_features, self.march),
+            PanelWeight(self.data[panels:], half, self.in_features, self.march),
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -62,17 +81,27 @@ def panel_width(march: str = "native") -> int:
     return int(library.kvflow_bf16_gemm_panel())
 
 
-def pack(weight: torch.Tensor, march: str = "native") -> PanelWeight | None:
+def pack(weight: torch.Tensor, march: str = "native", glu: bool = False) -> PanelWeight | None:
     """`weight` [out, in] in the kernel's layout, or None where the kernel does not apply
-    (not bf16 on the CPU, odd `in`, no AVX512_BF16 build)."""
+    (not bf16 on the CPU, odd `in`, no AVX512_BF16 build). `glu`: a gate|up weight, its
+    halves packed apart (see the module docstring)."""
     if (
         weight.device.type != "cpu"
         or weight.dim() != 2
         or weight.dtype != torch.bfloat16
         or weight.shape[1] % 2
+        or (glu and weight.shape[0] % 2)
         or not available(march)
     ):
         return None
+    if glu:
+        gate, up = (_pack_panels(half, march) for half in weight.chunk(2))
+        data = torch.cat([gate.data, up.data])
+        return PanelWeight(data, weight.shape[0], weight.shape[1], march, glu=True)
+    return _pack_panels(weight, march)
+
+
+def _pack_panels(weight: torch.Tensor, march: str) -> PanelWeight:
     out_features, in_features = weight.shape
     panel = panel_width(march)
     padded = -(-out_features // panel) * panel
@@ -103,23 +132,46 @@ def bf16_gemm(
             f"x {x.dtype} {tuple(x.shape)} (strides {x.stride()}) does not fit a packed bf16 "
             f"weight [{packed.out_features}, {packed.in_features}]"
         )
+    if packed.glu:  # rarely (the MLP fuses): each half on its own, side by side
+        gate, up = packed.halves()
+        gate_bias, up_bias = (None, None) if bias is None else bias.chunk(2)
+        return torch.cat([bf16_gemm(x, gate, gate_bias), bf16_gemm(x, up, up_bias)], dim=1)
+    return _run("kvflow_bf16_gemm", x, packed, bias, packed.out_features)
+
+
+def bf16_gemm_silu_and_mul(
+    x: torch.Tensor,  # [rows, in_features] bf16, unit column stride
+    packed: PanelWeight,  # `pack(weight, glu=True)` of a gate|up weight [2 * inter, in]
+    bias: torch.Tensor | None = None,  # [2 * inter] bf16
+) -> torch.Tensor:  # [rows, inter] bf16: silu(gate) * up
+    """`bf16_gemm` then elementwise.silu_and_mul, bit for bit, in one pass."""
+    if not packed.glu:
+        raise ValueError("silu(gate) * up needs a weight packed with glu=True")
+    if not applies(x, packed, bias) or (bias is not None and bias.shape != (packed.out_features,)):
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} does not fit a packed gate|up weight")
+    return _run("kvflow_bf16_gemm_silu_mul", x, packed, bias, packed.out_features // 2)
+
+
+def _run(
+    kernel: str, x: torch.Tensor, packed: PanelWeight, bias: torch.Tensor | None, width: int
+) -> torch.Tensor:
     rows = x.shape[0]
-    y = torch.empty(rows, packed.out_features, dtype=torch.bfloat16)
+    y = torch.empty(rows, width, dtype=torch.bfloat16)
     if rows == 0:
         return y
     library = _library(packed.march)
     assert library is not None  # pack() checked it
     status = native_calls.run(
-        library.kvflow_bf16_gemm,
+        getattr(library, kernel),
         x.data_ptr(),
         packed.data.data_ptr(),
         None if bias is None else bias.data_ptr(),
         y.data_ptr(),
         rows,
         packed.in_features,
-        packed.out_features,
+        width,
         x.stride(0),
     )
     if status != 0:
-        raise RuntimeError(f"native bf16 GEMM failed with status {status}")
+        raise RuntimeError(f"native bf16 GEMM ({kernel}) failed with status {status}")
     return y

@@ -1,4 +1,6 @@
 """`linear(x, weight, bias, blocks, quant, packed_weight)`: F.linear routed to the fastest CPU implementation.
+(`linear_silu_and_mul`: the same for a gate|up layer, with SiLU*up fused where the
+route is the native bf16 GEMM.)
 
     `--quantization gguf`, GGUF blocks, rows    the VNNI block kernel (block_vnni.py: the
     <= block_vnni.FASTER_ROWS, AVX512-VNNI      int8 kernel's arithmetic on the blocks'
@@ -100,6 +102,22 @@ def _vnni_route(
     )
 
 
+def _exact_or_quantized_route(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    blocks: BlockWeights | None,
+    quant: QuantWeights | None,
+) -> str | None:
+    """The route that comes before the packed weight's, if one applies: "vnni",
+    "int8" or "blocks" (the table in the module docstring, top three rows)."""
+    if quant is not None and _vnni_route(x, blocks, bias, quant):
+        return "vnni"
+    blocks_apply = blocks is not None and GGUF_BLOCKS and block_linear.applies(x, blocks, bias)
+    if quant is not None and _int8_route(x, quant, blocks_apply):
+        return "int8"
+    return "blocks" if blocks_apply else None
+
+
 def linear(
     x: torch.Tensor,  # [rows, in_features]
     weight: torch.Tensor,  # [out_features, in_features]
@@ -108,13 +126,15 @@ def linear(
     quant: QuantWeights | None = None,  # the layer's quantized weights (`--quantization`)
     packed_weight: PackedWeight | None = None,  # `weight` packed at load (weight_packing.py)
 ) -> torch.Tensor:  # [rows, out_features]
-    if quant is not None and _vnni_route(x, blocks, bias, quant):
-        assert blocks is not None  # _vnni_route checked it
+    route = _exact_or_quantized_route(x, bias, blocks, quant)
+    if route == "vnni":
+        assert blocks is not None and quant is not None  # _vnni_route checked them
         return block_vnni.block_vnni_linear(x, blocks, bias)
-    blocks_apply = blocks is not None and GGUF_BLOCKS and block_linear.applies(x, blocks, bias)
-    if quant is not None and _int8_route(x, quant, blocks_apply):
+    if route == "int8":
+        assert quant is not None
         return int8_linear.int8_linear(x, quant, bias)
-    if blocks is not None and blocks_apply:
+    if route == "blocks":
+        assert blocks is not None
         return block_linear.block_linear(x, blocks, bias)
     if isinstance(packed_weight, PanelWeight):  # the plain weight may be freed: the route
         return bf16_gemm.bf16_gemm(x, packed_weight, bias)
@@ -127,3 +147,20 @@ def linear(
     if onednn_applies(x, weight, bias):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(
+    x: torch.Tensor,  # [rows, in_features]
+    bias: torch.Tensor | None = None,  # [2 * inter]
+    blocks: BlockWeights | None = None,
+    quant: QuantWeights | None = None,
+    packed_weight: PackedWeight | None = None,
+) -> torch.Tensor | None:  # [rows, inter]
+    """silu(gate) * up of a gate|up layer in one pass, where `linear` would take the
+    native bf16 GEMM and the weight was packed for it with glu=True; else None (the
+    caller runs `linear` and then its activation)."""
+    if not isinstance(packed_weight, PanelWeight) or not packed_weight.glu:
+        return None
+    if _exact_or_quantized_route(x, bias, blocks, quant) is not None:
+        return None
+    return bf16_gemm.bf16_gemm_silu_and_mul(x, packed_weight, bias)

@@ -104,6 +104,30 @@ inline f32x8 pow2_of_integral(f32x8 k) {
     return two_k;
 }
 
+// Sixteen lanes (one zmm register where -march has AVX-512): the same arithmetic.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline f32x16 pow2_of_integral(f32x16 k) {
+    const i32x16 bits = (__builtin_convertvector(k, i32x16) + 127) << 23;
+    f32x16 two_k;
+    std::memcpy(&two_k, &bits, sizeof two_k);
+    return two_k;
+}
+
+inline u32x16 round_bf16_bits(f32x16 v) {
+    u32x16 u;
+    std::memcpy(&u, &v, sizeof u);
+    return u + (0x7FFFu + ((u >> 16) & 1u));
+}
+
+inline f32x16 round_bf16(f32x16 v) {
+    const u32x16 u = round_bf16_bits(v) & 0xFFFF0000u;
+    std::memcpy(&v, &u, sizeof v);
+    return v;
+}
+
 // One definition for a float and for eight lanes (so both forms round alike).
 template <typename V>
 inline V exp_approx(V x) {

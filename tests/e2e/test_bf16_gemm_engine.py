@@ -38,11 +38,36 @@ def test_native_gemm_serves_bf16_layers_with_onednn_tokens(
         calls.append((x.shape[0], packed.out_features))
         return run(x, packed, bias)
 
+    fused_run = bf16_gemm.bf16_gemm_silu_and_mul
+    fused: list[int] = []
+
+    def fused_spy(x, packed, bias=None):
+        fused.append(x.shape[0])
+        return fused_run(x, packed, bias)
+
     monkeypatch.setattr(bf16_gemm, "bf16_gemm", spy)
+    monkeypatch.setattr(bf16_gemm, "bf16_gemm_silu_and_mul", fused_spy)
     onednn = _greedy_ids(path, monkeypatch, native=False)
-    assert calls == []  # switched off: every layer packed for oneDNN
+    assert calls == [] and fused == []  # switched off: every layer packed for oneDNN
     native = _greedy_ids(path, monkeypatch, native=True)
     assert native == onednn
     vocab = max(n for _, n in calls)
     assert {rows for rows, n in calls if n == vocab} >= {3}  # LM head at a decode step
-    assert len({n for _, n in calls}) >= 4  # q|k|v, o, gate|up, down (+ LM head)
+    assert len({n for _, n in calls}) >= 3  # q|k|v, o and down, LM head
+    assert {3} < set(fused)  # gate|up with SiLU*up: the prefill and the decode steps
+
+
+def test_fused_silu_and_mul_leaves_logprobs_bit_for_bit(
+    tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tiny_model_dir("llama"))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(weight_packing, "FUSED_SILU", fused)
+        llm = LLM(path, dtype="bfloat16", num_threads=1, kv_cache_memory=0.1)
+        mlp = llm.engine.runner.model.model.layers[0].mlp
+        assert mlp.gate_up_proj.packed_weight.glu is fused
+        outputs = llm.generate(PROMPTS, params)
+        results.append([(o.token_ids, o.logprobs) for o in outputs])
+    assert results[0] == results[1]

@@ -112,3 +112,45 @@ def test_build_without_avx512_bf16_refuses():
     forced = PanelWeight(torch.zeros(1, 8, 48, 2, dtype=torch.bfloat16), 16, 16, "x86-64-v4")
     with pytest.raises(RuntimeError, match="status 3"):
         gemm(torch.zeros(2, 16, dtype=torch.bfloat16), forced)
+
+
+# ---- silu(gate) * up fused into the GEMM of a gate|up layer --------------------------
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 64, 600])
+@pytest.mark.parametrize(
+    ("in_features", "inter", "bias"),
+    [
+        (576, 1536, False),  # SmolLM2's MLP (whole panels)
+        (64, 100, True),  # each half padded: the up's panels start past the padding
+        (40, 20, True),  # inter < one panel, one vector and a masked one
+    ],
+)
+def test_fused_silu_and_mul_is_the_unfused_pair_bit_for_bit(rows, in_features, inter, bias):
+    from kvflow.kernels.cpu import elementwise
+
+    gen = torch.Generator().manual_seed(rows * 7 + inter)
+    wide = torch.randn(rows, in_features + 4, generator=gen).bfloat16()
+    x = wide[:, 2 : 2 + in_features]
+    weight = (torch.randn(2 * inter, in_features, generator=gen) * 0.2).bfloat16()
+    b = torch.randn(2 * inter, generator=gen).bfloat16() if bias else None
+    plain, glu = bf16_gemm.pack(weight), bf16_gemm.pack(weight, glu=True)
+    assert plain is not None and glu is not None and glu.glu
+    unfused = elementwise.silu_and_mul(gemm(x, plain, b))
+    assert torch.equal(bf16_gemm.bf16_gemm_silu_and_mul(x, glu, b), unfused)
+    # The halves' layout still serves a plain call (each half, side by side).
+    assert torch.equal(gemm(x, glu, b), gemm(x, plain, b))
+
+
+@needs_dpbf16
+def test_glu_packing_pads_each_half_to_whole_panels():
+    panel = bf16_gemm.panel_width()
+    weight = torch.randn(2 * 50, 8).bfloat16()
+    glu = bf16_gemm.pack(weight, glu=True)
+    assert glu is not None and glu.data.shape == (4, 4, panel, 2)  # 50 -> 2 panels a half
+    assert torch.equal(glu.data[2, 1, 0], weight[50, 2:4])  # up's first column, k 2-3
+    assert bool((glu.data[1, :, 50 - panel :] == 0).all())  # the gate's padding
+    assert bf16_gemm.pack(torch.zeros(5, 8, dtype=torch.bfloat16), glu=True) is None
+    with pytest.raises(ValueError, match="glu=True"):
+        bf16_gemm.bf16_gemm_silu_and_mul(torch.zeros(2, 8).bfloat16(), bf16_gemm.pack(weight))
