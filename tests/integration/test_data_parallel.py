@@ -227,16 +227,18 @@ def test_two_api_servers_share_the_port(
             body = {"model": MODEL_NAME, "prompt": _prompt(i), "max_tokens": 2}
             response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
             assert response.status_code == 200, response.text
-        # Each frontend counts what it routed; fresh connections reach both.
+        # Each frontend counts what it routed (the two counts add up to 24). A count
+        # strictly between 0 and 24, from whichever frontend a scrape reaches, means
+        # both routed some; two different counts must add up to 24 (equal halves show
+        # one value: 12 and 12).
         seen: set[float] = set()
 
-        def both_counted() -> bool:
-            routed = _by_engine(server.base_url, "kvflow:router_requests_total")
-            seen.add(routed["0"])
-            return len(seen) == 2
+        def both_routed() -> bool:
+            seen.add(_by_engine(server.base_url, "kvflow:router_requests_total")["0"])
+            return any(0 < count < 24 for count in seen)
 
-        assert wait_for(both_counted, timeout_s=30.0, interval_s=0.0), seen
-        assert sum(seen) == 24, seen
+        assert wait_for(both_routed, timeout_s=30.0, interval_s=0.0), seen
+        assert len(seen) == 1 or (len(seen) == 2 and sum(seen) == 24), seen
     finally:
         code, survivors = stop_server(server)
     assert survivors == [] and code == 0, server.log_tail()
