@@ -171,25 +171,39 @@ inline void glu_rows_tail(const Problem& p, const uint16_t* gate_panel, const ui
     }
 }
 
-// Rows per row block: x's block (kXBlockBytes) stays in L2 while the panels stream past.
+// Row blocks: x's rows in blocks of whole tiles whose x (up to kXBlockBytes) stays in L2
+// while the panels stream past, as even as they can be and, where there are several, as
+// many as a multiple of the threads. Tasks are (row block, panel), row blocks
+// outermost, and a static schedule hands each thread a contiguous range of them: so
+// every thread gets the same rows. (Blocks of a fixed 224 rows gave a 256-row prefill
+// one block of 224 and one of 32: one thread did 7/8 of the work.)
+struct RowBlocks {
+    int64_t count, tiles, MR;
+
+    int64_t first(int64_t b) const { return b * tiles / count * MR; }
+};
+
 template <int MR>
-int64_t block_rows(const Problem& p) {
+RowBlocks row_blocks(const Problem& p) {
     constexpr int64_t kXBlockBytes = 256 * 1024;
-    return std::max<int64_t>(MR, kXBlockBytes / (2 * p.K) / MR * MR);
+    const int64_t tiles = (p.M + MR - 1) / MR;
+    const int64_t tiles_per_block = std::max<int64_t>(1, kXBlockBytes / (2 * p.K) / MR);
+    int64_t count = (tiles + tiles_per_block - 1) / tiles_per_block;
+    const int64_t threads = omp_get_max_threads();
+    if (count > 1) count = std::min(tiles, (count + threads - 1) / threads * threads);
+    return {std::max<int64_t>(count, 1), tiles, MR};
 }
 
-// Tasks are (row block, panel), row blocks outermost, split evenly between threads: at
-// decode sizes there is one row block and threads own whole panels; a long prefill's
-// rows go by blocks.
+// At decode sizes there is one row block and threads own whole panels.
 template <int MR, int NR>
 void gemm(const Problem& p) {
     constexpr int64_t NB = 16 * NR;
-    const int64_t panels = (p.N + NB - 1) / NB, pairs = p.K / 2, rows = block_rows<MR>(p);
-    const int64_t row_blocks = (p.M + rows - 1) / rows;
+    const int64_t panels = (p.N + NB - 1) / NB, pairs = p.K / 2;
+    const RowBlocks blocks = row_blocks<MR>(p);
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < row_blocks * panels; ++t) {
-        const int64_t q = t % panels, m0 = t / panels * rows;
-        const int64_t m1 = std::min(p.M, m0 + rows);
+    for (int64_t t = 0; t < blocks.count * panels; ++t) {
+        const int64_t q = t % panels, b = t / panels;
+        const int64_t m0 = blocks.first(b), m1 = std::min(p.M, blocks.first(b + 1));
         const uint16_t* panel = p.w + q * pairs * NB * 2;
         int64_t m = m0;
         for (; m + MR <= m1; m += MR) tile<MR, NR>(p, panel, m, q * NB);
@@ -202,12 +216,12 @@ void gemm(const Problem& p) {
 template <int MR, int NR>
 void glu_gemm(const Problem& p) {
     constexpr int64_t NB = 16 * NR;
-    const int64_t panels = (p.N / 2 + NB - 1) / NB, pairs = p.K / 2, rows = block_rows<MR>(p);
-    const int64_t row_blocks = (p.M + rows - 1) / rows;
+    const int64_t panels = (p.N / 2 + NB - 1) / NB, pairs = p.K / 2;
+    const RowBlocks blocks = row_blocks<MR>(p);
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < row_blocks * panels; ++t) {
-        const int64_t q = t % panels, m0 = t / panels * rows;
-        const int64_t m1 = std::min(p.M, m0 + rows);
+    for (int64_t t = 0; t < blocks.count * panels; ++t) {
+        const int64_t q = t % panels, b = t / panels;
+        const int64_t m0 = blocks.first(b), m1 = std::min(p.M, blocks.first(b + 1));
         const uint16_t* gate = p.w + q * pairs * NB * 2;
         const uint16_t* up = gate + panels * pairs * NB * 2;
         int64_t m = m0;

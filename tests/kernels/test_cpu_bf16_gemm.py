@@ -63,11 +63,13 @@ def test_matches_f_linear(rows, in_features, out_features, bias):
 
 
 @needs_dpbf16
-def test_long_prefill_goes_by_row_blocks():
-    """More rows than one L2 block of x (256 KB): row blocks split between threads."""
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(600, 1536, generator=gen).bfloat16()
-    weight = torch.randn(200, 1536, generator=gen).bfloat16()
+@pytest.mark.parametrize(("rows", "in_features"), [(600, 1536), (257, 576), (2049, 576)])
+def test_long_prefill_goes_by_row_blocks(rows, in_features):
+    """More rows than one L2 block of x (256 KB): row blocks of whole tiles, as even as
+    they can be (the last one short by up to a tile), split between threads."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = torch.randn(200, in_features, generator=gen).bfloat16()
     packed = bf16_gemm.pack(weight)
     assert packed is not None
     _assert_within_rounding(gemm(x, packed), x, weight, None)
