@@ -194,21 +194,27 @@ RowBlocks row_blocks(const Problem& p) {
     return {std::max<int64_t>(count, 1), tiles, MR};
 }
 
-// At decode sizes there is one row block and threads own whole panels.
-template <int MR, int NR>
-void gemm(const Problem& p) {
-    constexpr int64_t NB = 16 * NR;
-    const int64_t panels = (p.N + NB - 1) / NB, pairs = p.K / 2;
+// body(q, m0, m1) for every task: panel q of rows [m0, m1). At decode sizes there is one
+// row block and threads own whole panels.
+template <int MR, typename Body>
+void for_each_task(const Problem& p, int64_t panels, Body body) {
     const RowBlocks blocks = row_blocks<MR>(p);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < blocks.count * panels; ++t) {
         const int64_t q = t % panels, b = t / panels;
-        const int64_t m0 = blocks.first(b), m1 = std::min(p.M, blocks.first(b + 1));
+        body(q, blocks.first(b), std::min(p.M, blocks.first(b + 1)));
+    }
+}
+
+template <int MR, int NR>
+void gemm(const Problem& p) {
+    constexpr int64_t NB = 16 * NR;
+    const int64_t pairs = p.K / 2;
+    for_each_task<MR>(p, (p.N + NB - 1) / NB, [&](int64_t q, int64_t m, int64_t m1) {
         const uint16_t* panel = p.w + q * pairs * NB * 2;
-        int64_t m = m0;
         for (; m + MR <= m1; m += MR) tile<MR, NR>(p, panel, m, q * NB);
         rows_tail<NR, MR - 1>(p, panel, m, q * NB, m1 - m);
-    }
+    });
 }
 
 // The same tasks over pairs of panels (gate panel q, up panel q): p.N = 2 * inter, the
@@ -217,17 +223,12 @@ template <int MR, int NR>
 void glu_gemm(const Problem& p) {
     constexpr int64_t NB = 16 * NR;
     const int64_t panels = (p.N / 2 + NB - 1) / NB, pairs = p.K / 2;
-    const RowBlocks blocks = row_blocks<MR>(p);
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < blocks.count * panels; ++t) {
-        const int64_t q = t % panels, b = t / panels;
-        const int64_t m0 = blocks.first(b), m1 = std::min(p.M, blocks.first(b + 1));
+    for_each_task<MR>(p, panels, [&](int64_t q, int64_t m, int64_t m1) {
         const uint16_t* gate = p.w + q * pairs * NB * 2;
         const uint16_t* up = gate + panels * pairs * NB * 2;
-        int64_t m = m0;
         for (; m + MR <= m1; m += MR) glu_tile<MR, NR>(p, gate, up, m, q * NB);
         glu_rows_tail<NR, MR - 1>(p, gate, up, m, q * NB, m1 - m);
-    }
+    });
 }
 
 #endif
