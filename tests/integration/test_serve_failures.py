@@ -60,6 +60,7 @@ def _stream(
         **sampling,
     }
     text, finishes, errors = [], [], []
+    finished_at = float("inf")
     with (
         httpx.Client(timeout=STREAM_DEADLINE_S) as http,
         http.stream("POST", base_url + "/v1/completions", json=body) as response,
@@ -73,9 +74,16 @@ def _stream(
             for choice in event.get("choices", []):
                 text.append(choice["text"])
                 finishes.append(choice.get("finish_reason"))
+                if choice.get("finish_reason"):
+                    finished_at = time.monotonic()
                 if started is not None and len(text) >= 3:
                     started.set()
-    return {"text": "".join(text), "finish": [f for f in finishes if f], "errors": errors}
+    return {
+        "text": "".join(text),
+        "finish": [f for f in finishes if f],
+        "errors": errors,
+        "finished_at": finished_at,
+    }
 
 
 def _run_streams(
@@ -156,7 +164,10 @@ def test_worker_sigkill_mid_stream_loses_nothing(tiny_model_dir: Path, tmp_path:
     assert recovering and "recovering" in recovering[0], seen
     assert seen[-1][0] == 200
     assert metrics["kvflow:worker_restarts_total"] == 1
-    assert metrics["kvflow:requests_resumed_total"] == len(PROMPTS)
+    # Every stream still running at the kill resumed. (On a loaded machine one may
+    # have finished before the last one had its first tokens.)
+    running = sum(1 for got in crashed if got["finished_at"] > killed_at[0])
+    assert running >= 1 and metrics["kvflow:requests_resumed_total"] == running
     assert survivors == [] and code == 0, server.log_tail()
     print(f"\nworker SIGKILL -> every stream finished {took:.1f} s later; health: {seen}")
 
