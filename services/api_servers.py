@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
@@ -38,7 +37,7 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.1
 
 
-@dataclass
+@dataclasses.dataclass
 class ApiServer:
     process: BaseProcess
     listening: EventType  # set once its port accepts requests
