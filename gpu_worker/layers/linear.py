@@ -100,7 +100,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self, input_size: int, output_sizes: Sequence[int], bias: bool, glu: bool = False
     ) -> None:
         super().__init__(input_size, output_sizes, bias, shard_ids=range(len(output_sizes)))
-        self.glu = glu and len(output_sizes) == 2 and output_sizes[0] == output_sizes[1]
+        if glu and (len(output_sizes) != 2 or output_sizes[0] != output_sizes[1]):
+            raise ValueError(f"a GLU's gate|up has two equal halves, not {list(output_sizes)}")
+        self.glu = glu
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up in one pass where the CPU route allows it, else None."""
