@@ -156,3 +156,11 @@ def test_glu_packing_pads_each_half_to_whole_panels():
     assert bf16_gemm.pack(torch.zeros(5, 8, dtype=torch.bfloat16), glu=True) is None
     with pytest.raises(ValueError, match="glu=True"):
         bf16_gemm.bf16_gemm_silu_and_mul(torch.zeros(2, 8).bfloat16(), bf16_gemm.pack(weight))
+
+
+def test_a_glu_layer_needs_two_equal_halves():
+    from kvflow.gpu_worker.layers.linear import MergedColumnParallelLinear
+
+    assert MergedColumnParallelLinear(8, [6, 6], bias=False, glu=True).glu
+    with pytest.raises(ValueError, match="two equal halves"):
+        MergedColumnParallelLinear(8, [6, 4], bias=False, glu=True)
