@@ -6,6 +6,7 @@ sample, watch the engine view, enter the API key. Screenshots go to pytest's tmp
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,10 +92,17 @@ def _busy_engine(server: Server, count: int = 12) -> list[threading.Thread]:
 
 def test_stop_aborts_the_request_and_frees_its_blocks(page: Any, ui_server: Server) -> None:
     page.get_by_label("Max tokens").fill("400")
+
+    def no_early_stop(route: Any) -> None:  # the tiny model's EOS must not end it first
+        body = json.loads(route.request.post_data or "{}")
+        route.continue_(post_data=json.dumps({**body, "ignore_eos": True}))
+
+    page.route("**/v1/chat/completions", no_early_stop)
     busy = _busy_engine(ui_server)
     answer = send(page, "Tell me everything.")
     wait_for(lambda: len(answer.locator(".choices").inner_text()) > 20, 60, 0.05)
     page.get_by_role("button", name="Stop").click()
+    page.unroute("**/v1/chat/completions")
     finished(answer, "stopped")
     for thread in busy:
         thread.join(timeout=300)
