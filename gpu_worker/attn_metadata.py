@@ -53,7 +53,7 @@ class AttentionMetadata:
 
 
 # Called by each attention layer with its KV cache view once the step's K/V are stored
-# in it: a KV connector saves layer by layer (gpu_worker/kv_connector/layer_save.py).
+# in it: a KV connector saves layer by layer (kvflow/kv_transfer/worker/layer_save.py).
 AfterLayer = Callable[[torch.Tensor], None]
 
 

@@ -38,9 +38,9 @@ from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.model_limits import read_model_limits
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
-from kvflow.proto.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
-from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.step import SchedulerHello, Shutdown, StepPlan, WorkerInput
+from kvflow.runtime.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
+from kvflow.runtime.sockets import TypedSocket
 
 logger = logging.getLogger(__name__)
 

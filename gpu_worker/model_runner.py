@@ -29,7 +29,6 @@ from kvflow.gpu_worker.drafter import Drafter, make_drafter
 from kvflow.gpu_worker.grammar_bitmask import apply_grammar_bitmask
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
-from kvflow.gpu_worker.kv_connector.connector import KVConnectorWorker, make_connector_worker
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
 from kvflow.gpu_worker.parallel_state import get_pp_group
 from kvflow.gpu_worker.rejection_sampler import DraftBatch, RejectionSampler
@@ -37,6 +36,7 @@ from kvflow.gpu_worker.sampler import LogprobsTensors, Sampler, compute_prompt_l
 from kvflow.gpu_worker.spec_metadata import verification_metadata
 from kvflow.gpu_worker.stage_link import StageLink
 from kvflow.kernels.cpu.native_build import load_all as load_native_kernels
+from kvflow.kv_transfer.worker.connector import KVConnectorWorker, make_connector_worker
 from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.proto.step import StepPlan, StepResult, TokenLogprobs
 from kvflow.speculative_config import SpeculativeConfig

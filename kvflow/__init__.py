@@ -10,13 +10,13 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from kvflow.llm import LLM
+    from kvflow.offline.llm import LLM
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: importing torch/transformers costs seconds; `kvflow.SamplingParams` should not.
     if name == "LLM":
-        from kvflow.llm import LLM
+        from kvflow.offline.llm import LLM
 
         return LLM
     raise AttributeError(name)

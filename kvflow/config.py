@@ -3,7 +3,7 @@
 Each component receives only its own sub-config. "auto" values (dtype, device,
 attention backend) are resolved by `EngineConfig.create()` *before* the dataclasses
 are frozen, so a config object never changes after construction. CLI flags are
-generated from the fields and their `help` metadata (see `services/cli_args.py`).
+generated from the fields and their `help` metadata (see `kvflow/cli/args.py`).
 """
 
 from __future__ import annotations

@@ -22,8 +22,6 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-import msgspec
-
 from kvflow.errors import ConfigError
 from kvflow.json_options import json_options
 
@@ -95,14 +93,6 @@ class KVTransferConfig:
         if not isinstance(options.get("kv_connector_extra_config", {}), dict):
             raise ConfigError("kv_connector_extra_config must be a JSON object")
         return cls(**options)
-
-
-class KVTransferParams(msgspec.Struct, omit_defaults=True):
-    """Per request (vLLM's `kv_transfer_params` body field): where its KV comes from.
-    Unknown keys that vLLM clients send are ignored."""
-
-    remote_address: str | None = None  # "tcp://host:port" of the zmq producer
-    do_remote_decode: bool = False  # a proxy's prefill request: its KV is for elsewhere
 
 
 def parse_kv_transfer_config(text: str) -> KVTransferConfig:

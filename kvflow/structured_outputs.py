@@ -20,7 +20,11 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
-from kvflow.sampling_params import InvalidSamplingParams, StructuredOutputsParams
+from kvflow.sampling_params import (
+    InvalidSamplingParams,
+    StructuredOutputsParams,
+    validate_structured_outputs,
+)
 
 if TYPE_CHECKING:
     import xgrammar
@@ -121,7 +125,7 @@ def check_grammar(params: StructuredOutputsParams, field: str | None = None) -> 
     """Validate a constraint fully (it parses); `field` renames the error's param to the
     request field it came from (e.g. response_format)."""
     try:
-        params.validate()
+        validate_structured_outputs(params)
         build_grammar(params)
     except InvalidSamplingParams as exc:
         if field is None:

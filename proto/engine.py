@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvflow.proto.sampling import SamplingParams
 from kvflow.proto.step import TokenLogprobs
-from kvflow.sampling_params import SamplingParams
 
 # The prompt tokens the detokenizer reads: the context of a request's first text delta.
 # The scheduler forwards only these, not the whole prompt.

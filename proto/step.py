@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStepStats
-from kvflow.sampling_params import SamplingParams
+from kvflow.proto.sampling import SamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

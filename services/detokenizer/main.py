@@ -23,9 +23,9 @@ import zmq
 from kvflow.proto.addresses import ServiceAddresses, bind_address
 from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs
 from kvflow.proto.frontend import EngineDead, FrontendOutputs
-from kvflow.proto.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
-from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.step import SchedulerHello, Shutdown
+from kvflow.runtime.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
+from kvflow.runtime.sockets import TypedSocket
 from kvflow.services.detokenizer.streams import DetokenizerStreams, Routed
 from kvflow.tokenizer import load_decoding_tokenizer
 

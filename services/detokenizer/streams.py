@@ -22,11 +22,8 @@ import msgspec
 from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
-from kvflow.services.detokenizer.incremental import (
-    DetokenizerUpdate,
-    IncrementalDetokenizer,
-    convert_ids_to_token_strings,
-)
+from kvflow.services.detokenizer.incremental import DetokenizerUpdate, IncrementalDetokenizer
+from kvflow.token_strings import convert_ids_to_token_strings
 
 logger = logging.getLogger(__name__)
 

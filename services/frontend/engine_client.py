@@ -56,12 +56,12 @@ from kvflow.errors import EngineDeadError, InvalidRequestError
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.engine import AbortRequests, AddRequest
 from kvflow.proto.frontend import EngineDead, FrontendOutputs, RequestOutputDelta
-from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.stats import SchedulerStats
+from kvflow.routing import Decision, NoEngineError, Router, RoutingConfig
+from kvflow.runtime.sockets import TypedSocket
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
 from kvflow.services.frontend.engine_link import EngineLink
 from kvflow.services.frontend.request_deadline import Deadline
-from kvflow.services.frontend.routing import Decision, NoEngineError, Router, RoutingConfig
 
 logger = logging.getLogger(__name__)
 

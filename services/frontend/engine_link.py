@@ -22,8 +22,8 @@ import zmq.asyncio
 
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.frontend import EngineDead, FrontendInput
-from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.stats import SchedulerStats
+from kvflow.runtime.sockets import TypedSocket
 
 NOT_READY = "waiting for the engine: no scheduler stats received yet"
 NOT_LINKED = "waiting for the engine: not connected to the detokenizer"

@@ -26,10 +26,10 @@ from typing import Any
 import uvicorn
 
 from kvflow.proto.addresses import ServiceAddresses
+from kvflow.routing import RoutingConfig
 from kvflow.services.frontend.app import build_app
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient, Watchdog
-from kvflow.services.frontend.routing import RoutingConfig
 
 logger = logging.getLogger(__name__)
 

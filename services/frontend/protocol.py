@@ -19,7 +19,7 @@ import msgspec
 from msgspec import Meta
 
 from kvflow.errors import InvalidRequestError
-from kvflow.kv_transfer_config import KVTransferParams
+from kvflow.proto.sampling import KVTransferParams
 from kvflow.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from kvflow.services.frontend.json_limits import check_json_limits
 from kvflow.services.frontend.structured_fields import GuidedFields, resolve_structured_outputs

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
 
-from kvflow.services.frontend.routing import Decision
+from kvflow.routing import Decision
 
 POLICIES = ("prefix-aware", "least-load", "round-robin", "rank")
 

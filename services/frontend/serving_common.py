@@ -33,8 +33,7 @@ from kvflow.errors import (
 from kvflow.model_limits import check_prompt
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
-from kvflow.sampling_params import SamplingParams
-from kvflow.services.detokenizer.incremental import convert_ids_to_token_strings
+from kvflow.sampling_params import SamplingParams, validate_sampling_params
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient, sample_index
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST
@@ -42,6 +41,7 @@ from kvflow.services.frontend.metrics import FrontendMetrics
 from kvflow.services.frontend.request_deadline import Deadline, RequestDeadlines
 from kvflow.services.frontend.responses import UsageInfo
 from kvflow.services.frontend.sse import SSEResponse, unless_disconnected, until_disconnect
+from kvflow.token_strings import convert_ids_to_token_strings
 from kvflow.tokenizer import Conversation, apply_chat_template
 
 # JSON has no -inf; OpenAI clients expect a number (vLLM uses the same floor).
@@ -123,7 +123,7 @@ class ServingContext:
             token_ids, params.max_tokens, self.config.max_model_len, vocab_size
         )
         resolved = msgspec.structs.replace(params, max_tokens=max_tokens)
-        resolved.validate(vocab_size)
+        validate_sampling_params(resolved, vocab_size)
         return PreparedPrompt(token_ids, text, resolved)
 
     def prompt_text(self, prompt: PreparedPrompt) -> str:

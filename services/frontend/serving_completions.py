@@ -20,7 +20,6 @@ from starlette.responses import Response
 
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
-from kvflow.services.detokenizer.incremental import convert_ids_to_token_strings
 from kvflow.services.frontend.protocol import CompletionRequest, decode_request
 from kvflow.services.frontend.request_deadline import RequestDeadlines, request_deadlines
 from kvflow.services.frontend.responses import (
@@ -38,6 +37,7 @@ from kvflow.services.frontend.serving_common import (
     json_response,
 )
 from kvflow.services.frontend.sse import sse_event
+from kvflow.token_strings import convert_ids_to_token_strings
 
 
 class _Choice(ChoiceCounts):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.services.frontend.routing import Router, RoutingConfig
+from kvflow.routing import Router, RoutingConfig
 
 # Fields that shape the output, not the prompt: the prefill request drops them.
 _OUTPUT_FIELDS = (

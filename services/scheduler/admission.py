@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kvflow.errors import InvalidRequestError, PromptTooLongError
 from kvflow.model_limits import check_prompt
 from kvflow.proto.engine import AddRequest
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, validate_sampling_params
 from kvflow.services.scheduler.request import Request
 
 
@@ -51,7 +51,7 @@ def admit(message: AddRequest, limits: EngineLimits, queued_time: float) -> Requ
     sequence per request id.
     """
     params = message.sampling_params
-    params.validate(limits.vocab_size)
+    validate_sampling_params(params, limits.vocab_size)
     if params.n != 1:
         raise InvalidRequestError(
             f"n={params.n} reached the engine; the frontend sends one request per sample",

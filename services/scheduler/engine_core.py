@@ -1,7 +1,7 @@
 """The engine core: admit -> schedule -> (the worker executes) -> update. Sans-IO.
 
 Both the scheduler process (`loop.py`, over ZeroMQ) and the offline `LLM`
-(`kvflow/engine.py`, in process) drive this one class, so every rule (admission,
+(`kvflow/offline/engine.py`, in process) drive this one class, so every rule (admission,
 limits, stop conditions, step bookkeeping) lives once. Callers bring the clock: one
 wall clock (`time.time()`), the one the frontends' request metrics use.
 

@@ -39,16 +39,16 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvflow.config import EngineConfig
 from kvflow.errors import KvflowError
+from kvflow.kv_transfer.scheduler.connector import make_connector_scheduler
 from kvflow.kv_transfer_config import engine_kv_namespace
 from kvflow.metrics.roofline import ModelShape, RooflineMeter
 from kvflow.proto.addresses import ServiceAddresses, bind_address
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo, WorkerOutput
 from kvflow.proto.engine import AbortRequests, AddRequest
 from kvflow.proto.frontend import EngineDead
-from kvflow.proto.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
-from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.step import SchedulerHello, Shutdown
-from kvflow.services.kv_transfer.connector import make_connector_scheduler
+from kvflow.runtime.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
+from kvflow.runtime.sockets import TypedSocket
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
 from kvflow.services.scheduler.grammar_compiler import grammar_compiler

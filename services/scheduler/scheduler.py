@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass, field
 
 from kvflow.config import SchedulerConfig
+from kvflow.kv_transfer.scheduler.connector import KVConnectorScheduler, PromptDone
+from kvflow.kv_transfer.scheduler.remote_loads import RemoteKVLoads
 from kvflow.proto.engine import TokenDelta
 from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStats
 from kvflow.proto.step import (
@@ -24,8 +26,6 @@ from kvflow.proto.step import (
     StepResult,
     TokenLogprobs,
 )
-from kvflow.services.kv_transfer.connector import KVConnectorScheduler, PromptDone
-from kvflow.services.kv_transfer.remote_loads import RemoteKVLoads
 from kvflow.services.scheduler.grammar_matcher import build_bitmask, fill_rows
 from kvflow.services.scheduler.jump_forward import jump_forward
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager

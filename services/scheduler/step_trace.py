@@ -20,7 +20,7 @@ thread id per stage) with two "X" events per step, from the workers' own wall cl
 (StepResult.stage_spans): "prepare" (the plan applied, inputs built) and "compute"
 (from its input's arrival to its hand-off or sample). The bubble, where a stage waits
 for its predecessor's activations or for the next plan, shows as the gaps.
-`python -m kvflow.services.bench.pipeline_bubble TRACE` prints each stage's idle share.
+`python -m kvflow.bench.pipeline_bubble TRACE` prints each stage's idle share.
 
 The closing `]` is written by `close()`, so the file is valid JSON after a clean stop;
 after a crash it lacks only that bracket, which the Chrome and Perfetto viewers accept.

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvflow import LLM, SamplingParams
-from kvflow.kv_transfer_config import KVTransferParams
+from kvflow.proto.sampling import KVTransferParams
 
 pytestmark = pytest.mark.slow
 

@@ -67,7 +67,7 @@ def test_kv_cache_memory_sets_the_number_of_blocks(
 ) -> None:
     per_block = _bytes_per_block(tiny_model_dir)
     for gib in (0.001, 0.002):
-        with caplog.at_level(logging.INFO, logger="kvflow.engine"):
+        with caplog.at_level(logging.INFO, logger="kvflow.offline.engine"):
             llm = LLM(str(tiny_model_dir), **BASE, kv_cache_memory=gib)
         expected = int(gib * (1 << 30) // per_block)
         assert llm.engine.runner.num_blocks == expected

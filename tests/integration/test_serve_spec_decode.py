@@ -16,7 +16,7 @@ import pytest
 from serve_harness import MODEL_NAME, Server, metric_values, start_server, stop_server, wait_for
 
 from kvflow import LLM, SamplingParams
-from kvflow.services.bench.serve import spec_decode_counts
+from kvflow.bench.serve import spec_decode_counts
 
 pytestmark = pytest.mark.slow
 

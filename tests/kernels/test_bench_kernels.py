@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvflow.kernels.cpu.paged_decode import load_paged_decode
-from kvflow.services.bench.kernel_args import add_kernel_bench_args
-from kvflow.services.bench.kernels import (
+from kvflow.bench.kernel_args import add_kernel_bench_args
+from kvflow.bench.kernels import (
     Case,
     Measurement,
     _measure,
@@ -15,6 +14,7 @@ from kvflow.services.bench.kernels import (
     _speedups,
     run_kernel_bench,
 )
+from kvflow.kernels.cpu.paged_decode import load_paged_decode
 
 TINY = (
     "--num-tokens 16 --hidden-size 64 --intermediate-size 64 --num-heads 4 --num-kv-heads 2 "
@@ -83,8 +83,8 @@ def test_tiny_run_reports_every_kernel(capsys, device):
 def test_cpu_linear_cases_agree_and_count_the_bytes_read():
     import torch
 
+    from kvflow.bench.kernel_cases import cpu_linear_cases
     from kvflow.kernels.cpu import block_linear
-    from kvflow.services.bench.kernel_cases import cpu_linear_cases
 
     args = _args(TINY + " --linear-rows 1,3")
     assert cpu_linear_cases(args, torch.device("cpu"), torch.bfloat16) == []  # float32 only
@@ -114,7 +114,7 @@ def test_decode_case_on_a_quantized_cache_of_several_layers(device):
     dequantized SDPA baseline; float-only implementations are left out."""
     import torch
 
-    from kvflow.services.bench.kernel_cases import attention_cases
+    from kvflow.bench.kernel_cases import attention_cases
 
     args = _args(
         TINY.replace("--head-dim 32", "--head-dim 64") + " --kv-cache-dtype int8 --kv-layers 3"
@@ -135,8 +135,8 @@ def test_decode_case_on_a_quantized_cache_of_several_layers(device):
 def test_cpu_bf16_linear_cases_agree():
     import torch
 
+    from kvflow.bench.kernel_cases import cpu_bf16_linear_cases
     from kvflow.kernels.cpu import bf16_gemm
-    from kvflow.services.bench.kernel_cases import cpu_bf16_linear_cases
 
     args = _args(TINY + " --linear-rows 1,9")
     assert cpu_bf16_linear_cases(args, torch.device("cpu"), torch.float32) == []  # bf16 only

@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
-from kvflow.services.bench import plot, request_client, serve
-from kvflow.services.bench.datasets import SampleRequest
-from kvflow.services.bench.request_client import RequestOutput, completion_payload
-from kvflow.services.bench.serve_metrics import calculate_metrics
-from kvflow.services.bench.serve_report import RunSetup, format_summary, result_json, result_path
+from kvflow.bench import plot, request_client, serve
+from kvflow.bench.datasets import SampleRequest
+from kvflow.bench.request_client import RequestOutput, completion_payload
+from kvflow.bench.serve_metrics import calculate_metrics
+from kvflow.bench.serve_report import RunSetup, format_summary, result_json, result_path
 
 URL = "http://bench.test/v1/completions"
 

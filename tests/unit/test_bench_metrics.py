@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvflow.services.bench import datasets
-from kvflow.services.bench.latency import latency_stats
-from kvflow.services.bench.request_client import RequestOutput
-from kvflow.services.bench.serve import arrival_times, parse_rates
-from kvflow.services.bench.serve_metrics import (
+from kvflow.bench import datasets
+from kvflow.bench.latency import latency_stats
+from kvflow.bench.request_client import RequestOutput
+from kvflow.bench.serve import arrival_times, parse_rates
+from kvflow.bench.serve_metrics import (
     calculate_metrics,
     parse_metric_names,
     parse_percentiles,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from kvflow.bench.roofline import roofline_lines, roofline_section
+from kvflow.bench.startup import StartupRun, report_lines, serve_flags, summarize
 from kvflow.config import EngineConfig
 from kvflow.metrics.roofline import RooflineMeter
 from kvflow.proto.stats import PhaseTotals
-from kvflow.services.bench.roofline import roofline_lines, roofline_section
-from kvflow.services.bench.startup import StartupRun, report_lines, serve_flags, summarize
 
 
 def test_engine_options_become_serve_flags() -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvflow.services.cli import main
+from kvflow.cli.main import main
 
 
 def test_bench_routing_times_every_policy_at_both_levels(

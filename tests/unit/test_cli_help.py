@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from kvflow.services.cli import build_parser
+from kvflow.cli.main import build_parser
 
 
 def _all_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):

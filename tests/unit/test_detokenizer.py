@@ -20,12 +20,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from kvflow.sampling_params import SamplingParams
-from kvflow.services.detokenizer.incremental import (
-    DetokenizerUpdate,
-    IncrementalDetokenizer,
-    TokenStrings,
-    convert_ids_to_token_strings,
-)
+from kvflow.services.detokenizer.incremental import DetokenizerUpdate, IncrementalDetokenizer
+from kvflow.token_strings import TokenStrings, convert_ids_to_token_strings
 
 FFFD = "\ufffd"
 TEXTS = [

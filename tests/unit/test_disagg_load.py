@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvflow.services.bench.datasets import TokenSpace
-from kvflow.services.bench.disagg import core_split
-from kvflow.services.bench.mixed_load import MixedLoad, summarize
-from kvflow.services.bench.request_client import RequestOutput
+from kvflow.bench.datasets import TokenSpace
+from kvflow.bench.disagg import core_split
+from kvflow.bench.mixed_load import MixedLoad, summarize
+from kvflow.bench.request_client import RequestOutput
 
 
 def test_cores_split_in_halves_the_prefill_side_taking_the_odd_one() -> None:

@@ -12,14 +12,14 @@ from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError
 from kvflow.proto.addresses import ServiceAddresses, bind_address
 from kvflow.proto.data_parallel import EngineJoin, EngineJoined
-from kvflow.services.dp_hosts import (
+from kvflow.services.launch.dp_hosts import (
     DataParallelHosts,
     RemoteEngine,
     _accept,
     free_tcp_addresses,
     reachable_host,
 )
-from kvflow.services.ray_executor import engine_bundle
+from kvflow.services.launch.ray_executor import engine_bundle
 
 
 def test_local_ranks() -> None:
@@ -91,7 +91,7 @@ def test_engine_bundle_holds_every_rank_of_a_tp_pp_group(tp: int, pp: int, ranks
 def test_ray_monitor_takes_a_lost_actor_out_for_good() -> None:
     from types import SimpleNamespace
 
-    from kvflow.services.ray_executor import RayEngine, _Monitor
+    from kvflow.services.launch.ray_executor import RayEngine, _Monitor
 
     class Lost(Exception):
         pass

@@ -38,9 +38,9 @@ from transformers import PreTrainedTokenizerFast
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.engine import AbortRequests, AddRequest
 from kvflow.proto.frontend import EngineDead, FrontendOutputs, RequestOutputDelta
-from kvflow.proto.sockets import TypedSocket
 from kvflow.proto.stats import SchedulerStats
 from kvflow.proto.step import TokenLogprobs
+from kvflow.runtime.sockets import TypedSocket
 from kvflow.services.frontend.app import FrontendConfig, build_app
 from kvflow.services.frontend.engine_client import EngineClient
 from kvflow.services.frontend.main import serve

@@ -10,7 +10,7 @@ import pytest
 
 _CHILD = """
 import gc, weakref
-from kvflow.proto.lifecycle import LauncherLink
+from kvflow.runtime.lifecycle import LauncherLink
 
 class Stop:
     def install(self): pass

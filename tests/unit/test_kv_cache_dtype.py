@@ -8,13 +8,13 @@ import torch
 from kvflow.config import CacheConfig, EngineConfig, resolve_kv_cache_dtype
 from kvflow.errors import ConfigError
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
-from kvflow.gpu_worker.kv_connector.block_io import (
+from kvflow.kernels import kv_codec
+from kvflow.kv_transfer.worker.block_io import (
     decode_block,
     encode_block,
     gather_blocks,
     scatter_blocks,
 )
-from kvflow.kernels import kv_codec
 from kvflow.kv_transfer_config import engine_kv_namespace
 
 

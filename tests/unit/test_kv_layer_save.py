@@ -1,4 +1,4 @@
-"""Layer-by-layer saving (gpu_worker/kv_connector/layer_save.py): each attention layer's
+"""Layer-by-layer saving (kvflow/kv_transfer/worker/layer_save.py): each attention layer's
 hook hands its blocks to the copier thread; wait() returns exactly what one gather after
 the forward would, whichever layers called, and raises what a copy raised."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow.gpu_worker.kv_connector.block_io import decode_block, gather_blocks
-from kvflow.gpu_worker.kv_connector.layer_save import LayerCopier
-from kvflow.gpu_worker.kv_connector.shared_storage import SharedStorageWorker
+from kvflow.kv_transfer.worker.block_io import decode_block, gather_blocks
+from kvflow.kv_transfer.worker.layer_save import LayerCopier
+from kvflow.kv_transfer.worker.shared_storage import SharedStorageWorker
 from kvflow.kv_transfer_config import block_file_path
 from kvflow.proto.kv_transfer import KVBlockTransfer, KVConnectorMeta
 

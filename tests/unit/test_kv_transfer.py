@@ -11,7 +11,9 @@ import torch
 from kvflow.block_hash import extend_block_hashes
 from kvflow.config import SchedulerConfig
 from kvflow.errors import ConfigError
-from kvflow.gpu_worker.kv_connector.block_io import (
+from kvflow.kv_transfer.scheduler.block_keys import prompt_block_keys
+from kvflow.kv_transfer.scheduler.shared_storage import SharedStorageScheduler
+from kvflow.kv_transfer.worker.block_io import (
     decode_block,
     encode_block,
     gather_block,
@@ -21,8 +23,6 @@ from kvflow.gpu_worker.kv_connector.block_io import (
 )
 from kvflow.kv_transfer_config import KVTransferConfig, block_file_path
 from kvflow.sampling_params import SamplingParams
-from kvflow.services.kv_transfer.block_keys import prompt_block_keys
-from kvflow.services.kv_transfer.shared_storage import SharedStorageScheduler
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.scheduler import Scheduler
@@ -164,8 +164,8 @@ def test_parallel_engines_are_refused_with_a_connector() -> None:
 
 
 def test_a_bad_block_file_fails_the_load_once(tmp_path: Path) -> None:
-    from kvflow.gpu_worker.kv_connector.connector import KVLoadError
-    from kvflow.gpu_worker.kv_connector.shared_storage import SharedStorageWorker
+    from kvflow.kv_transfer.worker.connector import KVLoadError
+    from kvflow.kv_transfer.worker.shared_storage import SharedStorageWorker
     from kvflow.proto.kv_transfer import KVBlockTransfer, KVConnectorMeta
 
     caches = [torch.zeros(2, 4, BLOCK, 2, 3) for _ in range(2)]

@@ -14,7 +14,7 @@ from kvflow.errors import (
     PromptTooLongError,
 )
 from kvflow.model_limits import check_prompt
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, validate_sampling_params
 from kvflow.services.frontend.engine_client import (
     child_request_ids,
     child_sampling_params,
@@ -277,7 +277,7 @@ def test_chat_text_parts_are_joined_and_other_parts_refused() -> None:
 def test_validation_of_values_is_400(body: dict[str, Any], param: str) -> None:
     # Ranges the schema states fail while decoding, the rest in validate().
     with pytest.raises((InvalidRequestError, msgspec.ValidationError)) as info:
-        completion(prompt="x", **body).to_sampling_params().validate(vocab_size=50)
+        validate_sampling_params(completion(prompt="x", **body).to_sampling_params(), vocab_size=50)
     status, got = status_and_param(info.value)
     assert (status, (got or "").split("[")[0]) == (400, param)
 

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from kvflow.errors import InvalidRequestError
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, validate_sampling_params
 from kvflow.services.frontend.protocol import CompletionRequest, decode_request
 
 # (request field, value, the SamplingParams field it becomes)
@@ -57,7 +57,7 @@ def _schema_accepts(field: str, value: Any) -> bool:
 
 def _engine_accepts(field: str, value: Any) -> bool:
     try:
-        SamplingParams(**{"max_tokens": 8, field: value}).validate(vocab_size=100)
+        validate_sampling_params(SamplingParams(**{"max_tokens": 8, field: value}), vocab_size=100)
     except InvalidRequestError:
         return False
     return True

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from test_step_trace import sample
 
+from kvflow.bench.pipeline_bubble import idle_shares, main, read_stage_spans
 from kvflow.metrics.roofline import StepBatch
-from kvflow.services.bench.pipeline_bubble import idle_shares, main, read_stage_spans
 from kvflow.services.scheduler.step_trace import StepTrace
 
 

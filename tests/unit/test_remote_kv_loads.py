@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from kvflow.config import SchedulerConfig
-from kvflow.kv_transfer_config import KVTransferConfig, KVTransferParams
+from kvflow.kv_transfer.scheduler.zmq_connector import ZmqScheduler
+from kvflow.kv_transfer_config import KVTransferConfig
+from kvflow.proto.sampling import KVTransferParams
 from kvflow.sampling_params import SamplingParams
-from kvflow.services.kv_transfer.zmq_connector import ZmqScheduler
 from kvflow.services.proxy.pairing import InstancePools, decode_request, prefill_request
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus

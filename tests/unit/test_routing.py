@@ -1,4 +1,4 @@
-"""The data-parallel routing policies (services/frontend/routing.py), without sockets."""
+"""The data-parallel routing policies (kvflow/routing.py), without sockets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvflow.services.frontend.routing import NoEngineError, Router, RoutingConfig
+from kvflow.routing import NoEngineError, Router, RoutingConfig
 
 
 def _router(policy: str, engines: int = 2, **kwargs: int) -> Router:

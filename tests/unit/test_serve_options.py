@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from kvflow import LLM
+from kvflow.cli.args import engine_options
+from kvflow.cli.main import build_parser
+from kvflow.cli.serve import resolve_api_key
 from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError
-from kvflow.services.cli import build_parser
-from kvflow.services.cli_args import engine_options
-from kvflow.services.serve_cli import resolve_api_key
 
 
 def _args(*argv: str) -> object:

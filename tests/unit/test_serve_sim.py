@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvflow.bench.serve_sim import StepCostModel, main, simulate, workload
 from kvflow.config import SchedulerConfig
-from kvflow.services.bench.serve_sim import StepCostModel, main, simulate, workload
 
 ONE_SECOND_STEPS = StepCostModel(fixed_s=1.0, per_decode_s=0.0, per_prefill_token_s=0.0)
 

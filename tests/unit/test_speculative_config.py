@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
+from kvflow.cli.args import add_engine_args, engine_options
 from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError
-from kvflow.services.cli_args import add_engine_args, engine_options
 from kvflow.speculative_config import SpeculativeConfig
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.cli.serve import worker_rank_init
 from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError
 from kvflow.gpu_worker.distributed import RankInit
 from kvflow.proto.addresses import ServiceAddresses
-from kvflow.services.serve_cli import worker_rank_init
-from kvflow.services.worker_group import worker_rank_args
+from kvflow.services.launch.worker_group import worker_rank_args
 
 RENDEZVOUS = "tcp://worker-tp0:29500"
 

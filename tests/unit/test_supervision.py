@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvflow.services.children import Child, ChildProcesses, RestartPolicy
+from kvflow.services.launch.children import Child, ChildProcesses, RestartPolicy
 
 
 class FakeProcess:

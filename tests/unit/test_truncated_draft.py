@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from kvflow.services.bench.spec_decode import SpecResult
-from kvflow.services.bench.truncated_draft import truncated_copy
+from kvflow.bench.spec_decode import SpecResult
+from kvflow.bench.truncated_draft import truncated_copy
 
 
 def test_truncated_copy_keeps_the_first_layers(

@@ -11,8 +11,8 @@ from kvflow.errors import ConfigError
 from kvflow.gpu_worker.distributed import RankInit, rank_inits, threads_per_rank
 from kvflow.gpu_worker.parallel_state import PPGroup, partition_layers
 from kvflow.proto.addresses import ServiceAddresses
-from kvflow.services.children import RestartPolicy
-from kvflow.services.worker_group import (
+from kvflow.services.launch.children import RestartPolicy
+from kvflow.services.launch.worker_group import (
     check_layer_partition,
     check_parallelism,
     restart_policy,

@@ -1,0 +1,60 @@
+"""The roofline section of the offline benchmarks (`bench throughput`, `bench latency`).
+
+The engine counts step time and estimated FLOPs / bytes per phase (kvflow/metrics/roofline.py);
+this turns them into achieved FLOP/s and bytes/s and their % of the device's peaks
+(kvflow/metrics/device_peaks.py), separately for prefill-heavy and decode-heavy steps. Step time
+is the model runner's `execute` (forward + sampling), timed in this process. A cached
+CPU calibration that a phase just beat (taken on a busy machine) is redone first.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvflow.metrics.device_peaks import recalibrate_if_exceeded, resolve_peaks
+from kvflow.metrics.roofline import roofline_report
+
+if TYPE_CHECKING:
+    from kvflow.offline.engine import LLMEngine
+
+_LABELS = {"prefill": "prefill-heavy steps", "decode": "decode-heavy steps"}
+
+
+def roofline_section(engine: LLMEngine) -> dict[str, Any]:
+    """JSON-ready: the peaks used and, per phase that ran, the achieved rates."""
+    config = engine.config
+    device, dtype = config.device.device, config.model.dtype
+    peaks = resolve_peaks(device, dtype, config.device.peak_flops, config.device.peak_bandwidth)
+    totals = engine.roofline.phases
+    rates = [(t.flops / t.seconds, t.bytes / t.seconds) for t in totals.values() if t.seconds > 0]
+    if rates:  # a stale calibration below what was just achieved is redone
+        best_flops, best_bandwidth = max(r[0] for r in rates), max(r[1] for r in rates)
+        peaks = recalibrate_if_exceeded(device, dtype, peaks, best_flops, best_bandwidth)
+    return {
+        "peak_flops": peaks.flops,
+        "peak_bandwidth": peaks.bandwidth,
+        "peaks_source": peaks.source,
+        "phases": roofline_report(totals, peaks.flops, peaks.bandwidth),
+    }
+
+
+def roofline_lines(section: dict[str, Any]) -> list[str]:
+    """Human-readable: one line for the peaks, one per phase."""
+    lines = [
+        f"roofline (peaks {section['peak_flops'] / 1e9:.1f} GFLOP/s, "
+        f"{section['peak_bandwidth'] / 1e9:.1f} GB/s; {section['peaks_source']}):"
+    ]
+    for phase, row in section["phases"].items():
+        lines.append(
+            f"  {_LABELS[phase]:>19}: {_pct(row['pct_compute_roofline'])} of compute roofline"
+            f" / {_pct(row['pct_bandwidth_roofline'])} of bandwidth roofline"
+            f" ({row['gflop_per_s']} GFLOP/s, {row['gb_per_s']} GB/s,"
+            f" {row['steps']} steps in {row['seconds']:.2f} s)"
+        )
+    return lines
+
+
+def _pct(value: float | None) -> str:
+    if value is None:
+        return "?%"
+    return f"{value:.1f}%" if value >= 1 else f"{value:.2f}%"

@@ -1,0 +1,215 @@
+"""`kvflow bench spec-decode`: single-stream output tok/s with and without speculative
+decoding, in one run, on a committed copy-heavy dataset (data/spec_decode_copy.json:
+code edits and quote-then-extend prompts) or on random prompts (nothing to copy).
+
+Each configuration has its own engine, warmed up with one request; every prompt runs
+alone (batch 1, greedy) through each configuration in turn, the order rotating, so a
+shared machine's load changes hit every configuration alike (ratios in one run). Reported per configuration: output tok/s, the ratio
+to no speculation, the acceptance rate (accepted / drafted tokens) and the mean
+acceptance length (1 + accepted / drafts: tokens per verification step).
+
+`--measure-cost` times the other side of the trade: every step drafts k tokens that are
+(almost surely) rejected, so tok/s against no speculation gives c(k), the cost of a
+verification step relative to a plain decode step. Speculation pays when the expected
+tokens per step beat it: 1 + a * k > c(k) for acceptance rate a, i.e. a > (c(k) - 1) / k,
+the break-even rate the `min_acceptance_rate` off-switch is set from (docs/benchmarks.md).
+
+A draft model's cost includes its k forwards per step, and its drafts cannot be forced
+to fail, so `--measure-cost --methods draft_model` keeps its own drafts (on the random
+prompts, off-switch disabled) and uses that every step verifies: single stream,
+speed-up = tokens per step / c(k), so c(k) = mean acceptance length / speed-up, whatever
+the acceptance. `step_cost` (c(k)) and `break_even` ((c(k) - 1) / k) are reported for
+every `--measure-cost` run.
+
+`--methods draft_model --draft-layers N` drafts with the target's first N layers (a
+self-speculative draft, truncated_draft.py, written once into the cache directory);
+`--speculative-config` names any other draft model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+DATASET = "spec_decode_copy.json"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", choices=["copy", "random"], default="copy")
+    parser.add_argument("--methods", default="ngram,suffix", help="comma-separated methods")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-random-prompts", type=int, default=4)
+    parser.add_argument("--measure-cost", action="store_true", help="time rejected drafts")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
+    parser.add_argument(
+        "--draft-layers", type=int, default=4, help="draft_model: the target's first N layers"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@dataclass
+class SpecResult:
+    name: str
+    k: int
+    every_step_drafts: bool  # then tokens per step / speed-up is the step's cost
+    output_tokens: int
+    elapsed_s: float
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    def summary(self, baseline: float) -> dict[str, Any]:
+        drafted = max(self.draft_tokens, 1)
+        speedup = self.tokens_per_s / baseline
+        mean_length = 1 + self.accepted_tokens / max(self.drafts, 1)
+        summary = {
+            **asdict(self),
+            "output_tokens_per_s": round(self.tokens_per_s, 2),
+            "speedup": round(speedup, 3),
+            "acceptance_rate": round(self.accepted_tokens / drafted, 3),
+            "mean_acceptance_length": round(mean_length, 3),
+        }
+        if self.every_step_drafts and self.drafts:
+            cost = mean_length / speedup  # a verification step's time / a plain step's
+            summary["step_cost"] = round(cost, 3)
+            summary["break_even"] = round((cost - 1) / self.k, 3)
+        return summary
+
+
+class _AlwaysPropose:
+    """Drafts k copies of a token that is never the model's choice in practice."""
+
+    def propose(self, req_id: str, token_ids: Sequence[int], num_prompt: int, k: int) -> list[int]:
+        return [(token_ids[-1] + 7919) % 49152] * k
+
+    def finish(self, req_id: str, token_ids: Sequence[int], num_prompt: int) -> None:
+        pass
+
+
+def _prompts(llm: Any, args: argparse.Namespace) -> list[Any]:
+    if args.dataset == "copy" and not args.measure_cost:
+        from kvflow.tokenizer import apply_chat_template
+
+        text = resources.files("kvflow.bench").joinpath("data", DATASET).read_text()
+        entries = json.loads(text)["prompts"]
+        return [apply_chat_template(llm.tokenizer, e["messages"], True) for e in entries]
+    from kvflow.bench.throughput import random_token_prompts
+
+    special = list(llm.tokenizer.all_special_ids)
+    return random_token_prompts(args.num_random_prompts, 64, llm.engine.vocab_size, special, 0)
+
+
+@dataclass
+class _Config:
+    name: str
+    spec: dict[str, Any] | None
+    llm: Any
+    result: SpecResult
+
+
+def _load(name: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> _Config:
+    from kvflow.cli.args import engine_options
+    from kvflow.offline.llm import LLM
+    from kvflow.sampling_params import SamplingParams
+
+    options = engine_options(args)
+    options["speculative_config"] = spec
+    llm = LLM(**options)
+    speculator = llm.engine.scheduler.speculator
+    worker_drafts = spec is not None and spec["method"] == "draft_model"
+    if args.measure_cost and speculator is not None and not worker_drafts:
+        speculator.proposer = _AlwaysPropose()
+    warm_up = _prompts(llm, args)[:1]
+    llm.generate(warm_up, SamplingParams(max_tokens=8, temperature=0.0))
+    k = 0 if spec is None else int(spec["num_speculative_tokens"])
+    every_step = bool(args.measure_cost)
+    return _Config(name, spec, llm, SpecResult(name, k, every_step, 0, 0.0))
+
+
+def _run_all(configs: list[_Config], args: argparse.Namespace) -> list[SpecResult]:
+    """Every prompt alone, `--rounds` times, through every configuration in turn (the
+    order rotating), so that a load change on a shared machine hits them all alike."""
+    from kvflow.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(configs[0].llm, args) * args.rounds
+    before = [_counters(c.llm) for c in configs]
+    for index, prompt in enumerate(prompts):
+        for turn in range(len(configs)):
+            config = configs[(index + turn) % len(configs)]
+            start = time.perf_counter()
+            tokens = len(config.llm.generate([prompt], params)[0].token_ids)
+            config.result.elapsed_s += time.perf_counter() - start
+            config.result.output_tokens += tokens
+    for config, counts in zip(configs, before):
+        after = _counters(config.llm)
+        drafts, drafted, accepted = (a - b for a, b in zip(after, counts))
+        config.result.drafts, config.result.draft_tokens = drafts, drafted
+        config.result.accepted_tokens = accepted
+    return [c.result for c in configs]
+
+
+def _counters(llm: Any) -> tuple[int, int, int]:
+    speculator = llm.engine.scheduler.speculator
+    if speculator is None:
+        return (0, 0, 0)
+    c = speculator.counters
+    return (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
+
+
+def _configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]]:
+    user = getattr(args, "speculative_config", None)
+    if user is not None:
+        return [("none", None), (user.method, json.loads(user.to_json()))]
+    k = args.num_speculative_tokens
+    configs: list[tuple[str, dict[str, Any] | None]] = [("none", None)]
+    for method in args.methods.split(","):
+        spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
+        if method == "draft_model":
+            spec["model"] = str(_truncated_draft(args))
+        if args.measure_cost:
+            spec["min_acceptance_rate"] = 0.0  # keep drafting: the cost is what is measured
+        configs.append((method, spec))
+    return configs
+
+
+def _truncated_draft(args: argparse.Namespace) -> Path:
+    from kvflow.bench.truncated_draft import truncated_copy
+    from kvflow.cache_dir import default_cache_dir
+    from kvflow.gpu_worker.model_files import resolve_model_dir
+
+    target = resolve_model_dir(getattr(args, "model", None))
+    dst = default_cache_dir() / "models" / f"{target.name}-first{args.draft_layers}"
+    return truncated_copy(target, dst, args.draft_layers)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.measure_cost:
+        args.methods = args.methods.split(",")[0]
+    results = _run_all([_load(name, spec, args) for name, spec in _configs(args)], args)
+    baseline = results[0].tokens_per_s
+    summaries = [r.summary(baseline) for r in results]
+    if args.json:
+        print(json.dumps({"dataset": args.dataset, "results": summaries}))
+        return 0
+    print(f"dataset: {args.dataset}" + (" (every draft rejected)" if args.measure_cost else ""))
+    header = f"{'config':<12} {'tok/s':>8} {'x none':>7} {'accept':>7} {'mean len':>9}"
+    print(header + f" {'step cost':>10} {'break-even':>11}")
+    for s in summaries:
+        cost = f"{s['step_cost']:>10.3f} {s['break_even']:>11.3f}" if "step_cost" in s else ""
+        print(
+            f"{s['name']:<12} {s['output_tokens_per_s']:>8.2f} {s['speedup']:>7.3f} "
+            f"{s['acceptance_rate']:>7.3f} {s['mean_acceptance_length']:>9.3f} {cost}"
+        )
+    return 0

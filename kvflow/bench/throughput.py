@@ -1,0 +1,236 @@
+"""`kvflow bench throughput`: offline throughput on deterministic random-token prompts.
+
+With `--compare transformers`, HF transformers `generate` runs the same prompts in the
+same process (one static batch, sdpa attention, same dtype) and the ratio is printed.
+With `--compare vllm`, vLLM runs them in its own environment (kvflow/bench/
+vllm_compare.py), same model directory, dtype and batch limits.
+kvflow's run also reports its % of the compute and bandwidth rooflines, for prefill-heavy
+and decode-heavy steps apart (kvflow/bench/roofline.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class ThroughputResult:
+    name: str
+    num_requests: int
+    elapsed_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "requests_per_s": round(self.requests_per_s, 3),
+            "output_tokens_per_s": round(self.output_tokens_per_s, 1),
+            "total_tokens_per_s": round(self.total_tokens_per_s, 1),
+        }
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--compare", choices=["transformers", "vllm"], default=None)
+    parser.add_argument(
+        "--peer-python",
+        default=None,
+        help="--compare vllm: the python of vLLM's virtual environment "
+        "(default $KVFLOW_VLLM_PYTHON, else ~/.cache/kvflow-peers/venv-vllm/bin/python)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--trace-file",
+        default=None,
+        help="write the measured run's steps as a Chrome/Perfetto trace; with pipeline "
+        "stages also report each stage's idle share (the bubble)",
+    )
+
+
+def random_token_prompts(
+    num_prompts: int, input_len: int, vocab_size: int, special_ids: list[int], seed: int
+) -> list[list[int]]:
+    """Deterministic prompts of exactly `input_len` ordinary (non-special) token ids."""
+    rng = np.random.default_rng(seed)
+    low = max(special_ids, default=-1) + 1 if max(special_ids, default=0) < 1000 else 0
+    ids = rng.integers(low, vocab_size, size=(num_prompts, input_len))
+    return ids.tolist()
+
+
+def run_kvflow(
+    llm: Any, prompts: list[list[int]], output_len: int, trace_file: str | None = None
+) -> ThroughputResult:
+    from kvflow.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    llm.engine.roofline.reset()  # the measured run only
+    if trace_file is not None:
+        llm.engine.start_trace(trace_file)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    llm.engine.stop_trace()
+    return ThroughputResult(
+        name="kvflow",
+        num_requests=len(prompts),
+        elapsed_s=elapsed,
+        prompt_tokens=sum(len(p) for p in prompts),
+        output_tokens=sum(len(o.token_ids) for o in outputs),
+    )
+
+
+def run_transformers(
+    model_dir: str, dtype: str, prompts: list[list[int]], output_len: int
+) -> ThroughputResult:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+    ).eval()
+    input_ids = torch.tensor(prompts)  # equal lengths: one static batch, no padding
+    kwargs = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len)
+    with torch.inference_mode():
+        warm = input_ids[:2, :8]
+        model.generate(
+            warm, attention_mask=torch.ones_like(warm), do_sample=False, max_new_tokens=2
+        )
+        start = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        elapsed = time.perf_counter() - start
+    return ThroughputResult(
+        name="transformers",
+        num_requests=len(prompts),
+        elapsed_s=elapsed,
+        prompt_tokens=input_ids.numel(),
+        output_tokens=(out.shape[1] - input_ids.shape[1]) * input_ids.shape[0],
+    )
+
+
+# kvflow's quantized --kv-cache-dtype -> vLLM's; a float cache is vLLM's "auto"
+VLLM_KV_CACHE_DTYPES = {"int8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+def vllm_job(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """What vLLM's run needs of kvflow's: the same model, dtype, prompts and limits, and
+    an 8-bit KV cache where kvflow's is one (vLLM has fp8 formats, no int8: fp8_e4m3
+    stands in for int8, the same bytes per element)."""
+    config = llm.engine.config
+    return {
+        "model": str(llm.engine.model_dir),
+        "dtype": config.model.dtype,
+        "kv_cache_dtype": VLLM_KV_CACHE_DTYPES.get(config.cache.kv_cache_dtype, "auto"),
+        "prompts": prompts,
+        "output_len": output_len,
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "seed": config.model.seed,
+    }
+
+
+def run_vllm_peer(python: Any, job: dict[str, Any], env: dict[str, str]) -> ThroughputResult:
+    from kvflow.bench.vllm_compare import run_vllm
+
+    result = run_vllm(python, job, env)
+    prompts = job["prompts"]
+    return ThroughputResult(
+        name=f"vllm {result['version']}",
+        num_requests=len(prompts),
+        elapsed_s=result["elapsed_s"],
+        prompt_tokens=result["prompt_tokens"],
+        output_tokens=result["output_tokens"],
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvflow.bench.roofline import roofline_section
+    from kvflow.bench.vllm_compare import peer_env, peer_python
+    from kvflow.cli.args import engine_options
+    from kvflow.offline.llm import LLM
+
+    python = peer_python(args.peer_python) if args.compare == "vllm" else None
+    llm = LLM(**engine_options(args))
+    tokenizer = llm.tokenizer
+    prompts = random_token_prompts(
+        args.num_prompts,
+        args.input_len,
+        llm.engine.vocab_size,
+        list(tokenizer.all_special_ids),
+        args.bench_seed,
+    )
+    results = [run_kvflow(llm, prompts, args.output_len, args.trace_file)]
+    roofline = roofline_section(llm.engine)
+    bubble: dict[int, float] = {}
+    if args.trace_file is not None:
+        from kvflow.bench.pipeline_bubble import idle_shares, read_stage_spans
+
+        bubble = idle_shares(read_stage_spans(args.trace_file))
+    if args.compare == "transformers":
+        model_dir = str(llm.engine.model_dir)
+        dtype = llm.engine.config.model.dtype
+        del llm
+        results.append(run_transformers(model_dir, dtype, prompts, args.output_len))
+    if python is not None:
+        job = vllm_job(llm, prompts, args.output_len)
+        device = llm.engine.config.device
+        env = peer_env(device.device, device.num_threads)
+        llm.close()  # the peer gets the cores (and on CUDA the memory) to itself
+        results.append(run_vllm_peer(python, job, env))
+    _report(results, roofline, args.json, bubble)
+    return 0
+
+
+def _report(
+    results: list[ThroughputResult],
+    roofline: dict[str, Any],
+    as_json: bool,
+    bubble: dict[int, float] | None = None,
+) -> None:
+    from kvflow.bench.roofline import roofline_lines
+
+    report: dict[str, Any] = {r.name: r.summary() for r in results}
+    report["roofline"] = roofline
+    if bubble:  # pipeline stages: each one's idle share over the measured run
+        report["pipeline_idle_share"] = {str(s): round(v, 4) for s, v in sorted(bubble.items())}
+    if len(results) == 2:
+        report["speedup_output_tokens_per_s"] = round(
+            results[0].output_tokens_per_s / results[1].output_tokens_per_s, 2
+        )
+    if as_json:
+        print(json.dumps(report))
+        return
+    for r in results:
+        print(
+            f"{r.name:>13}: {r.requests_per_s:.2f} requests/s, "
+            f"{r.output_tokens_per_s:.1f} output tok/s, {r.total_tokens_per_s:.1f} total tok/s "
+            f"({r.num_requests} requests in {r.elapsed_s:.2f} s)"
+        )
+    if "speedup_output_tokens_per_s" in report:
+        ratio = report["speedup_output_tokens_per_s"]
+        print(f"kvflow / {results[1].name} output tok/s: {ratio}x")
+    print("\n".join(roofline_lines(roofline)))
+    for stage, share in report.get("pipeline_idle_share", {}).items():
+        print(f"pipeline stage {stage}: {100 * share:.1f}% idle")

@@ -1,1 +1,0 @@
-"""The scheduler side of KV connectors (disaggregated prefill/decode)."""
