@@ -29,9 +29,16 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/kvflow generate "Write a haiku about fast inference." --max-tokens 64
 
+# The import contracts run over an installed copy: the package-dir mapping (proto/ ->
+# kvflow.proto, ...) exists only in an installed tree, which import-linter needs to walk.
+IMPORTLINT_TREE := build/importlint
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	rm -rf $(IMPORTLINT_TREE)
+	$(PY) -m pip install -q --no-deps --no-build-isolation --target $(IMPORTLINT_TREE) . 2>/dev/null
+	cd $(IMPORTLINT_TREE) && PYTHONPATH=. $(CURDIR)/$(VENV)/bin/lint-imports --config $(CURDIR)/pyproject.toml
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kvflow proto services gpu_worker kernels docker/healthcheck.py

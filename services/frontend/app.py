@@ -28,7 +28,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-import kvflow
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient
 from kvflow.services.frontend.engine_view import EngineView
@@ -44,6 +43,7 @@ from kvflow.services.frontend.serving_completions import create_completion
 from kvflow.services.frontend.serving_tokenize import detokenize, list_models, tokenize
 from kvflow.services.frontend.sse import read_body
 from kvflow.services.frontend.web_ui import ASSETS, WebUI
+from kvflow.version import __version__
 
 __all__ = ["FrontendConfig", "build_app"]
 
@@ -128,7 +128,7 @@ class _Endpoints:
         return Response(self.ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     async def version(self, request: Request) -> Response:
-        return json_response(VersionResponse(version=kvflow.__version__))
+        return json_response(VersionResponse(version=__version__))
 
     async def openapi_json(self, request: Request) -> Response:
         return Response(self.openapi, media_type="application/json")

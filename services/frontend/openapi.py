@@ -7,9 +7,9 @@ from typing import Any
 
 import msgspec
 
-import kvflow
 from kvflow.services.frontend import protocol, responses
 from kvflow.services.frontend.errors import ErrorResponse
+from kvflow.version import __version__
 
 _REF = "#/components/schemas/{name}"
 
@@ -52,7 +52,7 @@ def openapi_document() -> dict[str, Any]:
         paths[path] = {method: operation}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "kvflow", "version": kvflow.__version__},
+        "info": {"title": "kvflow", "version": __version__},
         "paths": paths,
         "components": {
             "schemas": components,
