@@ -38,7 +38,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	rm -rf $(IMPORTLINT_TREE)
 	$(PY) -m pip install -q --no-deps --no-build-isolation --target $(IMPORTLINT_TREE) . 2>/dev/null
-	cd $(IMPORTLINT_TREE) && PYTHONPATH=. $(CURDIR)/$(VENV)/bin/lint-imports --config $(CURDIR)/pyproject.toml
+	cd $(IMPORTLINT_TREE) && PYTHONPATH=. $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kvflow proto services gpu_worker kernels docker/healthcheck.py
