@@ -17,7 +17,7 @@ tool use, and SamplingParams.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 from kvflow.errors import InvalidRequestError
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
@@ -44,6 +44,7 @@ from kvflow.services.frontend.tool_calling import (
 )
 
 Message = dict[str, Any]
+T = TypeVar("T")
 _NO_GUIDED = GuidedFields(None, None, None, None, None)
 
 
@@ -228,5 +229,5 @@ def sampling_params(request: ResponsesRequest, use: ToolUse) -> SamplingParams:
     )
 
 
-def _or(value: Any, default: Any) -> Any:
+def _or(value: T | None, default: T) -> T:
     return default if value is None else value

@@ -64,7 +64,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
-    type: Literal["text", "json_object", "json_schema"] = "text"
+    type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
     strict: bool | None = None

@@ -52,6 +52,7 @@ from kvflow.services.frontend.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
     TextConfig,
+    TextFormat,
 )
 from kvflow.services.frontend.serving_common import (
     ChoiceCounts,
@@ -208,7 +209,7 @@ def _template(
         tools=request.tools or [],
         tool_choice=request.tool_choice or ("auto" if request.tools else "none"),
         parallel_tool_calls=request.parallel_tool_calls is not False,
-        text=request.text or TextConfig(),
+        text=request.text or TextConfig(format=TextFormat(type="text")),
         previous_response_id=request.previous_response_id,
         store=request.store is not False,
         metadata=request.metadata or {},

@@ -71,6 +71,8 @@ def test_string_input_with_instructions(h: Harness) -> None:
     assert usage.input_tokens_details.cached_tokens == 4
     assert usage.output_tokens_details.reasoning_tokens == 0
     assert h.fake.added[-1].sampling_params.n == 1
+    assert response.text is not None and response.text.format is not None
+    assert response.text.format.type == "text"  # the request's settings are echoed
 
 
 def test_max_output_tokens_cut_is_incomplete(h: Harness) -> None:
