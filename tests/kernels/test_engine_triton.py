@@ -1,5 +1,7 @@
 """The engine gives the same greedy tokens with the Triton attention backend as with torch,
-on a float and on a quantized KV cache."""
+on a float and on a quantized KV cache, for every model family kvflow supports: their
+attention layers hand the backend different layouts (Llama's K is a view of the fused qkv
+output, Qwen3's q/k norm makes it contiguous; V is always a view)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,24 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import CacheConfig
+from kvflow.gpu_worker.models.registry import MODEL_CLASSES
+
+# Every supported architecture -> its tiny random config in tests/conftest.py.
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 
 
-def test_triton_backend_matches_torch_backend_end_to_end(tiny_model_dir: Any) -> None:
-    path = str(tiny_model_dir("qwen3"))
+def test_every_supported_family_is_covered() -> None:
+    assert set(FAMILIES) == set(MODEL_CLASSES)
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES.values()))
+def test_triton_backend_matches_torch_backend_end_to_end(tiny_model_dir: Any, arch: str) -> None:
+    path = str(tiny_model_dir(arch))
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(100, 137))]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     # Small blocks and budget: chunked prefill on a cached prefix plus mixed batches.
@@ -44,4 +60,15 @@ def test_triton_backend_serves_a_quantized_cache_like_torch(
     options["kv_cache_dtype"] = kv_cache_dtype
     torch_out = LLM(path, attention_backend="torch", **options).generate(prompts, params)
     triton_out = LLM(path, attention_backend="triton", **options).generate(prompts, params)
+    assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
+
+
+@pytest.mark.slow
+def test_triton_backend_serves_the_embedded_model_like_torch() -> None:
+    # SmolLM2 (Llama): 30 layers, GQA 9/3, K and V views of the fused qkv output.
+    prompts = [[1, 2, 3, 4, 5, 6, 7], list(range(100, 121))]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    options = dict(dtype="float32", block_size=16, max_num_batched_tokens=32, num_blocks=64)
+    torch_out = LLM(None, attention_backend="torch", **options).generate(prompts, params)
+    triton_out = LLM(None, attention_backend="triton", **options).generate(prompts, params)
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
