@@ -1,7 +1,8 @@
 """The engine gives the same greedy tokens with the Triton attention backend as with torch,
 on a float and on a quantized KV cache, for every model family kvflow supports: their
 attention layers hand the backend different layouts (Llama's K is a view of the fused qkv
-output, Qwen3's q/k norm makes it contiguous; V is always a view)."""
+output, Qwen3's q/k norm makes it contiguous; V is always a view). The embedded model (a
+Llama) takes ~6 minutes interpreted: tests/gpu/test_gpu_parity.py runs it on CUDA."""
 
 from __future__ import annotations
 
@@ -62,13 +63,3 @@ def test_triton_backend_serves_a_quantized_cache_like_torch(
     triton_out = LLM(path, attention_backend="triton", **options).generate(prompts, params)
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
 
-
-@pytest.mark.slow
-def test_triton_backend_serves_the_embedded_model_like_torch() -> None:
-    # SmolLM2 (Llama): 30 layers, GQA 9/3, K and V views of the fused qkv output.
-    prompts = [[1, 2, 3, 4, 5, 6, 7], list(range(100, 121))]
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    options = dict(dtype="float32", block_size=16, max_num_batched_tokens=32, num_blocks=64)
-    torch_out = LLM(None, attention_backend="torch", **options).generate(prompts, params)
-    triton_out = LLM(None, attention_backend="triton", **options).generate(prompts, params)
-    assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
