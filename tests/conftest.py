@@ -106,6 +106,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (tests/gpu/run_gpu_checks.sh runs these on one)")
     marker = item.get_closest_marker("native")
     if marker is None:
         return

@@ -13,8 +13,6 @@ from kvflow.kernels import kv_codec
 from kvflow.kernels.paged_attention import paged_attention_ref
 from kvflow.kernels.store_kv import store_kv_ref
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-
 
 def _metadata(batch) -> AttentionMetadata:
     return AttentionMetadata(
@@ -135,7 +133,7 @@ def test_forward_over_quantized_cache(
     assert torch.equal(cache.cpu().view(torch.uint8), expected_cache.view(torch.uint8))
 
 
-@needs_cuda
+@pytest.mark.cuda  # CUDA graphs
 @pytest.mark.parametrize("codec", list(kv_codec.CODEC_DTYPES))
 def test_quantized_decode_step_replays_in_a_cuda_graph(make_batch, quantize_batch, codec):
     # Store + split-KV attention over a quantized cache, captured once and replayed on a
