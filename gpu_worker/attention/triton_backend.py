@@ -68,8 +68,8 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        # The fresh K/V the kernels read share one layout: rotary made key contiguous.
-        value = value.contiguous()
+        # key and value may be views of the fused qkv output (row stride of all heads):
+        # both kernels take each tensor's own strides, so nothing is copied here.
         if kv_cache.numel() == 0:
             return self._no_cache_fallback.forward(
                 query, key, value, kv_cache, metadata, scale, sliding_window
