@@ -106,7 +106,7 @@ def test_a_killed_rank_fails_generate_fast_and_leaves_no_process(
 
     llm = LLM(str(tiny_model_dir("llama")), tensor_parallel_size=2, **ENGINE)  # type: ignore[arg-type]
     try:
-        rank1 = llm.engine.runner._children.children[1].process
+        rank1 = llm.engine.executor._children.children[1].process
         os.kill(rank1.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(EngineDeadError, match="worker rank"):
