@@ -10,6 +10,8 @@ serving ones; every sample, abort and failure of a request stays with that engin
 Background tasks read the inbound sockets and route each `RequestOutputDelta` to
 the queue of the request that owns it. A request with n > 1 samples is sent as n child
 requests `<id>#<i>` that share one queue, so `generate()` yields their deltas merged.
+The verdicts on the engines' health (`/health`, admission) are `EngineHealth`'s
+(engine_health.py), over the links this client keeps up to date.
 
 Invariants:
 - every request `generate()` started ends: by a delta with a finish reason from the
