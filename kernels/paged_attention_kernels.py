@@ -27,15 +27,12 @@ The split-KV (flash-decoding) variant divides each program's key range into NUM_
 chunks run by separate programs (stage 1), each writing a partial (max, sum, acc) in fp32
 to a scratch buffer; stage 2 merges the partials. It keeps the GPU busy when few requests
 with long contexts would otherwise give it few programs. Both variants share the one
-inner loop `_attend_range` (online softmax in fp32, exp2 with log2(e) folded into scale).
+inner loop `attend_range` (paged_attention_loop.py).
 
 A quantized cache (kernels/kv_codec.py: 8-bit codes plus an fp32 scale per (token, KV
-head) row) reaches the kernel as bytes, row stride head_dim + 4. Its codes go to the dot
-operands unscaled (every int8 / fp8 code is exact in bf16 and fp16), and the per-row
-scales are folded in where they cost one multiply per key instead of one per element:
-scores are `(q . k_codes) * s_k` per key column, and the softmax weights are multiplied
-by `s_v` per key before the P.V dot (the running sum still adds the unscaled weights;
-with fp16 operands V is dequantized instead, as `p * s_v` could fall below fp16's range).
+head) row) reaches the kernel as bytes, row stride head_dim + 4; the inner loop
+(paged_attention_loop.py) applies the scales.
+
 With FRESH_KV, a request with no cached prefix reads this step's own K/V rows (float,
 unquantized) instead of the cache: the same inner loop, its keys addressed row after row.
 K and V come with their own strides: they are views of the fused qkv projection, or a
@@ -47,8 +44,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvflow.kernels.kv_codec_triton import FLOAT, decode_codes, load_scale
+from kvflow.kernels.kv_codec_triton import FLOAT
 from kvflow.kernels.launch_utils import round_to
+from kvflow.kernels.paged_attention_loop import attend_range
 
 
 @triton.jit
@@ -69,89 +67,6 @@ def _find_request(
         else:
             hi = mid
     return lo - 1
-
-
-@triton.jit
-def _load_kv(ptrs, mask, KV_CODEC: tl.constexpr):
-    """A K or V tile as fp32: the values of a float cache, the codes of a quantized one."""
-    if KV_CODEC == FLOAT:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        return decode_codes(tl.load(ptrs, mask=mask, other=0), KV_CODEC)
-
-
-@triton.jit
-def _attend_range(
-    acc,  # [BLOCK_M, HEAD_DIM_P] fp32, unnormalised output
-    l_i,  # [BLOCK_M] fp32, running sum of exp2
-    m_i,  # [BLOCK_M] fp32, running max (log2 domain)
-    q,  # [BLOCK_M, HEAD_DIM_P] in DOT_DTYPE
-    q_pos,  # [BLOCK_M] int32, absolute position of each row's query token
-    k_base,  # kv_cache K plane + kv_head offset (PAGED), or the request's first key row
-    v_base,  # kv_cache V plane + kv_head offset (PAGED), or the request's first value row
-    block_table_row,  # [max_blocks] int32 of this request (PAGED)
-    lo,
-    hi,
-    qk_scale,
-    sliding_window,
-    stride_block,
-    stride_slot,  # a cache slot (PAGED), else a key row
-    stride_v_row,  # a value row (not PAGED; paged values share the keys' slot offsets)
-    offs_d,  # [HEAD_DIM_P]
-    mask_d,  # [HEAD_DIM_P]
-    head_dim,  # where a quantized row's scale bytes start
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    PAGED: tl.constexpr,
-    KV_CODEC: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Fold keys lo..hi-1 into (acc, l_i, m_i), TILE_N keys at a time."""
-    for start in range(lo, hi, TILE_N):
-        offs_n = start + tl.arange(0, TILE_N)  # [TILE_N] context positions
-        mask_n = offs_n < hi
-        if PAGED:
-            # Tiles may straddle pages (and pages need not be powers of two): gather per key.
-            page = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-            slot_off = page.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot
-            v_off = slot_off
-        else:  # this step's own rows, one after the other
-            slot_off = offs_n.to(tl.int64) * stride_slot
-            v_off = offs_n.to(tl.int64) * stride_v_row
-        kv_mask = mask_n[None, :] & mask_d[:, None]
-        k = _load_kv(k_base + slot_off[None, :] + offs_d[:, None], kv_mask, KV_CODEC)
-        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N]
-        if KV_CODEC == FLOAT:
-            s = s * qk_scale
-        else:  # k holds codes: each key's scale multiplies its column of scores
-            k_scale = load_scale(k_base + slot_off + head_dim, mask_n, KV_CODEC)  # [TILE_N]
-            s = s * (qk_scale * k_scale)[None, :]
-        allowed = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            allowed = allowed & (q_pos[:, None] - offs_n[None, :] < sliding_window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_M]
-        # A row with nothing allowed yet keeps max -inf; shift by 0 so exp2 gives 0, not nan.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_shift)  # [BLOCK_M]
-        p = tl.math.exp2(s - m_shift[:, None])  # [BLOCK_M, TILE_N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_mask = mask_n[:, None] & mask_d[None, :]
-        v = _load_kv(v_base + v_off[:, None] + offs_d[None, :], v_mask, KV_CODEC)
-        if KV_CODEC != FLOAT:
-            v_scale = load_scale(v_base + v_off + head_dim, mask_n, KV_CODEC)  # [TILE_N]
-            if DOT_DTYPE == tl.float16:  # noqa: SIM300 (DOT_DTYPE is not a constant)
-                # p * s_v may be far below fp16's normal range (e5m2: s_v = amax / 57344);
-                # the dequantized values are in the model's own (fp16) range.
-                v = v * v_scale[:, None]
-            else:  # fold each value row's scale into its weight: TILE_N x BLOCK_M products
-                p = p * v_scale[None, :]
-        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -194,6 +109,91 @@ def _tile_rows(
     return tok, offs_m % GROUP, mask_m, q_pos, lo, hi
 
 
+@triton.jit
+def _attend_tile(
+    q,  # [BLOCK_M, HEAD_DIM_P] in DOT_DTYPE
+    q_pos,  # [BLOCK_M] int32, absolute position of each row's query token
+    q_start, req, kv_head, ctx_len, lo, hi, split,
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim] this step's keys   (FRESH_KV)
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim] and values          (FRESH_KV)
+    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim (+ 4 if quantized)]
+    block_tables_ptr,  # [num_reqs, max_blocks] int32
+    qk_scale, sliding_window,
+    stride_kt, stride_kh,  # key_ptr (token, head)
+    stride_vt, stride_vh,  # value_ptr (token, head)
+    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,  # kv_cache_ptr
+    stride_bt,  # block_tables_ptr (request)
+    offs_d, mask_d, head_dim,
+    NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+    FRESH_KV: tl.constexpr, KV_CODEC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """(acc, l_i, m_i) of this tile over split `split` of its key range [lo, hi)."""
+    # Split s takes a whole number of key tiles; trailing splits may get none and then
+    # write (max=-inf, sum=0, acc=0), which the merge weighs as nothing.
+    per_split = tl.cdiv(tl.cdiv(hi - lo, TILE_N), NUM_SPLITS) * TILE_N
+    split_lo = lo + split * per_split
+    split_hi = tl.minimum(hi, split_lo + per_split)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    fresh = False
+    if FRESH_KV:
+        fresh = ctx_len == 0
+    if fresh:
+        # No cached prefix: the request attends its own K/V as computed, not as stored
+        # (quantized), row after row from this step's key/value tensors.
+        k_off = q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        v_off = q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        acc, l_i, m_i = attend_range(
+            acc, l_i, m_i, q, q_pos, key_ptr + k_off, value_ptr + v_off,
+            block_tables_ptr, split_lo, split_hi, qk_scale, sliding_window, 0, stride_kt,
+            stride_vt, offs_d, mask_d, head_dim,
+            BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, PAGED=False,
+            KV_CODEC=FLOAT, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        kv_base = kv_cache_ptr + kv_head * stride_c_head
+        acc, l_i, m_i = attend_range(
+            acc, l_i, m_i, q, q_pos, kv_base, kv_base + stride_c_kv,
+            block_tables_ptr + req * stride_bt, split_lo, split_hi, qk_scale, sliding_window,
+            stride_c_block, stride_c_slot, 0, offs_d, mask_d, head_dim,
+            BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, PAGED=True,
+            KV_CODEC=KV_CODEC, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+        )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _store_tile(
+    acc,  # [BLOCK_M, HEAD_DIM_P] fp32, unnormalised output
+    l_i,  # [BLOCK_M] fp32, sum of exp2
+    m_i,  # [BLOCK_M] fp32, max (log2 domain)
+    out_ptr, acc_ptr, max_ptr, sum_ptr,  # as in _paged_attention_kernel
+    rows,  # [BLOCK_M] int64 query token of each row
+    head,  # [BLOCK_M] query head of each row
+    split, mask_m, mask_md, offs_d,
+    stride_ot, stride_oh,  # out_ptr (token, head)
+    stride_at, stride_ah, stride_as,  # acc_ptr (token, head, split)
+    stride_mt, stride_mh,  # max_ptr and sum_ptr (token, head)
+    NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """One split writes the normalised output; several write their fp32 partials."""
+    if NUM_SPLITS == 1:
+        # l_i > 0 on real rows (a query sees itself); padded rows divide by 1, not 0.
+        out = acc / tl.where(mask_m, l_i, 1.0)[:, None]  # [BLOCK_M, HEAD_DIM_P]
+        o_off = rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        out_dtype = out_ptr.dtype.element_ty
+        tl.store(out_ptr + o_off, round_to(out, out_dtype).to(out_dtype), mask=mask_md)
+    else:
+        ml_off = rows * stride_mt + head * stride_mh + split  # [BLOCK_M]
+        tl.store(max_ptr + ml_off, m_i, mask=mask_m)
+        tl.store(sum_ptr + ml_off, l_i, mask=mask_m)
+        a_off = rows[:, None] * stride_at + head[:, None] * stride_ah + split * stride_as
+        tl.store(acc_ptr + a_off + offs_d[None, :], acc, mask=mask_md)
+
+
 # num_reqs changes every step; specialising on it (== 1, % 16 == 0) would compile new
 # variants mid-serving (~0.3 s each on an H100) for no speed-up.
 @triton.jit(do_not_specialize=["num_reqs"])
@@ -209,41 +209,21 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
     block_tables_ptr,  # [num_reqs, max_blocks] int32
-    num_reqs,
-    qk_scale,
-    sliding_window,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_at,
-    stride_ah,
-    stride_as,
-    stride_mt,
-    stride_mh,
-    stride_c_kv,
-    stride_c_block,
-    stride_c_slot,
-    stride_c_head,
-    stride_bt,
+    num_reqs, qk_scale, sliding_window,
+    stride_qt, stride_qh,  # q_ptr (token, head)
+    stride_kt, stride_kh,  # key_ptr (token, head)
+    stride_vt, stride_vh,  # value_ptr (token, head)
+    stride_ot, stride_oh,  # out_ptr (token, head)
+    stride_at, stride_ah, stride_as,  # acc_ptr (token, head, split)
+    stride_mt, stride_mh,  # max_ptr and sum_ptr (token, head)
+    stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,  # kv_cache_ptr
+    stride_bt,  # block_tables_ptr (request)
     head_dim,
-    NUM_SPLITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    FRESH_KV: tl.constexpr,
-    KV_CODEC: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, FRESH_KV: tl.constexpr,
+    KV_CODEC: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
     """Grid (query tiles, num_kv_heads, NUM_SPLITS). One split writes the output itself;
     several write fp32 partials for `_split_kv_merge_kernel`."""
     req, q_start, q_len, ctx_len, q_tile = _locate_tile(
@@ -256,11 +236,6 @@ def _paged_attention_kernel(
     tok, head_in_group, mask_m, q_pos, lo, hi = _tile_rows(
         q_tile, q_len, ctx_len, sliding_window, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, GROUP=GROUP
     )
-    # Split s takes a whole number of key tiles; trailing splits may get none and then
-    # write (max=-inf, sum=0, acc=0), which the merge weighs as nothing.
-    per_split = tl.cdiv(tl.cdiv(hi - lo, TILE_N), NUM_SPLITS) * TILE_N
-    split_lo = lo + split * per_split
-    split_hi = tl.minimum(hi, split_lo + per_split)
     head = kv_head * GROUP + head_in_group  # [BLOCK_M]
     offs_d = tl.arange(0, HEAD_DIM_P)
     mask_d = offs_d < head_dim
@@ -268,45 +243,20 @@ def _paged_attention_kernel(
     rows = (q_start + tok).to(tl.int64)  # [BLOCK_M]
     q_off = rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=mask_md, other=0.0).to(tl.float32).to(DOT_DTYPE)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    fresh = False
-    if FRESH_KV:
-        fresh = ctx_len == 0
-    if fresh:
-        # No cached prefix: the request attends its own K/V as computed, not as stored
-        # (quantized), row after row from this step's key/value tensors.
-        k_off = q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-        v_off = q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-        acc, l_i, m_i = _attend_range(
-            acc, l_i, m_i, q, q_pos, key_ptr + k_off, value_ptr + v_off,
-            block_tables_ptr, split_lo, split_hi, qk_scale, sliding_window, 0, stride_kt,
-            stride_vt, offs_d, mask_d, head_dim,
-            BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, PAGED=False,
-            KV_CODEC=FLOAT, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
-    else:
-        kv_base = kv_cache_ptr + kv_head * stride_c_head
-        acc, l_i, m_i = _attend_range(
-            acc, l_i, m_i, q, q_pos, kv_base, kv_base + stride_c_kv,
-            block_tables_ptr + req * stride_bt, split_lo, split_hi, qk_scale, sliding_window,
-            stride_c_block, stride_c_slot, 0, offs_d, mask_d, head_dim,
-            BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, PAGED=True,
-            KV_CODEC=KV_CODEC, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
-        )  # fmt: skip
-    if NUM_SPLITS == 1:
-        # l_i > 0 on real rows (a query sees itself); padded rows divide by 1, not 0.
-        out = acc / tl.where(mask_m, l_i, 1.0)[:, None]  # [BLOCK_M, HEAD_DIM_P]
-        o_off = rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        out_dtype = out_ptr.dtype.element_ty
-        tl.store(out_ptr + o_off, round_to(out, out_dtype).to(out_dtype), mask=mask_md)
-    else:
-        ml_off = rows * stride_mt + head * stride_mh + split  # [BLOCK_M]
-        tl.store(max_ptr + ml_off, m_i, mask=mask_m)
-        tl.store(sum_ptr + ml_off, l_i, mask=mask_m)
-        a_off = rows[:, None] * stride_at + head[:, None] * stride_ah + split * stride_as
-        tl.store(acc_ptr + a_off + offs_d[None, :], acc, mask=mask_md)
+    acc, l_i, m_i = _attend_tile(
+        q, q_pos, q_start, req, kv_head, ctx_len, lo, hi, split, key_ptr, value_ptr,
+        kv_cache_ptr, block_tables_ptr, qk_scale, sliding_window, stride_kt, stride_kh,
+        stride_vt, stride_vh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt,
+        offs_d, mask_d, head_dim,
+        NUM_SPLITS=NUM_SPLITS, BLOCK_M=BLOCK_M, HEAD_DIM_P=HEAD_DIM_P, BLOCK_SIZE=BLOCK_SIZE,
+        TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, FRESH_KV=FRESH_KV, KV_CODEC=KV_CODEC,
+        DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+    )  # fmt: skip
+    _store_tile(
+        acc, l_i, m_i, out_ptr, acc_ptr, max_ptr, sum_ptr, rows, head, split, mask_m,
+        mask_md, offs_d, stride_ot, stride_oh, stride_at, stride_ah, stride_as, stride_mt,
+        stride_mh, NUM_SPLITS=NUM_SPLITS,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_reqs"])

@@ -9,11 +9,16 @@ generated from the fields and their `help` metadata (see `kvflow/cli/args.py`).
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvflow.device_resolution import (
+    check_quantization,
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+)
 from kvflow.errors import ConfigError
 from kvflow.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
 from kvflow.speculative_config import SpeculativeConfig, parse_speculative_config
@@ -327,17 +332,6 @@ _SECTION_TYPES: dict[str, type] = {
 }
 
 
-def check_quantization(quantization: str, device: str, dtype: str) -> None:
-    if quantization not in ("none", "q8_0", "gguf"):
-        raise ConfigError(f"quantization must be none, q8_0 or gguf, got {quantization!r}")
-    if quantization != "none" and device != "cpu":
-        raise ConfigError(f"quantization {quantization} runs on the CPU only (device {device})")
-    if quantization == "gguf" and dtype not in ("auto", "float32"):
-        raise ConfigError(
-            "quantization gguf reads the blocks of a float32 GGUF model: dtype float32"
-        )
-
-
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     """The cache's concrete name: the model dtype for auto, fp8_e4m3 for fp8, else as
     given. A float cache of another dtype than the model's would only round values the
@@ -355,48 +349,3 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
             f"cache holds the model dtype (use auto), or pick int8, fp8_e4m3 or fp8_e5m2"
         )
     return name
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        if not _nvidia_device_present():
-            return "cpu"  # without importing torch: ~2 s of the launcher's start-up
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be auto, cpu or cuda, got {device!r}")
-    return device
-
-
-def _nvidia_device_present() -> bool:
-    """Cheap pre-check: no NVIDIA device node, or CUDA hidden by the environment, means
-    no CUDA; otherwise torch decides."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
-
-
-def resolve_attention_backend(backend: str, device: str) -> str:
-    if backend == "auto":
-        return "triton" if device == "cuda" else "cpu"
-    if backend not in ("torch", "cpu", "triton"):
-        raise ConfigError(f"attention_backend must be cpu, torch or triton, got {backend!r}")
-    if backend == "cpu" and device != "cpu":
-        # Its kernels are native CPU code reading host memory.
-        raise ConfigError("attention_backend cpu runs on device cpu only")
-    return backend
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    """auto = bfloat16 on CUDA; on CPU whichever dtype this machine's matmuls run faster
-    (kvflow/metrics/dtype_choice.py: measured once per CPU model, then cached)."""
-    if dtype != "auto":
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"unsupported dtype {dtype!r}")
-        return dtype
-    if device == "cuda":
-        return "bfloat16"
-    from kvflow.metrics.dtype_choice import choose_cpu_dtype
-
-    return choose_cpu_dtype().dtype

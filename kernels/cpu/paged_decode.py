@@ -20,6 +20,7 @@ _QUANT_SIGNATURE = [ctypes.c_int, *_SIGNATURE]
 
 # storage dtype of a quantized cache -> the kernel's codec number
 CODEC_CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+_INDEX_NAMES = ("block_tables", "seq_lens", "req_indices", "token_rows")
 
 
 class PagedDecodeAttention:
@@ -55,33 +56,12 @@ class PagedDecodeAttention:
         """`indices_checked`: the caller ran `check_indices` on these index tensors (once
         per step rather than once per layer). A quantized kv_cache holds rows of
         head_dim + 4 (kv_codec)."""
+        indices = (block_tables, seq_lens, req_indices, token_rows)
+        check_layout(query, kv_cache, out, indices)
         _, num_heads, head_dim = query.shape
-        _, _, block_size, num_kv_heads, row = kv_cache.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
         dtype = query.dtype
         codec = CODEC_CODES.get(kv_cache.dtype)
-        if query.device.type != "cpu" or dtype not in DTYPE_CODES:
-            raise ValueError(f"CPU float32/bfloat16 only, got {dtype} on {query.device}")
-        if (kv_cache.dtype != dtype and codec is None) or out.dtype != dtype:
-            raise ValueError("query, out and a float kv_cache must share one dtype")
-        cache_head_dim = kv_codec.row_width_to_head_dim(row, kv_cache.dtype)
-        if cache_head_dim != head_dim or num_heads % num_kv_heads:
-            raise ValueError(f"{num_heads} heads of {head_dim} vs cache {kv_cache.shape}")
-        q_strides, out_strides = query.stride(), out.stride()
-        if q_strides[1:] != (head_dim, 1) or out_strides[1:] != (head_dim, 1):
-            raise ValueError("query and out must have contiguous [heads, head_dim] rows")
-        # Strides rather than kv_cache[0].is_contiguous(): a view costs more than the
-        # kernel's whole call at batch 1.
-        slot = num_kv_heads * row
-        if kv_cache.stride()[1:] != (block_size * slot, slot, row, 1):
-            raise ValueError("each of K and V of kv_cache must be contiguous")
-        for name, t in (
-            ("block_tables", block_tables),
-            ("seq_lens", seq_lens),
-            ("req_indices", req_indices),
-            ("token_rows", token_rows),
-        ):
-            if t.dtype != torch.int32 or not t.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous int32 tensor")
         if not indices_checked:
             check_indices(
                 query.shape[0], block_tables, seq_lens, req_indices, token_rows, block_size
@@ -105,13 +85,44 @@ class PagedDecodeAttention:
             head_dim,
             block_size,
             block_tables.shape[1],
-            q_strides[0],
-            out_strides[0],
+            query.stride(0),
+            out.stride(0),
             window or 0,
             scale,
         )
         if status != 0:
             raise RuntimeError(f"native paged decode attention failed with status {status}")
+
+
+def check_layout(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    indices: tuple[torch.Tensor, ...],  # block_tables, seq_lens, req_indices, token_rows
+) -> None:
+    """The dtypes, shapes and strides the kernel assumes; anything else is a ValueError."""
+    _, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, row = kv_cache.shape
+    dtype = query.dtype
+    codec = CODEC_CODES.get(kv_cache.dtype)
+    if query.device.type != "cpu" or dtype not in DTYPE_CODES:
+        raise ValueError(f"CPU float32/bfloat16 only, got {dtype} on {query.device}")
+    if (kv_cache.dtype != dtype and codec is None) or out.dtype != dtype:
+        raise ValueError("query, out and a float kv_cache must share one dtype")
+    cache_head_dim = kv_codec.row_width_to_head_dim(row, kv_cache.dtype)
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} heads of {head_dim} vs cache {kv_cache.shape}")
+    q_strides, out_strides = query.stride(), out.stride()
+    if q_strides[1:] != (head_dim, 1) or out_strides[1:] != (head_dim, 1):
+        raise ValueError("query and out must have contiguous [heads, head_dim] rows")
+    # Strides rather than kv_cache[0].is_contiguous(): a view costs more than the
+    # kernel's whole call at batch 1.
+    slot = num_kv_heads * row
+    if kv_cache.stride()[1:] != (block_size * slot, slot, row, 1):
+        raise ValueError("each of K and V of kv_cache must be contiguous")
+    for name, t in zip(_INDEX_NAMES, indices):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 tensor")
 
 
 def paged_decode_attention_ref(

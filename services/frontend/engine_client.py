@@ -10,6 +10,8 @@ serving ones; every sample, abort and failure of a request stays with that engin
 Background tasks read the inbound sockets and route each `RequestOutputDelta` to
 the queue of the request that owns it. A request with n > 1 samples is sent as n child
 requests `<id>#<i>` that share one queue, so `generate()` yields their deltas merged.
+The verdicts on the engines' health (`/health`, admission) are `EngineHealth`'s
+(engine_health.py), over the links this client keeps up to date.
 
 Invariants:
 - every request `generate()` started ends: by a delta with a finish reason from the
@@ -52,7 +54,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvflow.errors import EngineDeadError, InvalidRequestError
+from kvflow.errors import EngineDeadError
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.engine import AbortRequests, AddRequest
 from kvflow.proto.frontend import EngineDead, FrontendOutputs, RequestOutputDelta
@@ -60,6 +62,7 @@ from kvflow.proto.stats import SchedulerStats
 from kvflow.routing import Decision, NoEngineError, Router, RoutingConfig
 from kvflow.runtime.sockets import TypedSocket
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
+from kvflow.services.frontend.engine_health import EngineHealth
 from kvflow.services.frontend.engine_link import EngineLink
 from kvflow.services.frontend.request_deadline import Deadline
 
@@ -86,7 +89,7 @@ def error_delta(child_id: str, reason: str) -> RequestOutputDelta:
 _DEADLINE_PASSED = error_delta("", "deadline")
 
 
-class EngineClient:
+class EngineClient(EngineHealth):
     def __init__(
         self,
         addresses: ServiceAddresses | Sequence[ServiceAddresses],
@@ -164,51 +167,6 @@ class EngineClient:
     def add_route_listener(self, listener: RouteListener) -> None:
         """`listener` sees every routing decision (engine label, decision)."""
         self._route_listeners.append(listener)
-
-    # ---- health -----------------------------------------------------------------------
-
-    def engine_problems(self) -> dict[str, str | None]:
-        """Engine label -> None while it serves, else why not."""
-        now = time.monotonic()
-        return {str(e.index): e.problem(now, self.stats_timeout_s) for e in self.engines}
-
-    def health_problem(self) -> str | None:
-        """None while at least one engine serves, else why none does."""
-        problems = self.engine_problems()
-        if any(problem is None for problem in problems.values()):
-            return None
-        if len(problems) == 1:
-            return next(iter(problems.values()))
-        return "; ".join(f"engine {label}: {problem}" for label, problem in problems.items())
-
-    def check_rank(self, rank: int | None) -> None:
-        """InvalidRequestError (400) for a rank this server lacks, EngineDeadError (503)
-        for one that is down; None asks for nothing."""
-        if rank is None:
-            return
-        if rank >= len(self.engines):
-            raise InvalidRequestError(
-                f"data_parallel_rank {rank} is out of range: "
-                f"this server runs {len(self.engines)} engine(s)",
-                param="data_parallel_rank",
-            )
-        problem = self.engine_problems()[str(rank)]
-        if problem is not None:
-            raise EngineDeadError(f"engine {rank} is not serving: {problem}")
-
-    @property
-    def is_healthy(self) -> bool:
-        return self.health_problem() is None
-
-    @property
-    def every_engine_serves(self) -> bool:
-        return all(problem is None for problem in self.engine_problems().values())
-
-    @property
-    def is_degraded(self) -> bool:
-        """Serving, but not with every engine."""
-        problems = self.engine_problems().values()
-        return any(p is None for p in problems) and any(p is not None for p in problems)
 
     @property
     def num_in_flight(self) -> int:

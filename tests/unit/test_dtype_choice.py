@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.config import resolve_dtype
+from kvflow.device_resolution import resolve_dtype
 from kvflow.metrics import dtype_choice
 from kvflow.metrics.dtype_choice import (
     BF16_MIN_SPEEDUP,

@@ -60,7 +60,7 @@ def test_offline_llm_refuses_load_limits(option: dict[str, float]) -> None:
 
 
 def test_cpu_attention_backend_is_refused_on_cuda() -> None:
-    from kvflow.config import resolve_attention_backend
+    from kvflow.device_resolution import resolve_attention_backend
 
     assert resolve_attention_backend("cpu", "cpu") == "cpu"
     assert resolve_attention_backend("auto", "cuda") == "triton"
