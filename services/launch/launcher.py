@@ -76,18 +76,9 @@ class ServeOptions:
 def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Run the stack until SIGINT/SIGTERM; 0 after a clean shutdown, 1 on a start error
     or when the engine died for good (see the module docstring)."""
-    if options.distributed_executor_backend == "ray":
-        from kvflow.services.launch.ray_executor import serve_on_ray
-
-        return serve_on_ray(config, options)
-    if options.dp_hosts.headless:
-        from kvflow.services.launch.headless import serve_headless
-
-        return serve_headless(config, options)
-    if config.parallel.data_parallel_size > 1 or options.api_server_count > 1:
-        from kvflow.services.launch.data_parallel import serve_data_parallel
-
-        return serve_data_parallel(config, options)
+    other_mode = _other_deployment(config, options)
+    if other_mode is not None:
+        return other_mode(config, options)
     start = time.monotonic()
     stop = StopFlag().install()
     phases = _launcher_phases()
@@ -135,6 +126,26 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         print(f"kvflow serve: the engine died: {children.fatal}", file=sys.stderr)
         return 1
     return 0
+
+
+def _other_deployment(
+    config: EngineConfig, options: ServeOptions
+) -> Callable[[EngineConfig, ServeOptions], int] | None:
+    """The launcher of a deployment other than one local engine (Ray, headless, data
+    parallel or several API servers), or None for one local engine (`serve`'s own)."""
+    if options.distributed_executor_backend == "ray":
+        from kvflow.services.launch.ray_executor import serve_on_ray
+
+        return serve_on_ray
+    if options.dp_hosts.headless:
+        from kvflow.services.launch.headless import serve_headless
+
+        return serve_headless
+    if config.parallel.data_parallel_size > 1 or options.api_server_count > 1:
+        from kvflow.services.launch.data_parallel import serve_data_parallel
+
+        return serve_data_parallel
+    return None
 
 
 def _serve_when_ready(
