@@ -56,10 +56,11 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = compute_inv_freq(self.rotary_dim, params, max_position)
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.long_inv_freq: torch.Tensor | None = None
+        self.long_inv_freq: torch.Tensor | None
+        long = None
         if self.rope_type == "longrope":
             long = longrope_inv_freq(self.rotary_dim, self.params, long=True)
-            self.register_buffer("long_inv_freq", long, persistent=False)
+        self.register_buffer("long_inv_freq", long, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """positions [num_tokens] int64 -> Rope with tables in `dtype`."""
