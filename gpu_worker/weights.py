@@ -99,8 +99,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             loader(param, tensor, shard_id)
         loaded.add((target, shard_id))
     missing = [
-        name if shard_id is None else f"{checkpoint_name(name, shard_id, mapping)} "
-        f"-> {name} (shard {shard_id!r})"
+        name
+        if shard_id is None
+        else f"{checkpoint_name(name, shard_id, mapping)} -> {name} (shard {shard_id!r})"
         for name, param in params.items()
         for shard_id in getattr(param, "shard_ids", (None,))
         if (name, shard_id) not in loaded

@@ -33,9 +33,7 @@ def attend(
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     if is_causal:  # top-left aligned, as SDPA's
-        attn_mask = torch.ones(
-            q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device
-        ).tril_()
+        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril_()
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attn_mask, -torch.inf)
     elif attn_mask is not None:

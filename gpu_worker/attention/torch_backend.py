@@ -283,7 +283,9 @@ class TorchAttentionBackend:
                 decode.token_rows, out, scale, sliding_window, indices_checked=True,
             )  # fmt: skip
         elif decode is not None:
-            _decode_attention(query, cache, decode, out, scale, (sliding_window, softcap), plan.codec)
+            _decode_attention(
+                query, cache, decode, out, scale, (sliding_window, softcap), plan.codec
+            )
         prefill_kernel = self._prefill_kernel if softcap is None else None
         for prefill in plan.prefills:
             _prefill_attention(

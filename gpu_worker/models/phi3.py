@@ -7,7 +7,6 @@ the config applies to every layer, as in transformers."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 

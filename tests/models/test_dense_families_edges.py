@@ -33,19 +33,24 @@ def save(config: Any, path: Path) -> Any:
         (
             "dynamic-ntk",
             LlamaConfig(
-                **SMALL, **HEADS, max_position_embeddings=8,
+                **SMALL,
+                **HEADS,
+                max_position_embeddings=8,
                 rope_parameters={"rope_type": "dynamic", "factor": 3.0, "rope_theta": 10000.0},
             ),
         ),
         (
             "longrope-long",
             Phi3Config(
-                **SMALL, **HEADS, max_position_embeddings=64, rope_parameters=longrope(16),
+                **SMALL,
+                **HEADS,
+                max_position_embeddings=64,
+                rope_parameters=longrope(16),
                 pad_token_id=0,
             ),
         ),
     ],
-)  # fmt: skip
+)
 def test_length_dependent_rope_matches_transformers(
     name: str, config: Any, models_tmp: Path, prefill_logits, paged_runner
 ) -> None:
@@ -77,18 +82,23 @@ def test_soft_capped_layers_on_the_native_backend(models_tmp: Path, paged_runner
     """The native kernels have no soft-cap: capped layers must take the torch path, so
     the `cpu` backend gives transformers' tokens too."""
     config = Gemma2Config(
-        **SMALL, **HEADS, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
-        attn_logit_softcapping=1.0, final_logit_softcapping=20.0,
-    )  # fmt: skip
+        **SMALL,
+        **HEADS,
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=20.0,
+    )
     hf_model = save(config, models_tmp / "gemma2-native")
     model = load_model(models_tmp / "gemma2-native", torch.float32, torch.device("cpu"), "cpu")
     tokens = prompt(9, seed=11)
     with torch.inference_mode():
         expected = hf_model(torch.tensor([tokens])).logits[0]
     runner = paged_runner(model, num_blocks=8, block_size=4)
-    logits = torch.cat([runner.step([("r", tokens[:6])])[0]] + [
-        runner.step([("r", [t])])[0] for t in tokens[6:]
-    ])  # fmt: skip
+    logits = torch.cat(
+        [runner.step([("r", tokens[:6])])[0]] + [runner.step([("r", [t])])[0] for t in tokens[6:]]
+    )
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -106,11 +116,14 @@ def test_unknown_rope_type_fails_at_start_with_its_name(models_tmp: Path) -> Non
 @pytest.mark.parametrize(
     "config, dropped",
     [
-        (Gemma2Config(**SMALL, **HEADS, head_dim=16), "model.layers.1.pre_feedforward_layernorm.weight"),
+        (
+            Gemma2Config(**SMALL, **HEADS, head_dim=16),
+            "model.layers.1.pre_feedforward_layernorm.weight",
+        ),
         (Phi3Config(**SMALL, **HEADS, pad_token_id=0), "model.layers.0.self_attn.qkv_proj.weight"),
         (LlamaConfig(**SMALL, **HEADS), "model.layers.1.mlp.up_proj.weight"),
     ],
-)  # fmt: skip
+)
 def test_missing_tensor_fails_with_its_name(config: Any, dropped: str, models_tmp: Path) -> None:
     path = models_tmp / f"missing-{config.model_type}"
     save(config, path)

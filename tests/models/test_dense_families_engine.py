@@ -24,11 +24,19 @@ MAX_TOKENS = 10
 def gemma2_dir(models_tmp: Path, embedded_model_dir: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir))
     config = Gemma2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
-        query_pre_attn_scalar=16, attn_logit_softcapping=3.0, final_logit_softcapping=80.0,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=6,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=80.0,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     sharpen(model, seed=3)
@@ -47,9 +55,12 @@ def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
         for prompt in prompts:
             ids = torch.tensor([prompt])
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+            )
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs
 
@@ -58,16 +69,19 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(gemma2_di
     generator = torch.Generator().manual_seed(5)
     prefix = torch.randint(100, 4000, (13,), generator=generator).tolist()
     prompts = [
-        prefix + torch.randint(100, 4000, (n,), generator=generator).tolist()
-        for n in (3, 6, 2, 5)
+        prefix + torch.randint(100, 4000, (n,), generator=generator).tolist() for n in (3, 6, 2, 5)
     ]
     expected = hf_greedy(gemma2_dir, prompts)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     # 12 blocks of 4 tokens: four requests of up to 29 tokens need up to 8 blocks each.
     llm = LLM(
-        str(gemma2_dir), dtype="float32", device="cpu", max_num_batched_tokens=8,
-        block_size=4, num_blocks=12,
-    )  # fmt: skip
+        str(gemma2_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_batched_tokens=8,
+        block_size=4,
+        num_blocks=12,
+    )
     first = llm.generate(prompts[:1], greedy)  # caches the shared prefix's blocks
     rest = llm.generate(prompts[1:], greedy)
     assert [o.token_ids for o in first + rest] == expected

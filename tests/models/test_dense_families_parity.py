@@ -50,34 +50,52 @@ def longrope(dim: int) -> dict[str, Any]:
 
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "gemma2": lambda: Gemma2Config(
-        **SMALL, **HEADS, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
-        attn_logit_softcapping=2.0, final_logit_softcapping=20.0,
-    ),  # fmt: skip
+        **SMALL,
+        **HEADS,
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=20.0,
+    ),
     "gemma3": lambda: Gemma3TextConfig(
-        **SMALL, **HEADS, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+        **SMALL,
+        **HEADS,
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=16,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
         },
-    ),  # fmt: skip
+    ),
     "phi3": lambda: Phi3Config(
-        **SMALL, **HEADS, max_position_embeddings=64, rope_parameters=longrope(16),
-        tie_word_embeddings=False, pad_token_id=0,
-    ),  # fmt: skip
+        **SMALL,
+        **HEADS,
+        max_position_embeddings=64,
+        rope_parameters=longrope(16),
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    ),
     "phi4-mini": lambda: Phi3Config(
-        **SMALL, **HEADS, max_position_embeddings=64,
+        **SMALL,
+        **HEADS,
+        max_position_embeddings=64,
         rope_parameters={**longrope(12), "partial_rotary_factor": 0.75},
-        tie_word_embeddings=True, pad_token_id=0,
-    ),  # fmt: skip
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    ),
     "olmo2": lambda: Olmo2Config(**SMALL, **HEADS, pad_token_id=0),
     "granite": lambda: GraniteConfig(
-        **SMALL, **HEADS, embedding_multiplier=6.0, residual_multiplier=0.5,
-        attention_multiplier=0.05, logits_scaling=0.5,
-    ),  # fmt: skip
-    "smollm3": lambda: SmolLM3Config(
-        **SMALL, **HEADS, no_rope_layers=[0, 1], pad_token_id=0
+        **SMALL,
+        **HEADS,
+        embedding_multiplier=6.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.05,
+        logits_scaling=0.5,
     ),
+    "smollm3": lambda: SmolLM3Config(**SMALL, **HEADS, no_rope_layers=[0, 1], pad_token_id=0),
 }
 
 
