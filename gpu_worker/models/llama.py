@@ -42,7 +42,11 @@ from kvflow.gpu_worker.layers.rotary import Rope, RotaryEmbedding, apply_rotary_
 from kvflow.gpu_worker.models.spec import DEFAULT_ROPE, DecoderSpec, head_dim_of
 from kvflow.gpu_worker.parallel_state import get_pp_group, get_tp_group
 
-__all__ = ["DecoderSpec", "LlamaForCausalLM", "LlamaModel", "StageMissing", "lm_head_cost"]
+__all__ = [  # DecoderSpec moved to spec.py; importers of it from here keep working
+    "DecoderSpec", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP",
+    "LlamaModel", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "StageMissing", "lm_head_cost",
+]  # fmt: skip
 
 Activations = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) between stages
 
