@@ -10,6 +10,11 @@ transformers runs it alone:
 * dynamic: for seq_len > max_position_embeddings the base grows with seq_len (NTK);
 * longrope (Phi-3 "su"/"longrope"): short factors up to original_max_position_embeddings,
   long factors past it.
+
+Keys already in the cache keep the rotation they were stored with, as in transformers'
+cached decoding; the one difference: when a Phi-3 request grows past the original
+context, transformers' generate re-encodes the whole sequence with the long factors,
+whereas kvflow rotates only the new tokens with them.
 """
 
 from __future__ import annotations
