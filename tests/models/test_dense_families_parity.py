@@ -29,11 +29,13 @@ from transformers import (
     SmolLM3Config,
 )
 
+from kvflow.gpu_worker.attn_metadata import forward_context
 from kvflow.gpu_worker.model_loader import load_model
 
 VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
 HEADS = dict(num_attention_heads=4, num_key_value_heads=2)
+ROWS = torch.tensor([9, 3])  # output rows, in any order
 
 
 def longrope(dim: int) -> dict[str, Any]:
@@ -184,3 +186,18 @@ def test_greedy_tokens_match_transformers(checkpoint, kv_model, paged_runner) ->
     while len(out) < 10:
         out.append(int(runner.step([("r", out[-1:])])[0][-1].argmax()))
     assert out == hf_out
+
+
+def test_output_rows_get_their_logits_and_every_row_its_kv(kv_model, paged_runner, prefill_logits):
+    """The last block (sandwich, post-norm or pre-norm) run for `output_rows` alone still
+    stores every token's K/V, and those rows get the full prefill's logits."""
+    tokens = prompt(11, seed=7)
+    expected = prefill_logits(kv_model, tokens)
+    runner = paged_runner(kv_model, num_blocks=8, block_size=4)
+    md, positions = runner.metadata([("a", tokens[:10])])
+    with torch.inference_mode(), forward_context(md):
+        hidden = kv_model(torch.tensor(tokens[:10]), torch.tensor(positions), output_rows=ROWS)
+        logits = kv_model.compute_logits(hidden)
+    torch.testing.assert_close(logits, expected[ROWS], atol=1e-4, rtol=1e-4)
+    (decoded,) = runner.step([("a", tokens[10:11])])
+    torch.testing.assert_close(decoded, expected[10:11], atol=1e-4, rtol=1e-4)
