@@ -19,7 +19,6 @@ missed a heartbeat, and recovers (services/scheduler/recovery.py).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -31,11 +30,9 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.gpu_worker.distributed import RankInit
+from kvflow.gpu_worker.runner_factory import build_runner
 from kvflow.heap import keep_freed_memory
-from kvflow.kv_transfer_config import engine_kv_namespace
-from kvflow.metrics.device_peaks import DevicePeaks, resolve_peaks
 from kvflow.metrics.startup_phases import StartupPhases, process_age_s
-from kvflow.model_limits import read_model_limits
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
 from kvflow.proto.step import SchedulerHello, Shutdown, StepPlan, WorkerInput
@@ -106,8 +103,9 @@ def _serve(
     age = process_age_s()
     if age is not None:
         phases.add("worker_process_start", age)
-    world_size = config.parallel.world_size
-    runner, max_model_len, peaks = _build_runner(config, model_dir, phases, world_size)
+    built = build_runner(config, model_dir, config.parallel.world_size, phases, measure_peaks=True)
+    runner, max_model_len, peaks = built.runner, built.max_model_len, built.peaks
+    assert peaks is not None  # measure_peaks
     answers = _answers_steps()
     load_s = time.perf_counter() - start
     link.ready(num_blocks=runner.num_blocks, load_s=round(load_s, 3))
@@ -147,70 +145,6 @@ def _answers_steps() -> bool:
     from kvflow.gpu_worker.parallel_state import get_pp_group, get_tp_group
 
     return get_pp_group().is_last and get_tp_group().rank == 0
-
-
-def _build_runner(
-    config: EngineConfig, model_dir: Path, phases: StartupPhases, world_size: int = 1
-) -> tuple[Any, int, DevicePeaks]:
-    """The model runner with its KV cache allocated, the context length served and the
-    device's peaks (calibrated, if need be, before the KV cache takes the memory).
-    Runs inside the rank's tensor-parallel group: the model built is this rank's shard,
-    and every rank allocates the KV blocks that the most constrained rank can hold."""
-    with phases.measure("worker_torch_import"):
-        from kvflow.gpu_worker.distributed import min_over_ranks, threads_per_rank
-        from kvflow.gpu_worker.model_runner import ModelRunner, RunnerConfig
-        from kvflow.gpu_worker.parallel_state import get_tp_group
-        from kvflow.tokenizer import read_eos_token_ids
-
-    with phases.measure("tokenizer_load"):
-        eos_token_ids = read_eos_token_ids(model_dir)
-    if config.device.device == "cpu":
-        with phases.measure("native_kernels"):
-            from kvflow.kernels.cpu.native_build import load_all
-
-            load_all()
-    max_model_len = read_model_limits(model_dir, config.model.max_model_len).max_model_len
-    with phases.measure("model_load"):
-        runner = ModelRunner(
-            RunnerConfig(
-                model_dir=model_dir,
-                model=config.model,
-                cache=config.cache,
-                device=dataclasses.replace(
-                    config.device,
-                    num_threads=threads_per_rank(world_size, config.device.num_threads),
-                    # Collectives inside captured graphs are not verified yet: eager.
-                    enforce_eager=config.device.enforce_eager or world_size > 1,
-                ),
-                eos_token_ids=eos_token_ids,
-                max_num_seqs=config.scheduler.max_num_seqs,
-                max_model_len=max_model_len,
-                kv_transfer=config.kv_transfer.kv_transfer_config,
-                kv_namespace=engine_kv_namespace(config),
-                kv_load_timeout=config.kv_transfer.kv_load_timeout,
-                speculative=config.speculative.speculative_config,
-            )
-        )
-    with phases.measure("roofline_calibration"):
-        peaks = _device_peaks(config)
-    with phases.measure("kv_cache_profile"):
-        num_blocks = min_over_ranks(
-            runner.determine_num_blocks(), get_tp_group(), config.device.device
-        )
-    with phases.measure("kv_cache_allocate"):
-        runner.initialize_kv_cache(num_blocks)
-    took = runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)
-    if took > 0:  # a phase that did not run (CPU, --enforce-eager) is absent
-        phases.add("cuda_graph_capture", took)
-    return runner, max_model_len, peaks
-
-
-def _device_peaks(config: EngineConfig) -> DevicePeaks:
-    """The roofline's roofs (flags, else the GPU table or a cached calibration)."""
-    device = config.device
-    return resolve_peaks(
-        device.device, config.model.dtype, device.peak_flops, device.peak_bandwidth
-    )
 
 
 class _Heartbeat:

@@ -120,8 +120,9 @@ def _check_inputs(
         key, value = fresh_kv
         assert key.shape == value.shape == (query.shape[0], kv_cache.shape[3], head_dim)
         assert key.dtype == value.dtype == query.dtype, (key.dtype, query.dtype)
-        assert key.stride() == value.stride(), (key.stride(), value.stride())
+        # Each with its own strides: views of the fused qkv output or contiguous copies.
         assert_last_dim_contiguous("key", key)
+        assert_last_dim_contiguous("value", value)
         check_device(_paged_attention_kernel, key, value)
 
 
@@ -160,6 +161,7 @@ def _launch(
         scale * math.log2(math.e),
         _NO_WINDOW if sliding_window is None else sliding_window,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1),
         out.stride(0), out.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2) if acc.dim() == 4 else 0,
         max_logit.stride(0), max_logit.stride(1),

@@ -38,6 +38,8 @@ by `s_v` per key before the P.V dot (the running sum still adds the unscaled wei
 with fp16 operands V is dequantized instead, as `p * s_v` could fall below fp16's range).
 With FRESH_KV, a request with no cached prefix reads this step's own K/V rows (float,
 unquantized) instead of the cache: the same inner loop, its keys addressed row after row.
+K and V come with their own strides: they are views of the fused qkv projection, or a
+contiguous copy (rotary's or a norm's output), in any mix.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def _attend_range(
     qk_scale,
     sliding_window,
     stride_block,
-    stride_slot,
+    stride_slot,  # a cache slot (PAGED), else a key row
+    stride_v_row,  # a value row (not PAGED; paged values share the keys' slot offsets)
     offs_d,  # [HEAD_DIM_P]
     mask_d,  # [HEAD_DIM_P]
     head_dim,  # where a quantized row's scale bytes start
@@ -113,8 +116,10 @@ def _attend_range(
             # Tiles may straddle pages (and pages need not be powers of two): gather per key.
             page = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
             slot_off = page.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot
+            v_off = slot_off
         else:  # this step's own rows, one after the other
             slot_off = offs_n.to(tl.int64) * stride_slot
+            v_off = offs_n.to(tl.int64) * stride_v_row
         kv_mask = mask_n[None, :] & mask_d[:, None]
         k = _load_kv(k_base + slot_off[None, :] + offs_d[:, None], kv_mask, KV_CODEC)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N]
@@ -134,9 +139,9 @@ def _attend_range(
         p = tl.math.exp2(s - m_shift[:, None])  # [BLOCK_M, TILE_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_mask = mask_n[:, None] & mask_d[None, :]
-        v = _load_kv(v_base + slot_off[:, None] + offs_d[None, :], v_mask, KV_CODEC)
+        v = _load_kv(v_base + v_off[:, None] + offs_d[None, :], v_mask, KV_CODEC)
         if KV_CODEC != FLOAT:
-            v_scale = load_scale(v_base + slot_off + head_dim, mask_n, KV_CODEC)  # [TILE_N]
+            v_scale = load_scale(v_base + v_off + head_dim, mask_n, KV_CODEC)  # [TILE_N]
             if DOT_DTYPE == tl.float16:  # noqa: SIM300 (DOT_DTYPE is not a constant)
                 # p * s_v may be far below fp16's normal range (e5m2: s_v = amax / 57344);
                 # the dequantized values are in the model's own (fp16) range.
@@ -199,7 +204,7 @@ def _paged_attention_kernel(
     sum_ptr,  # [max_tokens, num_heads, max_splits] fp32          (NUM_SPLITS > 1)
     q_ptr,  # [num_tokens, num_heads, head_dim]
     key_ptr,  # [num_tokens, num_kv_heads, head_dim] this step's keys   (FRESH_KV)
-    value_ptr,  # [num_tokens, num_kv_heads, head_dim] and values, key's strides (FRESH_KV)
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim] and values          (FRESH_KV)
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim (+ 4 if quantized)]
     query_start_loc_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
@@ -211,6 +216,8 @@ def _paged_attention_kernel(
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_ot,
     stride_oh,
     stride_at,
@@ -270,11 +277,12 @@ def _paged_attention_kernel(
     if fresh:
         # No cached prefix: the request attends its own K/V as computed, not as stored
         # (quantized), row after row from this step's key/value tensors.
-        fresh_off = q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        k_off = q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        v_off = q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
         acc, l_i, m_i = _attend_range(
-            acc, l_i, m_i, q, q_pos, key_ptr + fresh_off, value_ptr + fresh_off,
+            acc, l_i, m_i, q, q_pos, key_ptr + k_off, value_ptr + v_off,
             block_tables_ptr, split_lo, split_hi, qk_scale, sliding_window, 0, stride_kt,
-            offs_d, mask_d, head_dim,
+            stride_vt, offs_d, mask_d, head_dim,
             BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, PAGED=False,
             KV_CODEC=FLOAT, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip
@@ -283,7 +291,7 @@ def _paged_attention_kernel(
         acc, l_i, m_i = _attend_range(
             acc, l_i, m_i, q, q_pos, kv_base, kv_base + stride_c_kv,
             block_tables_ptr + req * stride_bt, split_lo, split_hi, qk_scale, sliding_window,
-            stride_c_block, stride_c_slot, offs_d, mask_d, head_dim,
+            stride_c_block, stride_c_slot, 0, offs_d, mask_d, head_dim,
             BLOCK_SIZE=BLOCK_SIZE, TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, PAGED=True,
             KV_CODEC=KV_CODEC, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
         )  # fmt: skip

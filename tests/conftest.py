@@ -54,10 +54,14 @@ def embedded_model_dir() -> Path:
 
 
 def _tiny_config(arch: str, vocab_size: int) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if arch == "llama":
         return LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=True, **TINY_COMMON)
+    if arch == "mistral":  # a window shorter than the test prompts, so that it masks
+        return MistralConfig(
+            vocab_size=vocab_size, sliding_window=8, tie_word_embeddings=False, **TINY_COMMON
+        )
     if arch == "qwen2":
         return Qwen2Config(vocab_size=vocab_size, tie_word_embeddings=False, **TINY_COMMON)
     if arch == "qwen3":
@@ -102,6 +106,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (tests/gpu/run_gpu_checks.sh runs these on one)")
     marker = item.get_closest_marker("native")
     if marker is None:
         return

@@ -69,8 +69,8 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        # The fresh K/V the kernels read share one layout: rotary made key contiguous.
-        value = value.contiguous()
+        # key and value may be views of the fused qkv output (row stride of all heads):
+        # both kernels take each tensor's own strides, so nothing is copied here.
         # The paged kernel has no logit soft-capping: capped layers (Gemma 2) take the
         # torch backend, which has it (on the same CUDA tensors, eager steps).
         if kv_cache.numel() == 0 or softcap is not None:

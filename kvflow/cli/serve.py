@@ -266,13 +266,16 @@ def _run_scheduler(args: argparse.Namespace) -> int:
 
 def _run_worker(args: argparse.Namespace) -> int:
     from kvflow.gpu_worker.main import run_worker
+    from kvflow.services.launch.worker_group import check_model_split
 
     config = _config(args)
+    model_dir = _model_dir(config)
+    check_model_split(config.parallel, model_dir)  # before the group meets, not inside a rank
     return run_worker(
         config,
         resolve_addresses(args),
         args.rank,
-        _model_dir(config),
+        model_dir,
         worker_rank_init(config, args.rank, args.distributed_init_method),
         launcher_address=args.launcher_address,
     )

@@ -107,10 +107,10 @@ class LLM:
                             finished[output.request_id] = output
                             progress.update(1)
         except BaseException:  # incl. KeyboardInterrupt: the next generate() must work
-            self.engine.recover_from_failed_step()
-            for request_id in request_ids:
-                if request_id not in finished:
-                    self.engine.abort_request(request_id)
+            # A failed step already failed every request; an interrupt between steps
+            # leaves them to fail here.
+            if self.engine.has_unfinished_requests():
+                self.engine.recover_from_failed_step()
             raise
         finally:
             progress.close()

@@ -42,6 +42,10 @@ class RequestOutputs:
             self._samples.pop(child_id, None)
         return child_ids
 
+    def request_ids(self) -> list[str]:
+        """The unfinished requests' ids."""
+        return list(self._parents)
+
     def has_unfinished(self) -> bool:
         return bool(self._parents)
 

@@ -40,6 +40,7 @@ from kvflow.services.frontend.routing_metrics import RoutingMetrics
 from kvflow.services.frontend.serving_chat import create_chat_completion
 from kvflow.services.frontend.serving_common import ServingContext, json_response
 from kvflow.services.frontend.serving_completions import create_completion
+from kvflow.services.frontend.serving_responses import ResponsesAPI
 from kvflow.services.frontend.serving_tokenize import detokenize, list_models, tokenize
 from kvflow.services.frontend.sse import read_body
 from kvflow.services.frontend.web_ui import ASSETS, WebUI
@@ -99,6 +100,7 @@ class _Endpoints:
         self.ctx = ctx
         self.limit = ctx.config.max_body_bytes
         self.openapi = msgspec.json.encode(openapi_document())
+        self.responses = ResponsesAPI(ctx)
 
     async def completions(self, request: Request) -> Response:
         return await create_completion(self.ctx, request, await read_body(request, self.limit))
@@ -139,6 +141,8 @@ def _routes(ctx: ServingContext, web_ui: WebUI) -> list[Route]:
     table: list[tuple[str, str, Endpoint]] = [
         ("POST", "/v1/completions", e.completions),
         ("POST", "/v1/chat/completions", e.chat),
+        ("POST", "/v1/responses", e.responses.create),
+        ("GET", "/v1/responses/{response_id}", e.responses.retrieve),
         ("GET", "/v1/models", e.models),
         ("POST", "/tokenize", e.tokenize),
         ("POST", "/detokenize", e.detokenize),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvflow.errors import ConfigError
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_STORED_RESPONSES = 1024
 
 
 def new_frontend_id() -> str:
@@ -35,11 +36,15 @@ class FrontendConfig:
     stats_timeout_s: float = 10.0  # no SchedulerStats for this long: unhealthy
     shutdown_grace_s: float = 5.0  # after SIGTERM, streams may run this long, then error
     engine_label: str = "0"  # `engine` label of request-level metrics
+    # /v1/responses kept for previous_response_id and GET (LRU; 0: none; response_store.py)
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.vocab_size < 1:
             raise ConfigError("max_model_len and vocab_size must be >= 1")
         if self.max_body_bytes < 1:
             raise ConfigError("max_body_bytes must be >= 1")
+        if self.max_stored_responses < 0:
+            raise ConfigError("max_stored_responses must be >= 0")
         if "#" in self.frontend_id or not self.frontend_id:
             raise ConfigError("frontend_id must be non-empty and without '#'")

@@ -3,12 +3,14 @@ from the same Structs the handlers decode and encode (so it cannot drift from th
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, get_args
 
 import msgspec
 
-from kvflow.services.frontend import protocol, responses
+from kvflow.services.frontend import protocol, responses, responses_protocol
 from kvflow.services.frontend.errors import ErrorResponse
+from kvflow.services.frontend.responses_events import ResponseEvent
 from kvflow.version import __version__
 
 _REF = "#/components/schemas/{name}"
@@ -19,6 +21,10 @@ _ROUTES: list[tuple[str, str, str, type | None, type | str]] = [
      responses.CompletionResponse),
     ("post", "/v1/chat/completions", "Create a chat completion", protocol.ChatCompletionRequest,
      responses.ChatCompletionResponse),
+    ("post", "/v1/responses", "Create a response (OpenAI's Responses API)",
+     responses_protocol.ResponsesRequest, responses_protocol.ResponseObject),
+    ("get", "/v1/responses/{response_id}", "A stored response", None,
+     responses_protocol.ResponseObject),
     ("get", "/v1/models", "List the served models", None, responses.ModelList),
     ("post", "/tokenize", "Tokenize a prompt or a conversation", protocol.TokenizeRequest,
      responses.TokenizeResponse),
@@ -29,21 +35,31 @@ _ROUTES: list[tuple[str, str, str, type | None, type | str]] = [
     ("get", "/version", "The kvflow version", None, responses.VersionResponse),
     ("get", "/openapi.json", "This document", None, "application/json"),
 ]  # fmt: skip
-_STREAMED = {
+_STREAMED: dict[str, Any] = {
     "/v1/completions": responses.CompletionChunk,
     "/v1/chat/completions": responses.ChatCompletionChunk,
+    "/v1/responses": ResponseEvent,  # a union: one schema per event type
 }
+_PATH_PARAM = re.compile(r"\{(\w+)\}")
 
 
 def openapi_document() -> dict[str, Any]:
     types: list[Any] = [
         t for _, _, _, req, res in _ROUTES for t in (req, res) if isinstance(t, type)
     ]
-    types += [*_STREAMED.values(), ErrorResponse]
+    for streamed in _STREAMED.values():
+        types += get_args(streamed) or [streamed]
+    types.append(ErrorResponse)
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
     paths: dict[str, Any] = {}
     for method, path, summary, request_type, response in _ROUTES:
         operation: dict[str, Any] = {"summary": summary, "responses": _responses(path, response)}
+        parameters = [
+            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            for name in _PATH_PARAM.findall(path)
+        ]
+        if parameters:
+            operation["parameters"] = parameters
         if request_type is not None:
             operation["requestBody"] = {
                 "required": True,
@@ -74,5 +90,8 @@ def _responses(path: str, response: type | str) -> dict[str, Any]:
     return {"200": ok, "default": {"description": "An OpenAI-style error", **error}}
 
 
-def _ref(struct: type) -> dict[str, str]:
+def _ref(struct: Any) -> dict[str, Any]:
+    members = get_args(struct)
+    if members:
+        return {"anyOf": [_ref(member) for member in members]}
     return {"$ref": _REF.format(name=struct.__name__)}

@@ -40,6 +40,11 @@ from kvflow.proto.control import LauncherInput, ProcessFailed, ProcessReady
 from kvflow.proto.step import Shutdown
 from kvflow.runtime.lifecycle import StopFlag, die_with_parent, set_process_name
 from kvflow.runtime.sockets import TypedSocket
+from kvflow.services.launch.spawn_guard import (
+    UNGUARDED_MAIN_EXIT,
+    exit_if_bootstrapping,
+    unguarded_main_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +105,7 @@ class ChildProcesses:
 
     def start(self, role: str, rank: int, target: Callable[..., int], *args: Any) -> Child:
         """Start `target(*args, launcher_address=...)` in a fresh interpreter."""
+        exit_if_bootstrapping()  # we are a child re-running an unguarded main script
         child = Child(role, rank, self._process(role, rank, target, args), target, args)
         self.children.append(child)
         logger.info("started %s (pid %d)", child.name, child.process.pid)
@@ -136,6 +142,9 @@ class ChildProcesses:
         for child in self.children:
             if child.error is not None:
                 return f"{child.name} failed to start: {child.error}"
+        for child in self.children:
+            if child.process.exitcode == UNGUARDED_MAIN_EXIT:
+                return unguarded_main_message()
         for child in self.children:
             if not child.process.is_alive():
                 return f"{child.exit_description()} before it was ready"

@@ -45,7 +45,7 @@ from kvflow.runtime.lifecycle import StopFlag
 from kvflow.services.launch.children import ChildProcesses, RestartPolicy
 from kvflow.services.launch.dp_hosts import DataParallelHosts
 from kvflow.services.launch.worker_group import (
-    check_layer_partition,
+    check_model_split,
     check_parallelism,
     restart_policy,
     worker_rank_args,
@@ -185,7 +185,7 @@ def _resolve_model(config: EngineConfig) -> Path:
     check_parallelism(config)  # a ConfigError is a KvflowError: reported, exit 1
     try:
         model_dir = resolve_model_dir(config.model.model)
-        check_layer_partition(config.parallel, model_dir)
+        check_model_split(config.parallel, model_dir)
         return model_dir
     except KvflowError:
         raise

@@ -55,6 +55,45 @@ def check_layer_partition(parallel: ParallelConfig, model_dir: Path) -> None:
         partition_layers(num_layers, parallel.pipeline_parallel_size, parallel.layer_partition)
 
 
+def check_model_split(parallel: ParallelConfig, model_dir: Path) -> None:
+    """Before any process starts: the model splits over the ranks as asked (layers over
+    the stages, heads and MLP over the tensor-parallel ranks). `LLM` and `kvflow serve`
+    both call this, so a bad size is a ConfigError, not a rank that fails to start."""
+    check_layer_partition(parallel, model_dir)
+    check_tensor_split(parallel, model_dir)
+
+
+def check_tensor_split(parallel: ParallelConfig, model_dir: Path) -> None:
+    """Each rank holds heads/T query heads, KV heads/T KV heads (or one KV head shared by
+    T/KV heads ranks) and intermediate/T MLP columns: all must split evenly."""
+    size = parallel.tensor_parallel_size
+    if size == 1:
+        return
+    raw = json.loads((model_dir / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    heads = text.get("num_attention_heads")
+    if not isinstance(heads, int):
+        return  # a config this rule cannot read: the model's own loader decides
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    intermediate = text.get("intermediate_size")
+    if tensor_split_fits(size, heads, kv_heads, intermediate):
+        return
+    fits = [t for t in range(1, heads + 1) if tensor_split_fits(t, heads, kv_heads, intermediate)]
+    mlp = f", its {intermediate} MLP columns" if isinstance(intermediate, int) else ""
+    raise ConfigError(
+        f"tensor_parallel_size={size} must divide the model's {heads} attention heads"
+        f"{mlp} and its {kv_heads} KV heads (or be a multiple of them); "
+        f"sizes that fit: {', '.join(map(str, fits))}"
+    )
+
+
+def tensor_split_fits(size: int, heads: int, kv_heads: int, intermediate: Any) -> bool:
+    """gpu_worker/layers/linear.py's split rule (QKVParallelLinear, the MLP's columns)."""
+    kv_fits = kv_heads % size == 0 if kv_heads >= size else size % kv_heads == 0
+    mlp_fits = not isinstance(intermediate, int) or intermediate % size == 0
+    return heads % size == 0 and kv_fits and mlp_fits
+
+
 def worker_rank_args(
     config: EngineConfig, addresses: ServiceAddresses, model_dir: Path
 ) -> list[tuple[Any, ...]]:

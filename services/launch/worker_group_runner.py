@@ -7,13 +7,15 @@ processes `kvflow serve` starts, and drives them over the same sockets the sched
     LLMEngine ── StepPlan (XPUB, every rank) ──▶ worker rank 0..TP-1
               ◀── StepResult (PULL, TP rank 0 of the last stage) ───┘
 
-`submit(plan)` sends a plan and returns at once and `result()` awaits the oldest
-submitted plan's result, so the engine keeps several steps in flight (P micro-batches
-fill the pipeline); `execute(plan)` is both, the in-process `ModelRunner.execute`
-signature. The engine core, and therefore every scheduling rule, is the one the
-offline path always runs. A rank that fails or dies raises EngineDeadError at once (the
-next or current step); `close()` (also at interpreter exit) stops the ranks and leaves
-no process behind.
+It is a `StepExecutor` (gpu_worker/executor.py): `submit(plan)` sends a plan and
+returns at once and `result()` awaits the oldest submitted plan's result, so the engine
+keeps several steps in flight (P micro-batches fill the pipeline). The engine core, and
+therefore every scheduling rule, is the one the offline path always runs. After a step
+failed in the engine, `drop_all_requests()` waits out the steps in flight and says
+hello again: every rank drops its batch at the same point of the plan stream, as for a
+restarted scheduler, and the group serves on. A rank that fails or dies raises
+EngineDeadError at once (the next or current step); `close()` (also at interpreter
+exit) stops the ranks and leaves no process behind.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class WorkerGroupRunner:
-    """Worker processes of one engine, seen as one runner (`execute`, `num_blocks`)."""
+    """Worker processes of one engine, seen as one StepExecutor."""
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.world_size = config.parallel.world_size
@@ -88,17 +90,16 @@ class WorkerGroupRunner:
             if self._plans.socket.poll(_POLL_MS, zmq.POLLIN):
                 subscriptions += self._plans.socket.recv()[:1] == b"\x01"
             self._check_alive(deadline)
+        return self._hello(deadline)
+
+    def _hello(self, deadline: float) -> WorkerInfo:
+        """SchedulerHello to every rank (each drops its requests); rank 0's answer."""
         incarnation = uuid.uuid4().hex[:12]
         self._plans.send(SchedulerHello(incarnation))
         while True:
             message = self._recv(deadline)
             if isinstance(message, WorkerInfo) and message.incarnation == incarnation:
                 return message
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step on every rank; its result."""
-        self.submit(plan)
-        return self.result()
 
     def submit(self, plan: StepPlan) -> None:
         """Send one step to every rank; its result comes from `result()`, in order."""
@@ -108,7 +109,7 @@ class WorkerGroupRunner:
         self._submitted.append(plan.step_id)
 
     @property
-    def num_submitted(self) -> int:
+    def num_in_flight(self) -> int:
         return len(self._submitted)
 
     def result(self) -> StepResult:
@@ -140,10 +141,18 @@ class WorkerGroupRunner:
             raise EngineDeadError(f"workers did not answer within {STARTUP_TIMEOUT_S:g} s")
 
     def drop_all_requests(self) -> None:
-        """After a failed step the ranks' batches cannot be brought back in step with
-        each other: the workers stop, and the engine is dead from here on."""
-        self._submitted.clear()
-        self.close()
+        """After a failed step: the steps in flight finish on every rank (their results
+        are dropped), then a hello makes every rank drop its batch at the same point of
+        the plan stream. A group that cannot (a rank died) is stopped: the engine is dead."""
+        if self._closed:
+            return
+        try:
+            while self._submitted:
+                self.result()
+            self._hello(time.monotonic() + STARTUP_TIMEOUT_S)
+        except EngineDeadError as exc:
+            logger.error("worker group lost after a failed step: %s", exc)
+            self.close()
 
     def close(self) -> None:
         """Shutdown to every rank, then SIGTERM/SIGKILL whoever is still there."""

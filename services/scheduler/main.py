@@ -39,8 +39,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvflow.config import EngineConfig
 from kvflow.errors import KvflowError
-from kvflow.kv_transfer.scheduler.connector import make_connector_scheduler
-from kvflow.kv_transfer_config import engine_kv_namespace
 from kvflow.metrics.roofline import ModelShape, RooflineMeter
 from kvflow.proto.addresses import ServiceAddresses, bind_address
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo, WorkerOutput
@@ -49,15 +47,10 @@ from kvflow.proto.frontend import EngineDead
 from kvflow.proto.step import SchedulerHello, Shutdown
 from kvflow.runtime.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.runtime.sockets import TypedSocket
-from kvflow.services.scheduler.admission import EngineLimits
-from kvflow.services.scheduler.engine_core import EngineCore
-from kvflow.services.scheduler.grammar_compiler import grammar_compiler
-from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
+from kvflow.services.scheduler.assembly import EngineShape, build_engine_core
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
 from kvflow.services.scheduler.loop import Instruments, Outputs, SchedulerLoop
 from kvflow.services.scheduler.recovery import WORKER_RECOVERY_TIMEOUT_S, WorkerRecovery
-from kvflow.services.scheduler.scheduler import Scheduler
-from kvflow.services.scheduler.spec_decode.speculator import make_speculator
 from kvflow.services.scheduler.step_trace import StepTrace
 from kvflow.tokenizer import load_tokenizer, read_eos_token_ids
 
@@ -140,39 +133,8 @@ def _serve(
     info, early = started
     instruments.startup_phases.update(info.startup_phases)
     instruments.peak_flops, instruments.peak_bandwidth = info.peak_flops, info.peak_bandwidth
-    limits = EngineLimits(
-        vocab_size=info.vocab_size,
-        max_model_len=info.max_model_len,
-        block_size=config.cache.block_size,
-        num_blocks=info.num_blocks,
-        eos_token_ids=eos_token_ids,
-    )
-    kv_cache = KVCacheManager(
-        info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-    )
-    speculator = make_speculator(config.speculative.speculative_config)
-    kv_connector = make_connector_scheduler(
-        config.kv_transfer.kv_transfer_config,
-        config.cache.block_size,
-        engine_kv_namespace(config),
-        config.kv_transfer.kv_load_failure_policy,
-    )
-    scheduler = Scheduler(
-        config.scheduler,
-        kv_cache,
-        info.max_model_len,
-        info.vocab_size,
-        speculator,
-        kv_connector,
-        pipeline_depth=config.parallel.pipeline_parallel_size,
-    )
-    core = EngineCore(
-        scheduler,
-        limits,
-        config.max_steps_in_flight,
-        grammar_compiler(limits, lambda: load_tokenizer(model_dir)),
-        config.scheduler.grammar_compile_timeout,
-    )
+    shape = EngineShape(info.vocab_size, info.max_model_len, info.num_blocks, eos_token_ids)
+    core = build_engine_core(config, shape, lambda: load_tokenizer(model_dir))
     ranks = range(config.parallel.world_size)
     liveness = Liveness(heartbeat_timeout_s, dict.fromkeys(ranks, time.monotonic()))
     loop = SchedulerLoop(

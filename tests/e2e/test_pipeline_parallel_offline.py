@@ -118,7 +118,7 @@ def test_a_killed_stage_fails_generate_fast_and_leaves_no_process(
 
     llm = LLM(str(three_layer_model_dir), pipeline_parallel_size=2, **ENGINE)  # type: ignore[arg-type]
     try:
-        first_stage = llm.engine.runner._children.children[0].process
+        first_stage = llm.engine.executor._children.children[0].process
         os.kill(first_stage.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(EngineDeadError, match="worker rank"):

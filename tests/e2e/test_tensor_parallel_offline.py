@@ -71,11 +71,11 @@ def test_tp2_greedy_equals_tp1_on_uneven_shapes(uneven_model_dir: Path) -> None:
     assert got_hits == want_hits > 0  # the second batch hit the first one's prefix
 
 
-def test_a_model_that_does_not_split_fails_naming_the_rank(
+def test_a_model_that_does_not_split_fails_before_any_rank_starts(
     tmp_path: Path, embedded_model_dir: Path
 ) -> None:
-    """3 query heads over 2 ranks: start-up fails with the rank and the reason, and no
-    worker process is left behind."""
+    """3 query heads over 2 ranks: refused from the config with the sizes that fit, and
+    no worker process is left behind (none started)."""
     import multiprocessing
 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -89,8 +89,26 @@ def test_a_model_that_does_not_split_fails_naming_the_rank(
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(KvflowError, match=r"worker rank \d failed to start: .*3 is not divisible"):
+    with pytest.raises(
+        KvflowError,
+        match=r"tensor_parallel_size=2 must divide the model's 3 attention heads.*"
+        r"sizes that fit: 1$",
+    ):
         LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)  # type: ignore[arg-type]
+    assert multiprocessing.active_children() == []
+
+
+def test_a_rank_that_fails_to_start_is_named(tiny_model_dir: Callable[[str], Path]) -> None:
+    """A failure only a rank finds (its KV cache does not fit): the rank and the reason,
+    and no worker process left behind."""
+    import multiprocessing
+
+    from kvflow.errors import KvflowError
+
+    engine = {**ENGINE, "kv_cache_memory": 1e-9}
+    del engine["num_blocks"]  # sized from kv_cache_memory
+    with pytest.raises(KvflowError, match=r"worker rank \d failed to start: KV cache memory"):
+        LLM(str(tiny_model_dir("llama")), tensor_parallel_size=2, **engine)  # type: ignore[arg-type]
     assert multiprocessing.active_children() == []
 
 
@@ -106,7 +124,7 @@ def test_a_killed_rank_fails_generate_fast_and_leaves_no_process(
 
     llm = LLM(str(tiny_model_dir("llama")), tensor_parallel_size=2, **ENGINE)  # type: ignore[arg-type]
     try:
-        rank1 = llm.engine.runner._children.children[1].process
+        rank1 = llm.engine.executor._children.children[1].process
         os.kill(rank1.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(EngineDeadError, match="worker rank"):

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 SOAK_STREAMS = 1000
 SOAK_CONCURRENCY = 64
-SCHEMA_CASES_PER_BODY_ROUTE = 255  # x 4 routes with a body, + the GET routes
+SCHEMA_CASES_PER_BODY_ROUTE = 255  # x 5 routes with a body, + the GET routes
 MAX_TOKENS_CAP = 2  # generated requests stay cheap (a null max_tokens fills the context)
 MAX_N_CAP = 2
 MAX_PROMPTS = 2
@@ -137,12 +137,14 @@ def _cheap(case: Any) -> Any:
     """Cap what makes a generated request expensive (tokens to generate, samples)."""
     body = case.body
     if isinstance(body, dict):
-        for field in ("max_tokens", "max_completion_tokens"):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(field)
             if field in body and (value is None or (isinstance(value, int) and value > 2)):
                 body[field] = MAX_TOKENS_CAP
         if "max_tokens" not in body:  # defaults: 16, or the whole context for chat
             body["max_tokens"] = MAX_TOKENS_CAP
+        if "input" in body and "max_output_tokens" not in body:  # /v1/responses: the context
+            body["max_output_tokens"] = MAX_TOKENS_CAP
         if isinstance(body.get("n"), int) and body["n"] > MAX_N_CAP:
             body["n"] = MAX_N_CAP
         if isinstance(body.get("prompt"), list) and len(body["prompt"]) > MAX_PROMPTS:

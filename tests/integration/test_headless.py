@@ -110,5 +110,9 @@ def test_a_dead_headless_engine_restarts_on_its_host_and_rejoins(
     # Restarted on its host on the same ports: the frontend's sockets reconnect.
     assert wait_for(lambda: health() == (200, b""), 240.0), server.log_tail()
     body = {"model": MODEL_NAME, "prompt": [100, 200, 300], "max_tokens": 4}
-    response = httpx.post(url + "/v1/completions", json=body | {"data_parallel_rank": 1})
+    # The restarted engine's first request pays its warm-up (~5 s on a loaded 2-core
+    # machine, before and after the layout change alike): httpx's default 5 s is too tight.
+    response = httpx.post(
+        url + "/v1/completions", json=body | {"data_parallel_rank": 1}, timeout=60
+    )
     assert response.status_code == 200, response.text

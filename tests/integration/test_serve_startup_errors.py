@@ -51,3 +51,15 @@ def test_startup_timeout_names_the_late_roles(tiny_model_dir: Path) -> None:
     assert code == 1
     assert "kvflow serve: timed out after 0.5 s waiting for: worker rank 0, scheduler" in stderr
     print(f"\ntimed-out start ended after {took:.1f} s")
+
+
+def test_a_tensor_parallel_size_that_does_not_split_the_model() -> None:
+    # The embedded model: 9 attention heads, 3 KV heads; refused before any child starts.
+    code, stderr, _ = serve_until_exit(*ENGINE_ARGS, "--tensor-parallel-size", "2")
+    assert code == 1
+    assert (
+        "kvflow serve: tensor_parallel_size=2 must divide the model's 9 attention heads, "
+        "its 1536 MLP columns and its 3 KV heads (or be a multiple of them); "
+        "sizes that fit: 1, 3"
+    ) in stderr
+    assert "worker rank" not in stderr

@@ -100,6 +100,33 @@ def quantize_paged_batch(batch: PagedBatch, dtype: torch.dtype) -> PagedBatch:
     return dataclasses.replace(batch, kv_cache=rows)
 
 
+# How a model's attention layer may hand this step's K/V to the kernels: views of the fused
+# qkv output (row stride (H + 2 KH) D) or contiguous copies. Llama: K rotated in place (a
+# view), V copied; Qwen3: K normed (a copy), V a view; both views when nothing copies.
+KV_LAYOUTS = ("k_view_v_copy", "k_copy_v_view", "both_views")
+
+
+def make_step_kv(
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    layout: str,
+    seed: int = 7,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_tokens, KH, D], [num_tokens, KH, D])
+    """Random (key, value) on DEVICE laid out as `layout` (one of KV_LAYOUTS)."""
+    gen = torch.Generator().manual_seed(seed)
+    fused = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    _, key, value = fused.to(dtype).to(DEVICE).split([num_heads, num_kv_heads, num_kv_heads], 1)
+    if layout == "k_view_v_copy":
+        return key, value.contiguous()
+    if layout == "k_copy_v_view":
+        return key.contiguous(), value
+    assert layout == "both_views", layout
+    return key, value
+
+
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Tolerances of expected's dtype; NaN anywhere fails."""
     torch.testing.assert_close(actual, expected, equal_nan=False, **TOLERANCES[expected.dtype])
@@ -118,6 +145,17 @@ def make_batch() -> Callable[..., PagedBatch]:
 @pytest.fixture
 def quantize_batch() -> Callable[[PagedBatch, torch.dtype], PagedBatch]:
     return quantize_paged_batch
+
+
+@pytest.fixture(params=KV_LAYOUTS)
+def kv_layout(request: pytest.FixtureRequest) -> str:
+    """Each of KV_LAYOUTS in turn."""
+    return str(request.param)
+
+
+@pytest.fixture
+def step_kv() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    return make_step_kv
 
 
 @pytest.fixture

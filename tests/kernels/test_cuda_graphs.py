@@ -13,8 +13,6 @@ from kvflow.gpu_worker.cuda_graphs import capture_sizes
 from kvflow.gpu_worker.graph_inputs import StaticDecodeInputs
 from kvflow.gpu_worker.input_batch import ModelInputs
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-
 
 def test_capture_sizes_ladder() -> None:
     assert capture_sizes(1) == [1]
@@ -58,7 +56,7 @@ def test_static_inputs_load_pads_with_inert_rows() -> None:
     assert static.query_start_loc[:3].tolist() == [0, 1, 2]
 
 
-@needs_cuda
+@pytest.mark.cuda  # CUDA graphs
 def test_graph_replays_match_eager(tiny_model_dir: Any) -> None:
     path = str(tiny_model_dir("llama"))
     # 5 prompts with max_num_seqs 8: decode batches of 5 replay the size-8 graph (padded);
@@ -81,7 +79,7 @@ def test_graph_replays_match_eager(tiny_model_dir: Any) -> None:
     assert single[0].token_ids == eager[0].token_ids
 
 
-@needs_cuda
+@pytest.mark.cuda  # CUDA graphs
 def test_draft_model_forwards_replay_graphs(tiny_model_dir: Any) -> None:
     """draft_model speculation on CUDA: the draft's one-token forwards (2..k) replay its
     own captured graphs, and the tokens equal an eager engine's (greedy, self-draft:

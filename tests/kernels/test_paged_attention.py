@@ -211,6 +211,27 @@ def test_quantized_cache_fresh_prefills_attend_fresh_rows(
     assert changed.nonzero().flatten().tolist() == list(range(1, 38))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fresh_key_and_value_with_different_row_strides(
+    make_batch, quantize_batch, step_kv, assert_close, kv_layout, num_splits
+):
+    # A Llama layer's K is a view of the fused qkv output (row stride (H + 2 KH) D) while
+    # its V may be a contiguous copy, or the reverse (Qwen3's normed K): the kernel reads
+    # each with its own strides.
+    batch = quantize_batch(make_batch(MIXED, 4, 2, 64, 16, BF16, 2), torch.int8)
+    fresh = step_kv(batch.query.shape[0], 4, 2, 64, BF16, kv_layout)
+    out = paged_attention(
+        *_inputs(batch), 0.15, max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len, num_splits=num_splits, fresh_kv=fresh,
+    )  # fmt: skip
+    dequantized = kv_codec.dequantize_rows(batch.kv_cache)
+    args = (batch.query, dequantized, *_inputs(batch)[2:], 0.15)
+    assert_close(out, paged_attention_ref(*args, fresh_kv=fresh))
+    # The same rows as contiguous copies: the same result, the layout is not the data.
+    copies = tuple(x.contiguous() for x in fresh)
+    assert_close(out, paged_attention_ref(*args, fresh_kv=copies))
+
+
 def test_quantized_cache_with_fp16_dot_operands(make_batch, quantize_batch, monkeypatch):
     # fp16 operands (an fp16 model on a GPU; forced here under the interpreter, which picks
     # fp32) with small values in e5m2: s_v = amax / 57344, so weights p * s_v would fall

@@ -41,6 +41,20 @@ def test_store_kv_matches_reference(device, num_kv_heads, head_dim, block_size, 
     assert torch.equal(written[0], key[0]) and torch.equal(written[1], value[0])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
+def test_store_kv_takes_key_and_value_strides_apart(device, step_kv, kv_layout, cache_dtype):
+    # K and V with different row strides (a view of the fused qkv output beside a copy).
+    key, value = step_kv(5, 4, 2, 48, torch.float32, kv_layout)
+    assert key.stride(0) != value.stride(0) or kv_layout == "both_views"
+    width = kv_codec.row_width(48, cache_dtype)
+    cache = torch.zeros(2, 3, 4, 2, width, device=device).to(cache_dtype)
+    expected = cache.cpu().clone()
+    slot_mapping = torch.tensor([9, 0, -1, 4, 11], dtype=torch.int64, device=device)
+    store_kv(key, value, cache, slot_mapping)
+    store_kv_ref(key.cpu(), value.cpu(), expected, slot_mapping.cpu())
+    assert torch.equal(cache.cpu().view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_store_kv_rejects_mismatched_cache(device):
     key = torch.zeros(2, 2, 64, device=device)
     cache = torch.zeros(2, 4, 16, 2, 32, device=device)  # head_dim 32 != 64

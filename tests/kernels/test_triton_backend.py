@@ -13,8 +13,6 @@ from kvflow.kernels import kv_codec
 from kvflow.kernels.paged_attention import paged_attention_ref
 from kvflow.kernels.store_kv import store_kv_ref
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-
 
 def _metadata(batch) -> AttentionMetadata:
     return AttentionMetadata(
@@ -54,6 +52,25 @@ def test_forward_matches_torch_backend(make_batch, assert_close, num_splits, win
     assert_close(out, expected)
     # Both stored exactly the same slots (untouched slots stay NaN in both).
     torch.testing.assert_close(triton_cache, torch_cache, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("codec", [None, "int8"])
+def test_forward_takes_projection_views(make_batch, quantize_batch, step_kv, kv_layout, codec):
+    # What an attention layer passes (issue #30: a Llama layer's K view of the qkv output
+    # beside a contiguous V failed the launcher's checks): the same output and cache as
+    # contiguous copies of the same rows give.
+    batch = make_batch([(21, 1), (37, 37), (50, 17)], 4, 2, 64, 16, torch.bfloat16, 2)
+    if codec is not None:
+        batch = quantize_batch(batch, kv_codec.CODEC_DTYPES[codec])
+    key, value = step_kv(batch.query.shape[0], 4, 2, 64, torch.bfloat16, kv_layout)
+    metadata = _metadata(batch)
+    copies_cache, views_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    expected = TritonAttentionBackend().forward(
+        batch.query, key.contiguous(), value.contiguous(), copies_cache, metadata, 0.125
+    )
+    out = TritonAttentionBackend().forward(batch.query, key, value, views_cache, metadata, 0.125)
+    assert torch.equal(out, expected)
+    assert torch.equal(views_cache.view(torch.uint8), copies_cache.view(torch.uint8))
 
 
 def test_split_scratch_grows_and_is_reused(make_batch, assert_close):
@@ -116,7 +133,7 @@ def test_forward_over_quantized_cache(
     assert torch.equal(cache.cpu().view(torch.uint8), expected_cache.view(torch.uint8))
 
 
-@needs_cuda
+@pytest.mark.cuda  # CUDA graphs
 @pytest.mark.parametrize("codec", list(kv_codec.CODEC_DTYPES))
 def test_quantized_decode_step_replays_in_a_cuda_graph(make_batch, quantize_batch, codec):
     # Store + split-KV attention over a quantized cache, captured once and replayed on a

@@ -14,7 +14,9 @@ from kvflow.proto.addresses import ServiceAddresses
 from kvflow.services.launch.children import RestartPolicy
 from kvflow.services.launch.worker_group import (
     check_layer_partition,
+    check_model_split,
     check_parallelism,
+    check_tensor_split,
     restart_policy,
     worker_rank_args,
 )
@@ -143,3 +145,24 @@ def test_a_rank_of_a_group_is_never_restarted_alone() -> None:
     assert restart_policy(EngineConfig.create(device="cpu"), policy) is policy
     tp = EngineConfig.create(device="cpu", tensor_parallel_size=2)
     assert restart_policy(tp, policy).max_worker_restarts == 0
+
+
+def test_tensor_parallel_size_must_split_heads_and_mlp(tmp_path: Path) -> None:
+    # The embedded SmolLM2-135M's shape: 9 heads, 3 KV heads, 1536 MLP columns.
+    (tmp_path / "config.json").write_text(
+        '{"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}'
+    )
+    check_tensor_split(ParallelConfig(tensor_parallel_size=3), tmp_path)
+    with pytest.raises(ConfigError) as failed:
+        check_model_split(ParallelConfig(tensor_parallel_size=2), tmp_path)
+    assert str(failed.value) == (
+        "tensor_parallel_size=2 must divide the model's 9 attention heads, its 1536 MLP "
+        "columns and its 3 KV heads (or be a multiple of them); sizes that fit: 1, 3"
+    )
+    # Fewer KV heads than ranks: each KV head is shared by size/KV heads ranks.
+    (tmp_path / "config.json").write_text(
+        '{"text_config": {"num_attention_heads": 4, "num_key_value_heads": 1}}'
+    )
+    check_tensor_split(ParallelConfig(tensor_parallel_size=4), tmp_path)
+    with pytest.raises(ConfigError, match=r"sizes that fit: 1, 2, 4$"):
+        check_tensor_split(ParallelConfig(tensor_parallel_size=3), tmp_path)
