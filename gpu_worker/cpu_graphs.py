@@ -42,11 +42,14 @@ def make_cpu_decode_graphs(
     model: nn.Module, max_num_seqs: int, max_model_len: int, block_size: int
 ) -> CpuDecodeGraphs | None:
     """Decode graphs for `model` (its KV cache bound), or None where a replay could not
-    stand in for its forward: an attention backend without the native decode kernel."""
+    stand in for its forward: an attention backend without the native decode kernel, or
+    layers it cannot take."""
     layers = model.attention_layers()  # type: ignore[operator]  # every decoder has it
     backend = layers[0].backend
     if not isinstance(backend, TorchAttentionBackend) or not backend.has_decode_kernel:
         return None
+    if any(layer.softcap is not None for layer in layers):
+        return None  # soft-capped layers (Gemma 2) take the torch decode path: it plans on the host
     return CpuDecodeGraphs(
         model, backend, layers[0].kv_cache, max_num_seqs, max_model_len, block_size
     )

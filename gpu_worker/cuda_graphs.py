@@ -55,6 +55,8 @@ def capture_decode_graphs(
     backend = layers[0].backend
     if not isinstance(backend, TritonAttentionBackend):
         return None
+    if any(layer.softcap is not None for layer in layers):
+        return None  # soft-capped layers (Gemma 2) take the torch backend: it plans on the host
     graphs = DecodeGraphs(model, backend, sizes, max_model_len, block_size, device)
     graphs.capture(layers[0].num_heads, layers[0].head_dim, layers[0].num_kv_heads)
     return graphs

@@ -2,8 +2,11 @@
 
 Checkpoint names are model parameter names, except for matrices the model packs
 (`packed_modules_mapping`, e.g. `...self_attn.k_proj.weight` -> `...qkv_proj.weight`
-shard "k"). Loading is strict both ways: a checkpoint tensor with no parameter is an
-error, and so is a parameter (or a shard of a packed one) that no tensor filled.
+shard "k"). A checkpoint that stores a packed matrix fused (Phi-3's qkv_proj,
+gate_up_proj) is cut into its parts by the model's `split_checkpoint_tensor`. Loading is
+strict both ways: a checkpoint tensor with no parameter is an error, and so is a
+parameter (or a shard of a packed one) that no tensor filled, named as the checkpoint
+tensor that was missing.
 """
 
 from __future__ import annotations
@@ -58,6 +61,25 @@ def packed_target(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, 
     return name, None
 
 
+def checkpoint_name(param_name: str, shard_id: Any, mapping: dict[str, tuple[str, Any]]) -> str:
+    """The checkpoint tensor that fills `param_name`'s shard `shard_id` (packed_target's inverse)."""
+    for checkpoint, (packed, packed_shard) in mapping.items():
+        if shard_id == packed_shard and f".{packed}." in param_name:
+            return param_name.replace(f".{packed}.", f".{checkpoint}.")
+    return param_name
+
+
+def _split(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    split = getattr(model, "split_checkpoint_tensor", None)
+    for name, tensor in weights:
+        if split is None:
+            yield name, tensor
+        else:
+            yield from split(name, tensor)
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy every checkpoint tensor into its parameter; raise if anything is left over."""
     params = dict(model.named_parameters())
@@ -65,7 +87,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     elsewhere = getattr(model, "skips_weight", None)  # a pipeline stage's other layers
     loaded: set[tuple[str, Any]] = set()
-    for name, tensor in weights:
+    for name, tensor in _split(model, weights):
         if _skipped(name, tied) or (elsewhere is not None and elsewhere(name)):
             continue
         target, shard_id = packed_target(name, mapping)
@@ -77,10 +99,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             loader(param, tensor, shard_id)
         loaded.add((target, shard_id))
     missing = [
-        name if shard_id is None else f"{name} (shard {shard_id!r})"
+        name
+        if shard_id is None
+        else f"{checkpoint_name(name, shard_id, mapping)} -> {name} (shard {shard_id!r})"
         for name, param in params.items()
         for shard_id in getattr(param, "shard_ids", (None,))
         if (name, shard_id) not in loaded
     ]
     if missing:
-        raise UnsupportedModelError(f"checkpoint leaves parameters unloaded: {missing}")
+        raise UnsupportedModelError(f"checkpoint lacks tensors: {missing}")

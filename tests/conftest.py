@@ -68,7 +68,47 @@ def _tiny_config(arch: str, vocab_size: int) -> Any:
         return Qwen3Config(
             vocab_size=vocab_size, head_dim=16, tie_word_embeddings=False, **TINY_COMMON
         )
-    raise ValueError(arch)
+    return _tiny_dense_config(arch, vocab_size)
+
+
+def _tiny_dense_config(arch: str, vocab_size: int) -> Any:
+    """The dense families beyond Llama's (gpu_worker/models/), each with what it adds:
+    Gemma's window shorter than the test prompts and soft-caps, LongRoPE, multipliers."""
+    import transformers
+
+    common = dict(vocab_size=vocab_size, pad_token_id=0, **TINY_COMMON)
+    gemma = dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16)
+    configs = {
+        "gemma2": lambda: transformers.Gemma2Config(
+            **gemma, attn_logit_softcapping=20.0, final_logit_softcapping=30.0, **common
+        ),
+        "gemma3": lambda: transformers.Gemma3TextConfig(
+            **gemma, layer_types=["sliding_attention", "full_attention"], **common
+        ),
+        "phi3": lambda: transformers.Phi3Config(
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=False,
+            **common,
+        ),
+        "olmo2": lambda: transformers.Olmo2Config(**common),
+        "granite": lambda: transformers.GraniteConfig(
+            embedding_multiplier=4.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=0.5,
+            **common,
+        ),
+        "smollm3": lambda: transformers.SmolLM3Config(no_rope_layers=[1, 0], **common),
+    }
+    if arch not in configs:
+        raise ValueError(arch)
+    return configs[arch]()
 
 
 @pytest.fixture(scope="session")

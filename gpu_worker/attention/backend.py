@@ -26,12 +26,14 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store key/value at metadata.slot_mapping (slot -1: not stored), then causal
         attention of each request's query tokens over its whole paged context.
 
         `sliding_window = W` lets the query at position p see keys at positions
         p - W < k <= p (W keys, itself included), as HF's sliding-window mask does.
+        `softcap = c` caps each scaled logit s as c * tanh(s / c) before the softmax.
         Rows of padding tokens (past query_start_loc[-1]) are zeros.
         """
         ...

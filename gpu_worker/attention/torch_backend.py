@@ -18,7 +18,9 @@ the decodes skip the gather and read their contexts in place from the paged cach
 torch decode path above stays the reference it is tested against. Likewise, with a native
 prefill kernel (kernels/cpu/prefill_attention.cpp) a prefill with no cached prefix and no
 sliding window runs natively where the kernel supports the shape; every other prefill
-(cached prefix, window, other head_dim or CPU) keeps SDPA.
+(cached prefix, window, other head_dim or CPU) keeps SDPA. A layer with logit
+soft-capping (Gemma 2) never takes the native kernels, which have no such option: its
+decodes and prefills take the torch path, in softcap.py's plain ops.
 
 A quantized cache (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`, kernels/kv_codec.py) holds
 rows of head_dim 8-bit codes and a float32 scale. Where no native kernel takes them, the
@@ -38,8 +40,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from kvflow.gpu_worker.attention.softcap import attend
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
 from kvflow.kernels import kv_codec
 from kvflow.kernels.cpu import elementwise
@@ -261,6 +263,7 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         plan = self.plan_for(metadata, kv_cache, query.shape[0])
         cache = kv_cache if plan.codec is None else kv_cache.view(torch.uint8)
@@ -272,18 +275,22 @@ class TorchAttentionBackend:
         decode, kernel = plan.decode, self._decode_kernel
         if plan.kernel_takes_query is None:  # once per step, not per layer
             plan.kernel_takes_query = kernel is not None and kernel.supports(query, kv_cache)
-        if decode is not None and kernel is not None and plan.kernel_takes_query:
+        native = kernel is not None and plan.kernel_takes_query and softcap is None
+        if decode is not None and kernel is not None and native:
             md = plan.metadata
             kernel(
                 query, kv_cache, md.block_tables, md.seq_lens, decode.req_indices,
                 decode.token_rows, out, scale, sliding_window, indices_checked=True,
             )  # fmt: skip
         elif decode is not None:
-            _decode_attention(query, cache, decode, out, scale, sliding_window, plan.codec)
+            _decode_attention(
+                query, cache, decode, out, scale, (sliding_window, softcap), plan.codec
+            )
+        prefill_kernel = self._prefill_kernel if softcap is None else None
         for prefill in plan.prefills:
             _prefill_attention(
-                query, key, value, cache, prefill, out, scale, sliding_window,
-                self._prefill_kernel, plan.codec,
+                query, key, value, cache, prefill, out, scale, (sliding_window, softcap),
+                prefill_kernel, plan.codec,
             )  # fmt: skip
         return out
 
@@ -320,17 +327,18 @@ def _decode_attention(
     batch: _DecodeBatch,
     out: torch.Tensor,
     scale: float,
-    window: int | None,
+    window_softcap: tuple[int | None, float | None],
     codec: torch.dtype | None = None,
 ) -> None:
+    window, softcap = window_softcap
     k, v = batch.gather(kv_cache)  # [B, KH, L, D] each ([B, KH, L, D + 4] rows if quantized)
     if codec is not None:
         k, v = (_dequantize(rows, codec, query.dtype) for rows in (k, v))
     num_heads, kv_heads, head_dim = query.shape[1], k.shape[1], k.shape[3]
     # GQA: the G = H / KH query heads of a KV head become G query rows of that head.
     q = query[batch.rows].view(batch.num_decodes, kv_heads, num_heads // kv_heads, head_dim)
-    attended = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=batch.mask(window, query.dtype), scale=scale
+    attended = attend(
+        q, k, v, batch.mask(window, query.dtype), is_causal=False, scale=scale, softcap=softcap
     )  # [B, KH, G, D]
     out[batch.rows] = attended.reshape(batch.num_decodes, num_heads, head_dim)
 
@@ -343,10 +351,11 @@ def _prefill_attention(
     prefill: _Prefill,
     out: torch.Tensor,
     scale: float,
-    window: int | None,
+    window_softcap: tuple[int | None, float | None],
     kernel: PrefillAttention | None = None,
     codec: torch.dtype | None = None,
 ) -> None:
+    window, softcap = window_softcap
     rows = slice(prefill.start, prefill.end)
     mask = prefill.mask(window, query.device)
     if mask is None and kernel is not None:
@@ -365,13 +374,14 @@ def _prefill_attention(
         k, v = k[: prefill.seq_len], v[: prefill.seq_len]
         if codec is not None:  # only the context's rows: the block's tail may be unwritten
             k, v = (_dequantize(rows, codec, query.dtype) for rows in (k, v))
-    attended = F.scaled_dot_product_attention(
+    attended = attend(
         query[rows].transpose(0, 1).unsqueeze(0),  # [1, H, q_len, D]
         k.transpose(0, 1).unsqueeze(0),  # [1, KH, seq_len, D]
         v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
+        mask,
         is_causal=mask is None,
         scale=scale,
+        softcap=softcap,
         enable_gqa=query.shape[1] != k.shape[1],
     )  # [1, H, q_len, D]
     out[rows] = attended[0].transpose(0, 1)

@@ -67,12 +67,15 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # key and value may be views of the fused qkv output (row stride of all heads):
         # both kernels take each tensor's own strides, so nothing is copied here.
-        if kv_cache.numel() == 0:
+        # The paged kernel has no logit soft-capping: capped layers (Gemma 2) take the
+        # torch backend, which has it (on the same CUDA tensors, eager steps).
+        if kv_cache.numel() == 0 or softcap is not None:
             return self._no_cache_fallback.forward(
-                query, key, value, kv_cache, metadata, scale, sliding_window
+                query, key, value, kv_cache, metadata, scale, sliding_window, softcap
             )
         store_kv(key, value, kv_cache, metadata.slot_mapping)
         num_tokens, num_heads, head_dim = query.shape

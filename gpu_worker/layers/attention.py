@@ -23,6 +23,7 @@ class Attention(nn.Module):
         num_kv_heads: int,
         backend: AttentionBackend,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -31,6 +32,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap  # attention logits capped to (-softcap, softcap) (Gemma 2)
         self.backend = backend
         self.kv_cache = torch.empty(0)
 
@@ -45,6 +47,7 @@ class Attention(nn.Module):
             context.attn_metadata,
             self.scale,
             self.sliding_window,
+            self.softcap,
         )  # [T, H, D]
         if context.after_layer is not None:  # this layer's K/V are in the cache now
             context.after_layer(self.kv_cache)

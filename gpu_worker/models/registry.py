@@ -1,4 +1,4 @@
-"""HF `architectures` name -> kvflow model class."""
+"""HF `architectures` name -> kvflow model class (one module per family)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,30 @@ from collections.abc import Sequence
 from torch import nn
 
 from kvflow.errors import UnsupportedModelError
+from kvflow.gpu_worker.models.gemma2 import Gemma2ForCausalLM
+from kvflow.gpu_worker.models.gemma3 import Gemma3ForCausalLM
+from kvflow.gpu_worker.models.granite import GraniteForCausalLM
 from kvflow.gpu_worker.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from kvflow.gpu_worker.models.olmo2 import Olmo2ForCausalLM
+from kvflow.gpu_worker.models.phi3 import Phi3ForCausalLM
+from kvflow.gpu_worker.models.smollm3 import SmolLM3ForCausalLM
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 
