@@ -38,6 +38,9 @@ class FrontendConfig:
     engine_label: str = "0"  # `engine` label of request-level metrics
     # /v1/responses kept for previous_response_id and GET (LRU; 0: none; response_store.py)
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    # Each engine's --max-waiting-requests (None: no limit): a request with more
+    # samples than that is a 400 here, never admitted by an idle engine either.
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.vocab_size < 1:

@@ -324,4 +324,5 @@ def make_frontend_config(
         port=options.port,
         api_key=options.api_key,
         model_root=config.model.model or str(model_dir),
+        max_waiting_requests=config.scheduler.max_waiting_requests,
     )
