@@ -158,7 +158,12 @@ def check_grammar(params: StructuredOutputsParams, field: str | None = None) -> 
     except InvalidSamplingParams as exc:
         if field is None:
             raise
-        raise InvalidSamplingParams(f"{field}: {exc.message}", param=field) from None
+        # One name in the message: the inner one where it is more precise (e.g.
+        # structured_outputs.json for structured_outputs), else the request's field.
+        inner = exc.param or ""
+        name = inner if inner.startswith(field) else field
+        message = exc.message.removeprefix(f"{inner}: ")
+        raise InvalidSamplingParams(f"{name}: {message}", param=field) from None
 
 
 def _check_matches_some_text(grammar: xgrammar.Grammar, params: StructuredOutputsParams) -> None:

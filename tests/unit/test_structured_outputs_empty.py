@@ -30,7 +30,7 @@ def test_misshapen_schemas_name_the_bad_field(schema: dict[str, object], where: 
     with pytest.raises(InvalidSamplingParams) as info:
         check_grammar(StructuredOutputsParams(json=schema), "response_format")
     assert info.value.param == "response_format"
-    assert where in info.value.message, info.value.message
+    assert info.value.message.startswith(f"response_format: {where}"), info.value.message
 
 
 @pytest.mark.parametrize(
