@@ -2,7 +2,11 @@
 """Container health checks of the kvflow roles (installed as `kvflow-healthcheck`).
 
     kvflow-healthcheck http URL              GET URL answers 200 (frontend /health,
-                                             Prometheus /-/ready)
+                                             Prometheus /-/ready); an https URL is
+                                             checked against --ssl-ca-certs (else the
+                                             system's CAs), with --ssl-certfile and
+                                             --ssl-keyfile as the client certificate
+                                             where the server asks for one
     kvflow-healthcheck stats tcp://H:P       a SchedulerStats arrives on the scheduler's
                                              stats PUB within --timeout (not EngineDead)
     kvflow-healthcheck listening PORT...     this container listens on every PORT
@@ -23,6 +27,7 @@ worker disconnect), so their checks read the kernel's socket table instead.
 from __future__ import annotations
 
 import argparse
+import ssl
 import sys
 import urllib.request
 from pathlib import Path
@@ -31,13 +36,25 @@ _LISTEN = "0A"  # TCP state codes of /proc/net/tcp
 _ESTABLISHED = "01"
 
 
-def check_http(url: str, timeout_s: float) -> str | None:
+def check_http(url: str, timeout_s: float, tls: ssl.SSLContext | None = None) -> str | None:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=tls) as response:
             status = int(response.status)
-    except OSError as exc:  # URLError and HTTPError (non-2xx) are OSErrors
+    except OSError as exc:  # URLError, HTTPError (non-2xx) and SSLError are OSErrors
         return f"GET {url}: {exc}"
     return None if status == 200 else f"GET {url}: HTTP {status}"
+
+
+def client_tls(
+    ca_certs: str | None, certfile: str | None, keyfile: str | None
+) -> ssl.SSLContext | None:
+    """The context an https check uses (None: the default one, the system's CAs)."""
+    if ca_certs is None and certfile is None:
+        return None
+    context = ssl.create_default_context(cafile=ca_certs)
+    if certfile is not None:
+        context.load_cert_chain(certfile, keyfile)
+    return context
 
 
 def check_stats(address: str, timeout_s: float) -> str | None:
@@ -99,13 +116,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvflow-healthcheck", description=__doc__)
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds (http, stats)")
     sub = parser.add_subparsers(dest="check", required=True)
-    sub.add_parser("http").add_argument("url")
+    http = sub.add_parser("http")
+    http.add_argument("url")
+    http.add_argument("--ssl-ca-certs", help="CA certificates (PEM) the server's must chain to")
+    http.add_argument("--ssl-certfile", help="client certificate (PEM), for mutual TLS")
+    http.add_argument("--ssl-keyfile", help="its private key (PEM)")
     sub.add_parser("stats").add_argument("address")
     for name in ("listening", "connected"):
         sub.add_parser(name).add_argument("ports", type=int, nargs="+")
     args = parser.parse_args(argv)
     if args.check == "http":
-        problem = check_http(args.url, args.timeout)
+        try:
+            tls = client_tls(args.ssl_ca_certs, args.ssl_certfile, args.ssl_keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            print(f"TLS files do not load: {exc}")
+            return 1
+        problem = check_http(args.url, args.timeout, tls)
     elif args.check == "stats":
         problem = check_stats(args.address, args.timeout)
     else:

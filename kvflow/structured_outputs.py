@@ -17,9 +17,12 @@ xgrammar is imported lazily: `import kvflow` must stay light.
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvflow.empty_grammar import UnknownGrammarFormat, unproductive_root
 from kvflow.sampling_params import (
     InvalidSamplingParams,
     StructuredOutputsParams,
@@ -28,6 +31,8 @@ from kvflow.sampling_params import (
 
 if TYPE_CHECKING:
     import xgrammar
+
+logger = logging.getLogger(__name__)
 
 # Where JSON may put blanks: xgrammar writes this class wherever any_whitespace allows.
 _JSON_BLANKS = "[ \\n\\r\\t]*"
@@ -89,15 +94,38 @@ def unsupported_json_features(schema: Any, path: str = "$") -> list[str]:
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         found.append(f"{path}.$ref (not local: {ref})")
-    for key in _ONE:
-        found += unsupported_json_features(schema.get(key), f"{path}.{key}")
-    for key in _MANY:
-        for index, sub in enumerate(schema.get(key) or []):
-            found += unsupported_json_features(sub, f"{path}.{key}[{index}]")
-    for key in _MAPS:
-        for name, sub in (schema.get(key) or {}).items():
-            found += unsupported_json_features(sub, f"{path}.{key}.{name}")
+    for sub, sub_path in _subschemas(schema, path):
+        found += unsupported_json_features(sub, sub_path)
     return found
+
+
+def _subschemas(schema: dict[str, Any], path: str) -> Iterator[tuple[Any, str]]:
+    """(sub-schema, its path) of every place `schema` holds one; ValueError naming the
+    field when a list or map of them is not a JSON array or object (xgrammar would
+    fail on it with no word of where)."""
+    for key in _ONE:
+        if key in schema:
+            yield schema[key], f"{path}.{key}"
+    for key in _MANY:
+        many = schema.get(key)
+        if many is not None and not isinstance(many, list):
+            raise ValueError(f"{path}.{key} must be an array of schemas, got {_json_type(many)}")
+        for index, sub in enumerate(many or []):
+            yield sub, f"{path}.{key}[{index}]"
+    for key in _MAPS:
+        named = schema.get(key)
+        if named is not None and not isinstance(named, dict):
+            raise ValueError(
+                f"{path}.{key} must be an object of name -> schema, got {_json_type(named)}"
+            )
+        for name, sub in (named or {}).items():
+            yield sub, f"{path}.{key}.{name}"
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type of a decoded value, for messages."""
+    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "array"}
+    return names.get(type(value), "object" if isinstance(value, dict) else "null")
 
 
 def build_grammar(params: StructuredOutputsParams) -> xgrammar.Grammar:
@@ -122,15 +150,37 @@ def build_grammar(params: StructuredOutputsParams) -> xgrammar.Grammar:
 
 
 def check_grammar(params: StructuredOutputsParams, field: str | None = None) -> None:
-    """Validate a constraint fully (it parses); `field` renames the error's param to the
-    request field it came from (e.g. response_format)."""
+    """Validate a constraint fully (it parses and matches some text); `field` renames
+    the error's param to the request field it came from (e.g. response_format)."""
     try:
         validate_structured_outputs(params)
-        build_grammar(params)
+        _check_matches_some_text(build_grammar(params), params)
     except InvalidSamplingParams as exc:
         if field is None:
             raise
-        raise InvalidSamplingParams(f"{field}: {exc.message}", param=field) from None
+        # One name in the message: the inner one where it is more precise (e.g.
+        # structured_outputs.json for structured_outputs), else the request's field.
+        inner = exc.param or ""
+        name = inner if inner.startswith(field) else field
+        message = exc.message.removeprefix(f"{inner}: ")
+        raise InvalidSamplingParams(f"{name}: {message}", param=field) from None
+
+
+def _check_matches_some_text(grammar: xgrammar.Grammar, params: StructuredOutputsParams) -> None:
+    """InvalidSamplingParams when no text satisfies the grammar: the engine would find
+    no allowed token (or never an end) for the request."""
+    try:
+        rule = unproductive_root(grammar)
+    except UnknownGrammarFormat as exc:  # a newer xgrammar: the engine still copes
+        logger.warning("cannot check grammars for an empty language (format %s)", exc)
+        return
+    if rule is not None:
+        field = f"structured_outputs.{params.kind}"
+        raise InvalidSamplingParams(
+            f"{field}: the constraint matches no text (its rule {rule!r} can never finish: "
+            "every alternative recurses without a base case or needs an impossible character)",
+            param=field,
+        )
 
 
 def _json_grammar(schema: str, params: StructuredOutputsParams) -> xgrammar.Grammar:

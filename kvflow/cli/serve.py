@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvflow.cli.args import add_engine_args, engine_options
+from kvflow.cli.tls_args import add_tls_args, resolve_tls
 from kvflow.config import EngineConfig
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.services.launch.children import RestartPolicy
@@ -176,6 +177,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "--api-key-file or KVFLOW_API_KEY)",
     )
     group.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    add_tls_args(group)
 
 
 def _add_address_args(parser: argparse.ArgumentParser) -> None:
@@ -244,6 +246,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         distributed_executor_backend=args.distributed_executor_backend,
         ray_address=args.ray_address,
         dp_hosts=_dp_hosts(args),
+        tls=resolve_tls(args),
     )
     return serve(_config(args), options)
 
@@ -325,7 +328,9 @@ def _run_frontend(args: argparse.Namespace) -> int:
 
     config = _config(args)
     model_dir = _model_dir(config)
-    options = ServeOptions(host=args.host, port=args.port, api_key=resolve_api_key(args))
+    options = ServeOptions(
+        host=args.host, port=args.port, api_key=resolve_api_key(args), tls=resolve_tls(args)
+    )
     frontend = make_frontend_config(config, model_dir, options)
     if config.parallel.data_parallel_size == 1:
         run_frontend(frontend, resolve_addresses(args), model_dir)

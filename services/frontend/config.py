@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ssl
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvflow.errors import ConfigError
 
@@ -13,6 +15,45 @@ DEFAULT_MAX_STORED_RESPONSES = 1024
 
 def new_frontend_id() -> str:
     return f"frontend-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """HTTPS for the API: uvicorn's ssl options under vLLM's flag names.
+
+    `cert_reqs` is Python's ssl.VerifyMode: 0 no client certificate, 1 checked when
+    sent, 2 required (mutual TLS); 1 and 2 check against `ca_certs`. `certfile` may hold
+    the key too (then `keyfile` is None)."""
+
+    certfile: str
+    keyfile: str | None = None
+    ca_certs: str | None = None
+    cert_reqs: int = ssl.CERT_NONE
+
+    def __post_init__(self) -> None:
+        if self.cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise ConfigError(f"ssl_cert_reqs must be 0, 1 or 2, got {self.cert_reqs}")
+        if self.cert_reqs != ssl.CERT_NONE and self.ca_certs is None:
+            raise ConfigError("ssl_cert_reqs 1 or 2 checks client certificates: give ssl_ca_certs")
+
+    def check_files(self) -> None:
+        """ConfigError unless the files load as uvicorn will load them (at start-up,
+        not once the engine has loaded)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.certfile, self.keyfile)
+            if self.ca_certs is not None:
+                context.load_verify_locations(self.ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"TLS files do not load: {exc}") from None
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        return {
+            "ssl_certfile": self.certfile,
+            "ssl_keyfile": self.keyfile,
+            "ssl_ca_certs": self.ca_certs,
+            "ssl_cert_reqs": self.cert_reqs,
+        }
 
 
 @dataclass(frozen=True)
@@ -38,6 +79,17 @@ class FrontendConfig:
     engine_label: str = "0"  # `engine` label of request-level metrics
     # /v1/responses kept for previous_response_id and GET (LRU; 0: none; response_store.py)
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    # Each engine's --max-waiting-requests (None: no limit): a request with more
+    # samples than that is a 400 here, never admitted by an idle engine either.
+    max_waiting_requests: int | None = None
+    tls: TlsConfig | None = None  # None: plain HTTP
+
+    @property
+    def url(self) -> str:
+        """Where clients reach the API."""
+        scheme = "http" if self.tls is None else "https"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.vocab_size < 1:

@@ -81,6 +81,7 @@ def run_frontend(
         loop="uvloop",
         log_level="warning",
         timeout_graceful_shutdown=int(config.shutdown_grace_s + _SHUTDOWN_MARGIN_S),
+        **(config.tls.uvicorn_options() if config.tls is not None else {}),
     )
     server = _Server(uv_config)
     _run(

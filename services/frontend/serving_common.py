@@ -92,6 +92,29 @@ class ServingContext:
             raise EngineDeadError(problem)
         self.engine.check_rank(data_parallel_rank)
 
+    def check_queue_room(self, num_prompts: int, n: int, data_parallel_rank: int | None) -> None:
+        """400 for a request the engines could never admit: each sample waits as one
+        request, and an engine refuses one past --max-waiting-requests even when idle
+        (its 429 would say retry, forever). A prompt's samples share one engine; the
+        prompts of a list may spread over the engines unless a rank pins them."""
+        limit = self.config.max_waiting_requests
+        if limit is None:
+            return
+        if n > limit:
+            raise InvalidRequestError(
+                f"n={n} exceeds the server's max waiting requests ({limit}): each sample "
+                "waits as one request, so this request could never be admitted",
+                param="n",
+            )
+        engines = 1 if data_parallel_rank is not None else len(self.engine.engines)
+        if num_prompts * n > limit * engines:
+            raise InvalidRequestError(
+                f"{num_prompts} prompts x n={n} samples exceed the server's max waiting "
+                f"requests ({limit * engines}): this request could never be admitted; "
+                "send fewer prompts per request",
+                param="prompt",
+            )
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
@@ -276,6 +299,7 @@ class ServedRequest(ABC):
         deadlines: RequestDeadlines,
         data_parallel_rank: int | None = None,
     ) -> None:
+        ctx.check_queue_room(len(prompts), prompts[0].params.n, data_parallel_rank)
         self.ctx = ctx
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(arrival_time)

@@ -52,7 +52,7 @@ from kvflow.services.launch.worker_group import (
 )
 
 if TYPE_CHECKING:
-    from kvflow.services.frontend.config import FrontendConfig
+    from kvflow.services.frontend.config import FrontendConfig, TlsConfig
     from kvflow.services.scheduler.main import SchedulerOptions
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class ServeOptions:
     distributed_executor_backend: str = "mp"  # "ray": engines on a Ray cluster's nodes
     ray_address: str | None = None  # of the running cluster; None: `ray start`'s own
     dp_hosts: DataParallelHosts = DataParallelHosts()  # engines on other hosts (headless)
+    tls: TlsConfig | None = None  # HTTPS for the API; None: plain HTTP
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
@@ -305,7 +306,7 @@ def _start_children(
 
 def _ready_line(frontend: FrontendConfig, start: float) -> Callable[[], None]:
     def on_ready() -> None:
-        url = f"http://{frontend.host}:{frontend.port}"
+        url = frontend.url
         took = time.monotonic() - start
         print(
             f"kvflow: serving {frontend.served_model_name!r} at {url} (ready in {took:.1f} s)",
@@ -335,4 +336,6 @@ def make_frontend_config(
         port=options.port,
         api_key=options.api_key,
         model_root=config.model.model or str(model_dir),
+        max_waiting_requests=config.scheduler.max_waiting_requests,
+        tls=options.tls,
     )

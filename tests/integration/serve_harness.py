@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -77,6 +78,7 @@ class Server:
     log_path: Path
     startup_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    tls: ssl.SSLContext | None = None  # the client context of an HTTPS server
 
     @property
     def pid(self) -> int:
@@ -86,8 +88,12 @@ class Server:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def start_server(model_dir: Path, log_dir: Path, *extra: str) -> Server:
-    """`kvflow serve` in its own process group; returns once /health answers 200."""
+def start_server(
+    model_dir: Path, log_dir: Path, *extra: str, tls: ssl.SSLContext | None = None
+) -> Server:
+    """`kvflow serve` in its own process group; returns once /health answers 200.
+    `tls`: the server serves HTTPS (its --ssl-* flags in `extra`); /health is polled
+    over https with this client context."""
     port = free_port()
     log_path = log_dir / f"serve-{port}.log"
     command = [str(KVFLOW), "--log-level", "info", "serve", "--model", str(model_dir)]
@@ -97,7 +103,8 @@ def start_server(model_dir: Path, log_dir: Path, *extra: str) -> Server:
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-    server = Server(process, f"http://127.0.0.1:{port}", log_path)
+    scheme = "http" if tls is None else "https"
+    server = Server(process, f"{scheme}://127.0.0.1:{port}", log_path, tls=tls)
     try:
         _wait_healthy(server, STARTUP_TIMEOUT_S)
     except BaseException:
@@ -115,7 +122,9 @@ def _wait_healthy(server: Server, timeout_s: float) -> None:
                 f"kvflow serve exited with {server.process.returncode}:\n{server.log_tail()}"
             )
         try:
-            if httpx.get(server.base_url + "/health", timeout=2.0).status_code == 200:
+            verify = server.tls if server.tls is not None else True
+            health = httpx.get(server.base_url + "/health", timeout=2.0, verify=verify)
+            if health.status_code == 200:
                 return
         except httpx.HTTPError:
             pass

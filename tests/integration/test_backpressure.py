@@ -126,6 +126,37 @@ def test_burst_beyond_the_waiting_limit_gets_429(limited: Server) -> None:
     assert wait_for(lambda: engine_idle(limited), 10.0)
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": MAX_WAITING + 1}, "n"),
+        ({"prompt": [f"p{i}" for i in range(MAX_WAITING + 1)]}, "prompt"),
+        ({"prompt": ["a", "b", "c"], "n": 2}, "prompt"),
+    ],
+)
+def test_more_samples_than_may_wait_is_a_400_not_a_429_forever(
+    limited: Server, extra: dict[str, Any], param: str
+) -> None:
+    """An idle engine refused these with a 429 on every retry: now a 400 that says why."""
+    assert wait_for(lambda: engine_idle(limited), 10.0)
+    before = rejected_by_reason(limited)
+    for stream in (False, True):
+        r = httpx.post(
+            limited.base_url + "/v1/completions",
+            json={**body("many", 4, stream=stream), **extra},
+            timeout=60.0,
+        )
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+        assert f"max waiting requests ({MAX_WAITING})" in error["message"], error
+    assert rejected_by_reason(limited) == before  # the engine never saw them
+    ok = httpx.post(
+        limited.base_url + "/v1/completions", json={**body("ok", 2), "n": MAX_WAITING}, timeout=60
+    )
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == MAX_WAITING, ok.text
+
+
 def test_queue_delay_fails_waiting_requests_with_503(limited: Server) -> None:
     url = limited.base_url + "/v1/completions"
     with httpx.Client(timeout=120.0) as client:

@@ -167,6 +167,59 @@ def test_bad_constraints_are_400_naming_the_field(
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
+def _json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+MISSHAPEN = [{"type": "object", "properties": 5}, {"$defs": 1}]
+EMPTY_LANGUAGE = [
+    ({"grammar": "root ::= root"}, {"guided_grammar": "root ::= root"}),
+    ({"regex": "[^\\s\\S]"}, {"guided_regex": "[^\\s\\S]"}),
+    ({"json": {"$ref": "#"}}, {"guided_json": {"$ref": "#"}}),
+    (
+        {"json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+        {"guided_json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+    ),
+]
+
+
+def _constraint_cases() -> list[tuple[dict[str, Any], str, str]]:
+    """(request fields, the param named, words of the message) of every 400 case."""
+    cases = []
+    for schema in MISSHAPEN:
+        words = "must be an object"
+        cases += [
+            ({"response_format": _json_schema_format(schema)}, "response_format", words),
+            ({"structured_outputs": {"json": schema}}, "structured_outputs", words),
+            ({"guided_json": schema}, "guided_json", words),
+        ]
+    for modern, legacy in EMPTY_LANGUAGE:
+        (name,) = legacy
+        cases += [
+            ({"structured_outputs": modern}, "structured_outputs", "matches no text"),
+            (legacy, name, "matches no text"),
+        ]
+    (schema,) = EMPTY_LANGUAGE[2][0].values()
+    cases.append(({"response_format": _json_schema_format(schema)}, "response_format", "no text"))
+    return cases
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), _constraint_cases())
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_misshapen_or_unsatisfiable_constraints_are_400s(
+    server: Server, path: str, fields: dict[str, Any], param: str, words: str
+) -> None:
+    """Were 500s (an AttributeError on a schema's map) or failed inside the engine (a
+    constraint no text satisfies leaves no allowed token)."""
+    prompt = {"messages": ASK} if path.endswith("chat/completions") else {"prompt": "Hi"}
+    body = {"model": MODEL_NAME, "max_tokens": 4, **prompt, **fields}
+    response = httpx.post(server.base_url + path, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert words in error["message"], error
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_tool_choice_required_gives_valid_calls(client: Any, parallel: bool) -> None:
     for seed in range(3):
