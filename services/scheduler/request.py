@@ -124,6 +124,14 @@ class Request:
         self.all_token_ids.append(token_id)
         self.num_output_placeholders = max(self.num_output_placeholders - 1, 0)
 
+    def reset_for_recompute(self) -> None:
+        """Back to waiting without KV: prompt and outputs are computed again (the
+        samples and drafts of steps in flight are dropped with their KV)."""
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.num_spec_in_flight = None
+
     def check_stop(self, max_model_len: int) -> bool:
         """After appending a token: set a finished status if a stop condition holds."""
         params = self.sampling_params
