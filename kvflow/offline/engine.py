@@ -36,6 +36,7 @@ from kvflow.sampling_params import SamplingParams, child_request_ids, child_samp
 from kvflow.services.detokenizer.streams import DetokenizerStreams
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore, StepInFlight
+from kvflow.services.scheduler.features import make_step_features
 from kvflow.services.scheduler.grammar_compiler import grammar_compiler
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.scheduler import Scheduler
@@ -81,14 +82,19 @@ class LLMEngine:
                 kv_cache,
                 self.max_model_len,
                 self.vocab_size,
-                make_speculator(config.speculative.speculative_config),
-                make_connector_scheduler(
-                    config.kv_transfer.kv_transfer_config,
-                    config.cache.block_size,
-                    engine_kv_namespace(config),
-                    config.kv_transfer.kv_load_failure_policy,
+                make_step_features(
+                    config.scheduler,
+                    kv_cache,
+                    self.max_model_len,
+                    speculator=make_speculator(config.speculative.speculative_config),
+                    kv_connector=make_connector_scheduler(
+                        config.kv_transfer.kv_transfer_config,
+                        config.cache.block_size,
+                        engine_kv_namespace(config),
+                        config.kv_transfer.kv_load_failure_policy,
+                    ),
+                    pipeline_depth=config.parallel.pipeline_parallel_size,
                 ),
-                pipeline_depth=config.parallel.pipeline_parallel_size,
             ),
             limits,
             config.max_steps_in_flight,

@@ -374,7 +374,7 @@ class SchedulerLoop:
             recent_steps=self._take_recent_steps(),
             kv_block_map=block_map(self.core.scheduler.kv_cache.block_pool),
             grammar=self.core.grammar_stats(),
-            kv_transfer=self.core.scheduler.kv_transfer_stats(),
+            kv_transfer=stats.kv_transfer,
             **spec_decode_stats(stats.spec_decode),
         )
 

@@ -51,6 +51,7 @@ from kvflow.runtime.lifecycle import LauncherLink, StopFlag, close_flushing, run
 from kvflow.runtime.sockets import TypedSocket
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
+from kvflow.services.scheduler.features import make_step_features
 from kvflow.services.scheduler.grammar_compiler import grammar_compiler
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
@@ -162,9 +163,14 @@ def _serve(
         kv_cache,
         info.max_model_len,
         info.vocab_size,
-        speculator,
-        kv_connector,
-        pipeline_depth=config.parallel.pipeline_parallel_size,
+        make_step_features(
+            config.scheduler,
+            kv_cache,
+            info.max_model_len,
+            speculator=speculator,
+            kv_connector=kv_connector,
+            pipeline_depth=config.parallel.pipeline_parallel_size,
+        ),
     )
     core = EngineCore(
         scheduler,

@@ -112,7 +112,9 @@ class StepFeature:
         `Planned` (allocated by the feature, or WAIT), or None for the plain way."""
         return None
 
-    def on_scheduled_running(self, request: Request, cached: CachedRequestData) -> None:
+    def on_scheduled_running(
+        self, request: Request, cached: CachedRequestData, step: StepBuilder
+    ) -> None:
         """A running request's entry in the plan, before it is added."""
 
     def stops_admission(self, request: Request) -> bool:

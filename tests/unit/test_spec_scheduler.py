@@ -8,6 +8,7 @@ from __future__ import annotations
 from kvflow.config import SchedulerConfig
 from kvflow.proto.step import StepPlan, StepResult
 from kvflow.sampling_params import SamplingParams
+from kvflow.services.scheduler.features import make_step_features
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.request import Request
 from kvflow.services.scheduler.scheduler import Scheduler
@@ -22,12 +23,11 @@ def make(k: int = 3, budget: int = 32, **spec: object) -> Scheduler:
     config = SpeculativeConfig.parse(
         {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, **spec}
     )
-    return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget),
-        KVCacheManager(16, BLOCK, True),
-        max_model_len=64,
-        speculator=Speculator(config),
-    )
+    scheduler_config = SchedulerConfig(max_num_batched_tokens=budget)
+    kv_cache = KVCacheManager(16, BLOCK, True)
+    speculator = Speculator(config)
+    features = make_step_features(scheduler_config, kv_cache, 64, speculator=speculator)
+    return Scheduler(scheduler_config, kv_cache, max_model_len=64, features=features)
 
 
 def add(

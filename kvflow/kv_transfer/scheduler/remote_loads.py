@@ -5,6 +5,9 @@
                                                              │ background, into those blocks
     StepResult.kv_transfer.finished_loading ─▶ ready ─▶ front of the waiting queue, its
                                                          KV computed but the last token
+                                                         (it holds its blocks: the
+                                                         scheduler allocates only its
+                                                         next chunk)
                .failed_loading (producer gone, timeout) ─▶ recompute: blocks freed, the
                                                            prompt computed here
                                                          └▶ fail: the request errors
@@ -39,7 +42,6 @@ class RemoteKVLoads:
         self.loading: dict[str, Request] = {}
         self.num_failures = 0
         self._abandoned: set[str] = set()  # aborted while loading: freed when it ends
-        self._loaded: set[str] = set()  # ready, holding blocks, not yet scheduled
         self._no_remote: set[str] = set()  # its load failed: never asked again
         self._pending_blocks: set[int] = set()
 
@@ -57,23 +59,11 @@ class RemoteKVLoads:
     def may_load(self, request: Request) -> bool:
         return request.request_id not in self._no_remote
 
-    def take_loaded(self, request: Request) -> bool:
-        """Whether `request` comes back from a finished load (it holds its blocks)."""
-        if request.request_id not in self._loaded:
-            return False
-        self._loaded.discard(request.request_id)
-        return True
-
-    def put_back_loaded(self, request: Request) -> None:
-        """take_loaded's request found no room for its next chunk: it stays ready."""
-        self._loaded.add(request.request_id)
-
     def abandon(self, request: Request) -> None:
         """Aborted while parked: the blocks wait for the load's end (module docstring)."""
         self._abandoned.add(request.request_id)
 
     def forget(self, request: Request) -> None:
-        self._loaded.discard(request.request_id)
         self._no_remote.discard(request.request_id)
 
     def on_outcomes(self, finished: list[str], failed: list[str]) -> LoadOutcomes:
@@ -87,8 +77,7 @@ class RemoteKVLoads:
                 self._abandoned.discard(req_id)
                 self.kv_cache.free(req_id, step_discarded=True)
             elif ok:
-                request.status = RequestStatus.WAITING
-                self._loaded.add(req_id)
+                request.status = RequestStatus.WAITING  # holding its blocks
                 outcomes.ready.append(request)
             else:
                 self._fail(request, outcomes)
