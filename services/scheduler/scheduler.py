@@ -7,23 +7,19 @@ prefill policy's order (prefill_order.py: queue order, or shortest prompt first)
 prompts are split into chunks when they do not fit the budget. When the KV pool is
 full, the lowest-priority running request (the newest under FCFS) is preempted by
 recompute: its blocks are freed and it goes back to the waiting queue. The scheduler
-never touches block internals; `KVCacheManager` does.
-
-Speculative decoding, KV transfer, pipeline micro-batches, jump-forward and prompt
-logprobs are step features (step_features.py): objects registered at assembly
-(features.py) whose hooks this loop calls at fixed points.
+never touches block internals; `KVCacheManager` does. Speculative decoding, KV
+transfer, pipeline micro-batches, jump-forward and prompt logprobs are step features
+(step_features.py), registered at assembly (features.py); this loop calls their hooks.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 from kvflow.config import SchedulerConfig
 from kvflow.proto.engine import TokenDelta
-from kvflow.proto.kv_transfer import KVTransferStats
 from kvflow.proto.step import (
     CachedRequestData,
     NewRequestData,
@@ -37,32 +33,14 @@ from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheMa
 from kvflow.services.scheduler.prefill_order import PrefillOrder
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
-from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters, Speculator
+from kvflow.services.scheduler.request_times import RequestTimes, error_delta
+from kvflow.services.scheduler.snapshot import FeatureStats, SchedulerSnapshot
+from kvflow.services.scheduler.spec_decode.speculator import Speculator
 from kvflow.services.scheduler.spec_decode.step_feature import SpecDecodeFeature
-from kvflow.services.scheduler.step_features import (
-    FeatureStats,
-    ResultEvents,
-    StepBuilder,
-    StepFeature,
-)
+from kvflow.services.scheduler.step_features import StepBuilder, StepFeature
 
 logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=StepFeature)
-
-
-@dataclass
-class SchedulerSnapshot:
-    """The core's own counts at one moment (the loop adds its counters and sends
-    `proto.stats.SchedulerStats`)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    spec_decode: SpecDecodeCounters | None = None  # None: no speculative decoding
-    kv_transfer: KVTransferStats | None = None  # None: no KV connector (times are taken)
 
 
 class Scheduler:
@@ -86,8 +64,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._step_id = 0
         self._worker_forget: list[str] = []  # finished/preempted since the last plan
-        self._scheduled_time: dict[str, float] = {}
-        self._first_token_time: dict[str, float] = {}
+        self.times = RequestTimes()
 
     def feature(self, kind: type[F]) -> F | None:
         """The registered feature of that class (None: not on)."""
@@ -203,19 +180,16 @@ class Scheduler:
             num_new = self._num_new_tokens(request, step.budget)
             if num_new == 0:
                 continue
-            planned = next(
-                (p for f in self.features if (p := f.plan_running(request, num_new, step))),
-                None,
-            )
-            if planned is not None:
-                if planned.num_tokens == 0:
-                    continue  # a feature holds it back this step
-                num_new, new_block_ids = planned.num_tokens, planned.block_ids
-            else:
-                allocated = self._allocate_or_preempt(request, num_new, step)
-                if allocated is None:
+            plans = (f.plan_running(request, num_new, step) for f in self.features)
+            planned = next((p for p in plans if p is not None), None)
+            if planned is None:
+                new_block_ids = self._allocate_or_preempt(request, num_new, step)
+                if new_block_ids is None:
                     break  # the request itself was preempted: nothing further fits
-                new_block_ids = allocated
+            elif planned.num_tokens == 0:
+                continue  # a feature holds it back this step
+            else:
+                num_new, new_block_ids = planned.num_tokens, planned.block_ids
             cached = CachedRequestData(
                 request.request_id, new_block_ids, request.num_computed_tokens
             )
@@ -285,7 +259,7 @@ class Scheduler:
             num_new, parked = allocated
             self._take_waiting(request)
             admitted.append(request)
-            self._scheduled_time.setdefault(request.request_id, now)
+            self.times.on_admitted(request.request_id, now)
             if parked:  # its KV arrives in the background: no step until it has
                 continue
             request.status = RequestStatus.RUNNING
@@ -360,60 +334,27 @@ class Scheduler:
             sampled = result.sampled_token_ids[index]
             for f in self.features:
                 f.on_sampled(request, len(sampled))
-            new_token_ids = _append_sampled(request, sampled, self.max_model_len)
+            new_token_ids = request.append_sampled(sampled, self.max_model_len)
             applied.append((request, new_token_ids))
             logprobs.append(result.logprobs[index][: len(new_token_ids)] if result.logprobs else [])
         for f in self.features:
             f.on_tokens(applied)
         deltas = []
         for (request, new_token_ids), token_logprobs in zip(applied, logprobs):
-            deltas.append(self._make_delta(request, new_token_ids, token_logprobs, now))
+            delta, first = self.times.delta(request, new_token_ids, token_logprobs, now)
+            for f in self.features:
+                f.on_delta(delta, first)
+            deltas.append(delta)
             if request.is_finished:
                 self.running.remove(request)
                 self._release(request)
-        for event in events:
-            deltas += self._apply_events(event)
+        for event in events:  # a feature's decisions from the step's side outputs
+            for request in reversed(event.requeue):
+                self.waiting.push_front(request)
+            for request in event.failed:
+                self._release(request)
+                deltas.append(error_delta(request, event.error))
         return deltas
-
-    def _apply_events(self, events: ResultEvents) -> list[TokenDelta]:
-        """A feature's decisions from a step's side outputs: requeued requests go
-        first in the queue; failed ones are released with a final error delta."""
-        for request in reversed(events.requeue):
-            self.waiting.push_front(request)
-        for request in events.failed:
-            self._release(request)
-        return [
-            TokenDelta(
-                r.request_id, [], "error", num_prompt_tokens=r.num_prompt_tokens, error=events.error
-            )
-            for r in events.failed
-        ]
-
-    def _make_delta(
-        self,
-        request: Request,
-        new_token_ids: list[int],
-        logprobs: list[TokenLogprobs],
-        now: float,
-    ) -> TokenDelta:
-        first = request.request_id not in self._first_token_time
-        if first:
-            self._first_token_time[request.request_id] = now
-        delta = TokenDelta(
-            req_id=request.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            logprobs=logprobs,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            queued_time=request.arrival_time,
-            scheduled_time=self._scheduled_time.get(request.request_id, now),
-            first_token_time=self._first_token_time[request.request_id],
-        )
-        for f in self.features:
-            f.on_delta(delta, first)
-        return delta
 
     def _release(self, request: Request, keep_blocks: bool = False) -> None:
         """Free a finished request's blocks and tell the worker to forget it."""
@@ -422,8 +363,7 @@ class Scheduler:
         for f in self.features:
             f.on_finish(request)
         self.requests.pop(request.request_id, None)
-        self._scheduled_time.pop(request.request_id, None)
-        self._first_token_time.pop(request.request_id, None)
+        self.times.forget(request.request_id)
         self.prefill.forget(request.request_id)
         self._worker_forget.append(request.request_id)
 
@@ -444,6 +384,7 @@ class Scheduler:
         return len(running)
 
     def snapshot(self) -> SchedulerSnapshot:
+        """The counts for one stats message (the KV transfer times are taken)."""
         stats = FeatureStats()
         for f in self.features:
             f.add_stats(stats)
@@ -454,29 +395,5 @@ class Scheduler:
             prefix_cache_queries=self.kv_cache.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
-            spec_decode=stats.spec_decode,
-            kv_transfer=stats.kv_transfer,
+            features=stats,
         )
-
-
-def _append_sampled(request: Request, sampled: list[int], max_model_len: int) -> list[int]:
-    """Append a request's sampled tokens up to the first that stops it."""
-    new_token_ids = []
-    for token_id in sampled:
-        request.append_output_token(token_id)
-        new_token_ids.append(token_id)
-        if not _grammar_accepts(request, token_id):
-            break
-        if request.check_stop(max_model_len):
-            break
-    return new_token_ids
-
-
-def _grammar_accepts(request: Request, token_id: int) -> bool:
-    """Advance a guided request's matcher; a token outside its grammar (the mask makes
-    that impossible unless something else forced every token out) fails the request."""
-    if request.grammar is None or request.grammar.accept(token_id):
-        return True
-    logger.error("request %s sampled token %d outside its grammar", request.request_id, token_id)
-    request.status = RequestStatus.FINISHED_ERROR
-    return False

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvflow.proto.engine import TokenDelta
-from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStats
+from kvflow.proto.kv_transfer import KVConnectorMeta
 from kvflow.proto.step import CachedRequestData, NewRequestData, StepPlan, StepResult
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks
 from kvflow.services.scheduler.request import Request
 
 if TYPE_CHECKING:
-    from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters
+    from kvflow.services.scheduler.snapshot import FeatureStats
 
 
 @dataclass
@@ -85,14 +85,6 @@ class ResultEvents:
     requeue: list[Request] = field(default_factory=list)  # to the waiting queue's front
     failed: list[Request] = field(default_factory=list)  # finished with an error
     error: str = ""  # the failed requests' message
-
-
-@dataclass
-class FeatureStats:
-    """What the features add to the scheduler's snapshot."""
-
-    spec_decode: SpecDecodeCounters | None = None  # None: no speculative decoding
-    kv_transfer: KVTransferStats | None = None  # None: no KV connector
 
 
 class StepFeature:

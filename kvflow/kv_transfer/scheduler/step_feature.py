@@ -18,10 +18,10 @@ from kvflow.kv_transfer.scheduler.remote_loads import RemoteKVLoads
 from kvflow.proto.step import StepResult
 from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
 from kvflow.services.scheduler.request import Request
+from kvflow.services.scheduler.snapshot import FeatureStats
 from kvflow.services.scheduler.step_features import (
     NOTHING_EXTERNAL,
     External,
-    FeatureStats,
     ResultEvents,
     StepBuilder,
     StepFeature,

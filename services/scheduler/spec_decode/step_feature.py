@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.request import Request
+from kvflow.services.scheduler.snapshot import FeatureStats
 from kvflow.services.scheduler.spec_decode.speculator import Speculator
 from kvflow.services.scheduler.step_features import (
     WAIT,
-    FeatureStats,
     Planned,
     StepBuilder,
     StepFeature,
