@@ -129,6 +129,19 @@ def test_worker_death_requeues_parked_requests_without_leaks() -> None:
     assert plan.num_scheduled_tokens == [10]  # recomputed: its producer is not trusted again
 
 
+def test_worker_death_drops_the_kv_loaded_for_a_waiting_request() -> None:
+    """Loaded but not yet scheduled: its blocks held KV on the worker that died."""
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a"))
+    scheduler.schedule()
+    assert _loads_end(scheduler, ["a"], []) == []  # ready, first in the queue
+    scheduler.preempt_all()
+    _integrity(scheduler)
+    plan = scheduler.schedule()
+    assert plan.num_scheduled_tokens == [10]  # recomputed: its producer is not trusted again
+    assert plan.new_requests[0].num_computed_tokens == 0 and plan.kv_connector is None
+
+
 def test_proxy_requests() -> None:
     body = {"prompt": "x", "max_tokens": 50, "n": 3, "stream": True, "stop": ["a"], "seed": 1}
     prefill = prefill_request(body)

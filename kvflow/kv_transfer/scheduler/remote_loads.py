@@ -43,6 +43,7 @@ class RemoteKVLoads:
         self.num_failures = 0
         self._abandoned: set[str] = set()  # aborted while loading: freed when it ends
         self._no_remote: set[str] = set()  # its load failed: never asked again
+        self._ready: dict[str, Request] = {}  # loaded, holding blocks, not yet scheduled
         self._pending_blocks: set[int] = set()
 
     def __len__(self) -> int:
@@ -63,7 +64,12 @@ class RemoteKVLoads:
         """Aborted while parked: the blocks wait for the load's end (module docstring)."""
         self._abandoned.add(request.request_id)
 
+    def started(self, request: Request) -> None:
+        """A ready request took its first step: its loaded KV is the worker's now."""
+        self._ready.pop(request.request_id, None)
+
     def forget(self, request: Request) -> None:
+        self._ready.pop(request.request_id, None)
         self._no_remote.discard(request.request_id)
 
     def on_outcomes(self, finished: list[str], failed: list[str]) -> LoadOutcomes:
@@ -78,6 +84,7 @@ class RemoteKVLoads:
                 self.kv_cache.free(req_id, step_discarded=True)
             elif ok:
                 request.status = RequestStatus.WAITING  # holding its blocks
+                self._ready[req_id] = request
                 outcomes.ready.append(request)
             else:
                 self._fail(request, outcomes)
@@ -97,8 +104,14 @@ class RemoteKVLoads:
             outcomes.failed.append(request)
 
     def drop_all(self) -> list[Request]:
-        """The worker died (its pulls with it): free every parked request's blocks;
-        returns the live ones, to wait again (they will recompute)."""
+        """The worker died (its pulls and the KV they loaded with it): free every
+        parked or ready request's blocks; returns the parked live ones, to wait again
+        (ready ones still wait). All of them recompute."""
+        for req_id, request in self._ready.items():
+            self.kv_cache.free(req_id, step_discarded=True)
+            request.num_computed_tokens = 0
+            self._no_remote.add(req_id)
+        self._ready.clear()
         requeue = []
         for req_id, request in self.loading.items():
             self.kv_cache.free(req_id, step_discarded=True)

@@ -65,6 +65,8 @@ class KVTransferFeature(StepFeature):
     def on_scheduled(self, request: Request, num_tokens: int, step: StepBuilder) -> None:
         """The prompt tokens a chunk computes (a decode instance's metric) and whether
         it completes the prompt (a save)."""
+        if self.remote_loads is not None:
+            self.remote_loads.started(request)
         num_computed_before = request.num_computed_tokens - num_tokens
         num_prompt_left = request.num_prompt_tokens - num_computed_before
         if num_prompt_left > 0:
