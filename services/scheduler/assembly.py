@@ -1,8 +1,9 @@
 """One way to assemble an engine core: config + the runner's shape -> EngineCore.
 
     EngineShape (what the workers report: vocabulary, context, KV blocks, EOS ids)
-      └─ build_engine_core ─ KVCacheManager, build_scheduler (speculator, KV
-                             connector, pipeline depth), grammar compiler ─▶ EngineCore
+      └─ build_engine_core ─ KVCacheManager, build_scheduler (its step features:
+                             speculation, KV transfer, micro-batches, jump-forward,
+                             prompt logprobs), grammar compiler ─▶ EngineCore
 
 The scheduler process (services/scheduler/main.py) and the offline engine
 (kvflow/offline/engine.py) both call `build_engine_core`, so served and offline
@@ -19,6 +20,7 @@ from kvflow.kv_transfer.scheduler.connector import make_connector_scheduler
 from kvflow.kv_transfer_config import engine_kv_namespace
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
+from kvflow.services.scheduler.features import make_step_features
 from kvflow.services.scheduler.grammar_compiler import TokenizerSource, grammar_compiler
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.scheduler import Scheduler
@@ -62,13 +64,12 @@ def build_scheduler(
     config: EngineConfig, kv_cache: KVCacheManager, shape: EngineShape
 ) -> Scheduler:
     """The Scheduler with the parts the config asks for."""
-    return Scheduler(
+    features = make_step_features(
         config.scheduler,
         kv_cache,
         shape.max_model_len,
-        shape.vocab_size,
-        make_speculator(config.speculative.speculative_config),
-        make_connector_scheduler(
+        speculator=make_speculator(config.speculative.speculative_config),
+        kv_connector=make_connector_scheduler(
             config.kv_transfer.kv_transfer_config,
             config.cache.block_size,
             engine_kv_namespace(config),
@@ -76,3 +77,4 @@ def build_scheduler(
         ),
         pipeline_depth=config.parallel.pipeline_parallel_size,
     )
+    return Scheduler(config.scheduler, kv_cache, shape.max_model_len, shape.vocab_size, features)

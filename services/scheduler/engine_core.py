@@ -38,7 +38,6 @@ from typing import Any
 from kvflow.errors import InvalidRequestError, RequestRejectedError
 from kvflow.metrics.roofline import StepBatch
 from kvflow.proto.engine import AddRequest, TokenDelta
-from kvflow.proto.kv_transfer import KVTransferStepStats
 from kvflow.proto.stats import GrammarStats
 from kvflow.proto.step import StepPlan, StepResult
 from kvflow.services.scheduler.admission import EngineLimits, admit
@@ -246,8 +245,8 @@ class EngineCore:
         """The next step's plan, now in flight; None when there is nothing to send."""
         plan = self.scheduler.schedule(now=now)
         # While prompt KV arrives in the background, empty steps carry the news of it.
-        loading = self.scheduler.remote_loads is not None and self.scheduler.remote_loads.loading
-        if not (plan.scheduled_req_ids or plan.finished_req_ids or plan.kv_connector or loading):
+        background = self.scheduler.has_background_work()
+        if not (plan.scheduled_req_ids or plan.finished_req_ids or plan.kv_connector or background):
             return None
         for req_id in plan.finished_req_ids:  # preempted or finished: drop stale samples
             self._forget(req_id)
@@ -264,10 +263,6 @@ class EngineCore:
         if len(step.live) < len(result.req_ids):
             result = _only_live(result, step.live)
         deltas = self.scheduler.update_from_output(step.plan, result, now=now)
-        connector = self.scheduler.kv_connector
-        if connector is not None and result.kv_transfer is not None:
-            connector.on_step_result(result.kv_transfer)
-            deltas += self._kv_load_failures(result.kv_transfer)
         self.counters.on_step(step.plan, deltas)
         for delta in deltas:
             if delta.finish_reason is None:
@@ -275,17 +270,6 @@ class EngineCore:
             else:
                 delta.frontend_id = self.owners.pop(delta.req_id, "")
         return step, deltas + self.expire_waiting(now)
-
-    def _kv_load_failures(self, stats: KVTransferStepStats) -> list[TokenDelta]:
-        """Loads that ended: the requests failed by kv_load_failure_policy=fail."""
-        failed = self.scheduler.on_kv_loads(stats.finished_loading, stats.failed_loading)
-        deltas = []
-        for request in failed:
-            self._forget(request.request_id)
-            frontend_id = self.owners.pop(request.request_id, "")
-            error = "the prompt's KV could not be loaded from its producer (kv_load_failure_policy=fail)"
-            deltas.append(self._final_delta(request, "error", frontend_id, error))
-        return deltas
 
     def expire_waiting(self, now: float) -> list[TokenDelta]:
         """Fail the requests that waited longer than max_queue_delay for their first

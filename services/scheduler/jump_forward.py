@@ -20,7 +20,9 @@ report) or that still owe `min_tokens` (the worker then masks stop tokens itself
 
 from __future__ import annotations
 
+from kvflow.services.scheduler.grammar_matcher import fill_rows
 from kvflow.services.scheduler.request import Request
+from kvflow.services.scheduler.step_features import StepBuilder, StepFeature
 
 MAX_FORCED_PER_STEP = 256  # bounds one result's work; the rest is forced next step
 
@@ -54,3 +56,39 @@ def jump_forward(request: Request, max_model_len: int) -> list[int]:
         if request.check_stop(max_model_len):
             break
     return forced
+
+
+class JumpForwardFeature(StepFeature):
+    """Jump-forward as a scheduler step feature: forced tokens go out in the same delta
+    as the sampled ones, and reach the worker in the next plan (`forced_token_ids`)."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self.num_tokens = 0  # forced so far (the grammar stats' jump_forward_tokens)
+        self._pending: dict[str, list[int]] = {}  # forced since the last plan
+
+    def begin_step(self, step: StepBuilder) -> None:
+        step.forced_token_ids, self._pending = self._pending, {}
+
+    def on_tokens(self, applied: list[tuple[Request, list[int]]]) -> None:
+        guided = [(r, ids) for r, ids in applied if r.grammar is not None]
+        # The probes read the next masks: fill them all in one batched call.
+        fill_rows([r.grammar for r, _ in guided if r.grammar and not r.is_finished])
+        for request, new_token_ids in guided:
+            forced = jump_forward(request, self.max_model_len)
+            if forced and not request.is_finished:  # a finished request's KV is not needed
+                self._pending.setdefault(request.request_id, []).extend(forced)
+            self.num_tokens += len(forced)
+            new_token_ids += forced
+
+    def on_preempt(self, request: Request, step: StepBuilder | None) -> None:
+        # It resumes with all its tokens: none is sent as forced.
+        forced = self._pending if step is None else step.forced_token_ids
+        forced.pop(request.request_id, None)
+
+    def on_worker_lost(self) -> list[Request]:
+        self._pending = {}  # the new worker knows no request
+        return []
+
+    def on_finish(self, request: Request) -> None:
+        self._pending.pop(request.request_id, None)

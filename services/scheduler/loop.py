@@ -374,8 +374,8 @@ class SchedulerLoop:
             recent_steps=self._take_recent_steps(),
             kv_block_map=block_map(self.core.scheduler.kv_cache.block_pool),
             grammar=self.core.grammar_stats(),
-            kv_transfer=self.core.scheduler.kv_transfer_stats(),
-            **spec_decode_stats(stats.spec_decode),
+            kv_transfer=stats.features.kv_transfer,
+            **spec_decode_stats(stats.features.spec_decode),
         )
 
     def _take_recent_steps(self) -> list[StepRecord]:

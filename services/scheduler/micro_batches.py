@@ -16,7 +16,9 @@ stage has work while the others run theirs. Two rules make that exact and simple
 
 from __future__ import annotations
 
+from kvflow.proto.step import CachedRequestData, StepPlan
 from kvflow.services.scheduler.request import Request
+from kvflow.services.scheduler.step_features import StepBuilder, StepFeature
 
 
 class MicroBatches:
@@ -59,3 +61,38 @@ def unsent_token_ids(request: Request, num_forced: int) -> list[int]:
     if start < request.num_prompt_tokens:
         return []
     return request.all_token_ids[start : request.num_tokens - num_forced]
+
+
+class MicroBatchFeature(StepFeature):
+    """The rules above as a scheduler step feature."""
+
+    def __init__(self, depth: int) -> None:
+        self.micro_batches = MicroBatches(depth)
+        self._decodes_left = -1  # this step's decode cap, counted down
+
+    def begin_step(self, step: StepBuilder) -> None:
+        self._decodes_left = self.micro_batches.decode_cap(len(step.running))
+
+    def holds_back(self, request: Request) -> bool:
+        capped = self._decodes_left == 0 and is_decode(request)
+        return self.micro_batches.busy(request) or capped
+
+    def on_scheduled_running(
+        self, request: Request, cached: CachedRequestData, step: StepBuilder
+    ) -> None:
+        self._decodes_left -= is_decode(request)
+        forced = step.forced_token_ids.get(request.request_id, [])
+        cached.new_token_ids = unsent_token_ids(request, len(forced))
+
+    def stops_admission(self, request: Request) -> bool:
+        return self.micro_batches.busy(request)  # preempted with a step in flight
+
+    def end_step(self, step: StepBuilder) -> None:
+        self.micro_batches.on_planned(list(step.scheduled))
+
+    def on_step_returned(self, plan: StepPlan) -> None:
+        self.micro_batches.on_returned(plan.scheduled_req_ids)
+
+    def on_worker_lost(self) -> list[Request]:
+        self.micro_batches.clear()  # their steps never return
+        return []

@@ -23,12 +23,15 @@ preempted request drops its KV (`num_computed_tokens = 0`) and later recomputes 
 from __future__ import annotations
 
 import enum
+import logging
 from typing import TYPE_CHECKING
 
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvflow.services.scheduler.grammar_matcher import RequestGrammar
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.IntEnum):
@@ -123,6 +126,34 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.num_output_placeholders = max(self.num_output_placeholders - 1, 0)
+
+    def append_sampled(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """Append a step's sampled tokens up to the first that stops the request;
+        returns the appended ones."""
+        appended = []
+        for token_id in token_ids:
+            self.append_output_token(token_id)
+            appended.append(token_id)
+            if not self._grammar_accepts(token_id) or self.check_stop(max_model_len):
+                break
+        return appended
+
+    def _grammar_accepts(self, token_id: int) -> bool:
+        """Advance a guided request's matcher; a token outside its grammar (the mask
+        makes that impossible unless something else forced every token out) fails it."""
+        if self.grammar is None or self.grammar.accept(token_id):
+            return True
+        logger.error("request %s sampled token %d outside its grammar", self.request_id, token_id)
+        self.status = RequestStatus.FINISHED_ERROR
+        return False
+
+    def reset_for_recompute(self) -> None:
+        """Back to waiting without KV: prompt and outputs are computed again (the
+        samples and drafts of steps in flight are dropped with their KV)."""
+        self.status = RequestStatus.PREEMPTED
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.num_spec_in_flight = None
 
     def check_stop(self, max_model_len: int) -> bool:
         """After appending a token: set a finished status if a stop condition holds."""

@@ -11,6 +11,7 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.errors import ConfigError
+from kvflow.kv_transfer.scheduler.step_feature import KVTransferFeature
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 6,  # long: several blocks + a tail
@@ -81,8 +82,9 @@ def test_prefill_then_decode_equals_colocated(tiny_model_dir: Path, tmp_path: Pa
     num_samples = sum(p.n for p in params)
     num_outputs = sum(len(c.token_ids) for o in outputs for c in o)
     assert sum(counts) == num_samples + num_outputs - num_samples
-    connector = consumer.engine.scheduler.kv_connector
-    assert connector is not None
+    feature = consumer.engine.scheduler.feature(KVTransferFeature)
+    assert feature is not None
+    connector = feature.connector
     prompt_lens = [len(consumer.tokenizer.encode(p)) for p in PROMPTS]
     loaded = sum((n - 1) * p.n for n, p in zip(prompt_lens, params))
     assert connector.counters.num_loaded_tokens == loaded

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from kvflow import LLM, SamplingParams
+from kvflow.kv_transfer.scheduler.connector import KVConnectorScheduler
+from kvflow.kv_transfer.scheduler.step_feature import KVTransferFeature
 from kvflow.proto.sampling import KVTransferParams
 
 pytestmark = pytest.mark.slow
@@ -73,7 +75,7 @@ def test_consumer_pulls_from_producer(tiny_model_dir: Path) -> None:
     producer.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0.0))
     consumer = _llm(tiny_model_dir, "kv_consumer")
     assert _texts(consumer, _params(f"tcp://127.0.0.1:{port}")) == expected
-    counters = consumer.engine.scheduler.kv_connector.counters  # type: ignore[union-attr]
+    counters = _connector(consumer).counters
     assert counters.num_computed_prompt_tokens == 4  # one per sample ("Hello": its only one)
     assert counters.bytes_loaded > 0 and counters.num_load_failures == 0
     _no_leaks(producer)
@@ -94,6 +96,12 @@ def test_producer_gone(tiny_model_dir: Path, policy: str) -> None:
         reasons = [[c.finish_reason for c in o.outputs] for o in outputs]
         assert reasons[0] == ["error"] and reasons[2] == ["error"]
         assert [c.text for c in outputs[1].outputs] == expected[1]
-    counters = consumer.engine.scheduler.kv_connector.counters  # type: ignore[union-attr]
+    counters = _connector(consumer).counters
     assert counters.num_load_failures == 2
     _no_leaks(consumer)
+
+
+def _connector(llm: LLM) -> KVConnectorScheduler:
+    feature = llm.engine.scheduler.feature(KVTransferFeature)
+    assert feature is not None
+    return feature.connector

@@ -10,6 +10,7 @@ left behind (so that Docker's or systemd's restart policy takes over).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -131,10 +132,19 @@ class _HealthLog:
         return self.seen
 
 
-def test_worker_sigkill_mid_stream_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
-    server = start_server(
-        tiny_model_dir, tmp_path, "--max-worker-restarts", "2", "--worker-restart-backoff", "0.2"
-    )
+# With n-gram speculation the kill may land while a request verifies drafts: it must
+# resume like any other (no verification result comes back for it).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+def test_worker_sigkill_mid_stream_loses_nothing(
+    tiny_model_dir: Path, tmp_path: Path, spec: dict[str, Any] | None
+) -> None:
+    extra = ["--max-worker-restarts", "2", "--worker-restart-backoff", "0.2"]
+    if spec is not None:
+        extra += ["--speculative-config", json.dumps(spec)]
+    server = start_server(tiny_model_dir, tmp_path, *extra)
     try:
         reference = _run_streams(server.base_url)
         assert all(r["finish"] == ["length"] and not r["errors"] for r in reference)
@@ -164,6 +174,8 @@ def test_worker_sigkill_mid_stream_loses_nothing(tiny_model_dir: Path, tmp_path:
     assert recovering and "recovering" in recovering[0], seen
     assert seen[-1][0] == 200
     assert metrics["kvflow:worker_restarts_total"] == 1
+    if spec is not None:  # the streams did speculate
+        assert metrics["kvflow:spec_decode_num_drafts_total"] > 0
     # Every stream still running at the kill resumed. (On a loaded machine one may
     # have finished before the last one had its first tokens.)
     running = sum(1 for got in crashed if got["finished_at"] > killed_at[0])

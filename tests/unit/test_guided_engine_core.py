@@ -25,6 +25,7 @@ from kvflow.proto.step import StepPlan, StepResult
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
+from kvflow.services.scheduler.features import make_step_features
 from kvflow.services.scheduler.grammar_compiler import GrammarCompiler, GrammarCompilerConfig
 from kvflow.services.scheduler.grammar_matcher import RequestGrammar
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
@@ -101,7 +102,8 @@ def make_core(tokenizer: Any, depth: int, num_blocks: int, compiler: GrammarComp
     kv_cache = KVCacheManager(num_blocks, BLOCK_SIZE)
     eos = frozenset({tokenizer.eos_token_id})
     limits = EngineLimits(vocab, MAX_MODEL_LEN, BLOCK_SIZE, num_blocks, eos)
-    scheduler = Scheduler(config, kv_cache, MAX_MODEL_LEN, vocab)
+    features = make_step_features(config, kv_cache, MAX_MODEL_LEN)
+    scheduler = Scheduler(config, kv_cache, MAX_MODEL_LEN, vocab, features)
     return EngineCore(scheduler, limits, depth, compiler, grammar_timeout_s=60.0)
 
 

@@ -23,6 +23,7 @@ from kvflow.kv_transfer.worker.block_io import (
 )
 from kvflow.kv_transfer_config import KVTransferConfig, block_file_path
 from kvflow.sampling_params import SamplingParams
+from kvflow.services.scheduler.features import make_step_features
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.scheduler import Scheduler
@@ -88,9 +89,9 @@ def test_config_parse() -> None:
 def _scheduler(tmp_path: Path, role: str, num_blocks: int = 16) -> Scheduler:
     config = KVTransferConfig(role, "shared-storage", {"storage_path": str(tmp_path)})  # type: ignore[arg-type]
     connector = SharedStorageScheduler(config, BLOCK, "ns")
-    return Scheduler(
-        SchedulerConfig(), KVCacheManager(num_blocks, BLOCK), 1024, kv_connector=connector
-    )
+    scheduler_config, kv_cache = SchedulerConfig(), KVCacheManager(num_blocks, BLOCK)
+    features = make_step_features(scheduler_config, kv_cache, 1024, kv_connector=connector)
+    return Scheduler(scheduler_config, kv_cache, 1024, features=features)
 
 
 def _request(req_id: str, num_tokens: int) -> Request:

@@ -18,8 +18,9 @@ from kvflow.config import SchedulerConfig
 from kvflow.proto.step import StepPlan, StepResult
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
+from kvflow.services.scheduler.features import make_step_features
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
-from kvflow.services.scheduler.micro_batches import MicroBatches
+from kvflow.services.scheduler.micro_batches import MicroBatches, MicroBatchFeature
 from kvflow.services.scheduler.scheduler import Scheduler
 
 BLOCK_SIZE, VOCAB, MAX_MODEL_LEN, EOS = 4, 64, 48, 2
@@ -53,7 +54,8 @@ def pipeline_core(depth: int, num_blocks: int = 64, max_num_seqs: int = 256) -> 
     config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=max_num_seqs)
     kv_cache = KVCacheManager(num_blocks, BLOCK_SIZE)
     limits = EngineLimits(VOCAB, MAX_MODEL_LEN, BLOCK_SIZE, num_blocks, frozenset({EOS}))
-    scheduler = Scheduler(config, kv_cache, MAX_MODEL_LEN, pipeline_depth=depth)
+    features = make_step_features(config, kv_cache, MAX_MODEL_LEN, pipeline_depth=depth)
+    scheduler = Scheduler(config, kv_cache, MAX_MODEL_LEN, features=features)
     return EngineCore(scheduler, limits, depth)
 
 
@@ -99,8 +101,9 @@ def test_p_micro_batches_give_the_tokens_of_one_step_at_a_time(
     assert max_depth == min(depth, core_options.get("max_num_seqs", depth))
     if "num_blocks" in core_options:
         assert core.scheduler.num_preemptions > 0
-    assert core.scheduler.micro_batches is not None
-    assert core.scheduler.micro_batches.in_flight == set()
+    feature = core.scheduler.feature(MicroBatchFeature)
+    assert feature is not None
+    assert feature.micro_batches.in_flight == set()
 
 
 def test_decodes_split_over_the_micro_batches() -> None:
@@ -136,7 +139,7 @@ def test_one_step_depth_sends_no_tokens() -> None:
     core.update(worker.execute(plan), now=0.0)
     plan = core.schedule(now=0.0)
     assert plan is not None and plan.cached_requests[0].new_token_ids == []
-    assert core.scheduler.micro_batches is None
+    assert core.scheduler.feature(MicroBatchFeature) is None
 
 
 def test_decode_cap_is_a_ceiling_and_never_zero() -> None:

@@ -9,9 +9,13 @@ import pytest
 from kvflow.config import SchedulerConfig
 from kvflow.kv_transfer.scheduler.zmq_connector import ZmqScheduler
 from kvflow.kv_transfer_config import KVTransferConfig
+from kvflow.proto.engine import TokenDelta
+from kvflow.proto.kv_transfer import KVTransferStepStats
 from kvflow.proto.sampling import KVTransferParams
+from kvflow.proto.step import StepPlan, StepResult
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.proxy.pairing import InstancePools, decode_request, prefill_request
+from kvflow.services.scheduler.features import make_step_features
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.scheduler import Scheduler
@@ -25,7 +29,9 @@ def _scheduler(policy: str = "recompute") -> Scheduler:
     config = KVTransferConfig("kv_consumer", "zmq")
     connector = ZmqScheduler(config, BLOCK, policy)
     kv_cache = KVCacheManager(NUM_BLOCKS, BLOCK)
-    return Scheduler(SchedulerConfig(), kv_cache, 1024, kv_connector=connector)
+    scheduler_config = SchedulerConfig()
+    features = make_step_features(scheduler_config, kv_cache, 1024, kv_connector=connector)
+    return Scheduler(scheduler_config, kv_cache, 1024, features=features)
 
 
 def _request(
@@ -34,6 +40,13 @@ def _request(
     kv = KVTransferParams(remote_address=remote) if remote else None
     params = SamplingParams(max_tokens=4, kv_transfer_params=kv)
     return Request(req_id, list(range(first, first + num_tokens)), params, max_tokens=4)
+
+
+def _loads_end(scheduler: Scheduler, finished: list[str], failed: list[str]) -> list[TokenDelta]:
+    """A step result that reports asynchronous loads that ended; returns its deltas."""
+    loads = KVTransferStepStats(finished_loading=finished, failed_loading=failed)
+    result = StepResult(0, [], [], kv_transfer=loads)
+    return scheduler.update_from_output(StepPlan(0, [], [], [], []), result)
 
 
 def _integrity(scheduler: Scheduler, free: int = NUM_BLOCKS) -> None:
@@ -51,7 +64,7 @@ def test_parked_request_does_not_block_others_then_goes_first() -> None:
     (load,) = plan.kv_connector.loads
     assert load.req_id == "remote" and load.remote == REMOTE and len(load.keys) == 3
     assert scheduler.requests["remote"].status == RequestStatus.WAITING_FOR_REMOTE_KV
-    assert scheduler.on_kv_loads(["remote"], []) == []
+    assert _loads_end(scheduler, ["remote"], []) == []
     plan = scheduler.schedule()
     new = {n.req_id: n for n in plan.new_requests}
     assert new["remote"].num_computed_tokens == 9  # loaded; the last token is computed
@@ -63,9 +76,12 @@ def test_failed_load_frees_its_blocks_and_follows_the_policy(policy: str) -> Non
     scheduler = _scheduler(policy)
     scheduler.add_request(_request("a"))
     scheduler.schedule()
-    failed = scheduler.on_kv_loads([], ["a"])
+    failed = _loads_end(scheduler, [], ["a"])
     if policy == "fail":
-        assert [r.request_id for r in failed] == ["a"] and "a" not in scheduler.requests
+        assert [d.req_id for d in failed] == ["a"] and "a" not in scheduler.requests
+        assert failed[0].finish_reason == "error" and "kv_load_failure_policy" in str(
+            failed[0].error
+        )
         _integrity(scheduler)
         return
     plan = scheduler.schedule()  # computed here now, never asked to load again
@@ -82,7 +98,7 @@ def test_abort_while_loading_keeps_blocks_until_the_pull_ends() -> None:
     # The pull thread may still write into its 3 blocks: they are not free yet.
     assert scheduler.kv_cache.num_free_blocks == NUM_BLOCKS - 3
     assert scheduler.has_unfinished_requests()  # steps go on until the outcome comes
-    scheduler.on_kv_loads(["a"], [])
+    assert _loads_end(scheduler, ["a"], []) == []
     _integrity(scheduler)
     assert not scheduler.has_unfinished_requests()
 
@@ -94,7 +110,7 @@ def test_a_prefix_hit_on_blocks_being_loaded_waits() -> None:
     plan = scheduler.schedule()
     assert [load.req_id for load in plan.kv_connector.loads] == ["a"]  # type: ignore[union-attr]
     assert scheduler.requests["b"].status == RequestStatus.WAITING
-    scheduler.on_kv_loads(["a"], [])
+    _loads_end(scheduler, ["a"], [])
     plan = scheduler.schedule()
     assert [(n.req_id, n.num_computed_tokens) for n in plan.new_requests] == [("a", 9)]
     # b: a's two full blocks are local hits now; only its tail block is pulled.
@@ -111,6 +127,19 @@ def test_worker_death_requeues_parked_requests_without_leaks() -> None:
     assert scheduler.requests["a"].status == RequestStatus.WAITING
     plan = scheduler.schedule()
     assert plan.num_scheduled_tokens == [10]  # recomputed: its producer is not trusted again
+
+
+def test_worker_death_drops_the_kv_loaded_for_a_waiting_request() -> None:
+    """Loaded but not yet scheduled: its blocks held KV on the worker that died."""
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a"))
+    scheduler.schedule()
+    assert _loads_end(scheduler, ["a"], []) == []  # ready, first in the queue
+    scheduler.preempt_all()
+    _integrity(scheduler)
+    plan = scheduler.schedule()
+    assert plan.num_scheduled_tokens == [10]  # recomputed: its producer is not trusted again
+    assert plan.new_requests[0].num_computed_tokens == 0 and plan.kv_connector is None
 
 
 def test_proxy_requests() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from kvflow.config import SchedulerConfig
 from kvflow.proto.step import StepPlan, StepResult
 from kvflow.sampling_params import SamplingParams
+from kvflow.services.scheduler.features import make_step_features
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.request import Request
 from kvflow.services.scheduler.scheduler import Scheduler
@@ -22,12 +23,11 @@ def make(k: int = 3, budget: int = 32, **spec: object) -> Scheduler:
     config = SpeculativeConfig.parse(
         {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, **spec}
     )
-    return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget),
-        KVCacheManager(16, BLOCK, True),
-        max_model_len=64,
-        speculator=Speculator(config),
-    )
+    scheduler_config = SchedulerConfig(max_num_batched_tokens=budget)
+    kv_cache = KVCacheManager(16, BLOCK, True)
+    speculator = Speculator(config)
+    features = make_step_features(scheduler_config, kv_cache, 64, speculator=speculator)
+    return Scheduler(scheduler_config, kv_cache, max_model_len=64, features=features)
 
 
 def add(
@@ -156,3 +156,27 @@ def test_nothing_to_copy_also_switches_speculation_off() -> None:
         apply(scheduler, scheduler.schedule(), {"r": [token]})
     # Two empty proposals (2 x k = 4 "drafted"), then 4 plain steps, then 2 more.
     assert len(calls) == 4
+
+
+def test_a_request_verifying_drafts_when_the_worker_dies_resumes_and_completes() -> None:
+    """preempt_all (worker lost) drops the verification in flight with its KV: the
+    request recomputes and goes on, instead of waiting forever for that result."""
+    scheduler = make()
+    request = add(scheduler, max_tokens=6)
+    apply(scheduler, scheduler.schedule(), {"r": [3]})
+    verifying = scheduler.schedule()
+    assert verifying.spec_token_ids == {"r": [1, 2, 3]}
+    assert scheduler.preempt_all() == 1  # its result never comes back
+    assert request.num_spec_in_flight is None and request.num_computed_tokens == 0
+    plan = scheduler.schedule()
+    assert plan.scheduled_req_ids == ["r"]
+    assert plan.num_scheduled_tokens == [len(PROMPT) + 1]  # prompt + its output, again
+    apply(scheduler, plan, {"r": [1]})
+    for _ in range(10):
+        if "r" not in scheduler.requests:
+            break
+        plan = scheduler.schedule()
+        drafts = plan.spec_token_ids.get("r", [])
+        apply(scheduler, plan, {"r": [*drafts, 7]})  # every draft accepted, then a 7
+    assert "r" not in scheduler.requests and request.num_output_tokens == 6
+    scheduler.kv_cache.check_integrity()

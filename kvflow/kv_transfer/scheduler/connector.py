@@ -1,10 +1,11 @@
 """The scheduler side of a KV connector: which prompt KV comes from outside, which goes out.
 
-The scheduler calls it at three points of a step (scheduler.py), and never sees a byte::
+The scheduler's KV transfer step feature (step_feature.py) calls it at three points of
+a step, and never sees a byte::
 
-    _schedule_waiting:  local prefix hit ─▶ get_num_new_matched_tokens ─▶ allocate_slots
+    admission:          local prefix hit ─▶ get_num_new_matched_tokens ─▶ allocate_slots
                                                                        └▶ update_state_after_alloc
-    schedule (end):     build_meta ─▶ StepPlan.kv_connector ─▶ the worker side loads
+    end of the plan:    build_meta ─▶ StepPlan.kv_connector ─▶ the worker side loads
                                                                before, saves during the forward
                                                                (layer by layer)
     a request leaves:   request_finished

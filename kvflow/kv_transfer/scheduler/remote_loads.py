@@ -5,6 +5,9 @@
                                                              │ background, into those blocks
     StepResult.kv_transfer.finished_loading ─▶ ready ─▶ front of the waiting queue, its
                                                          KV computed but the last token
+                                                         (it holds its blocks: the
+                                                         scheduler allocates only its
+                                                         next chunk)
                .failed_loading (producer gone, timeout) ─▶ recompute: blocks freed, the
                                                            prompt computed here
                                                          └▶ fail: the request errors
@@ -39,8 +42,8 @@ class RemoteKVLoads:
         self.loading: dict[str, Request] = {}
         self.num_failures = 0
         self._abandoned: set[str] = set()  # aborted while loading: freed when it ends
-        self._loaded: set[str] = set()  # ready, holding blocks, not yet scheduled
         self._no_remote: set[str] = set()  # its load failed: never asked again
+        self._ready: dict[str, Request] = {}  # loaded, holding blocks, not yet scheduled
         self._pending_blocks: set[int] = set()
 
     def __len__(self) -> int:
@@ -57,23 +60,16 @@ class RemoteKVLoads:
     def may_load(self, request: Request) -> bool:
         return request.request_id not in self._no_remote
 
-    def take_loaded(self, request: Request) -> bool:
-        """Whether `request` comes back from a finished load (it holds its blocks)."""
-        if request.request_id not in self._loaded:
-            return False
-        self._loaded.discard(request.request_id)
-        return True
-
-    def put_back_loaded(self, request: Request) -> None:
-        """take_loaded's request found no room for its next chunk: it stays ready."""
-        self._loaded.add(request.request_id)
-
     def abandon(self, request: Request) -> None:
         """Aborted while parked: the blocks wait for the load's end (module docstring)."""
         self._abandoned.add(request.request_id)
 
+    def started(self, request: Request) -> None:
+        """A ready request took its first step: its loaded KV is the worker's now."""
+        self._ready.pop(request.request_id, None)
+
     def forget(self, request: Request) -> None:
-        self._loaded.discard(request.request_id)
+        self._ready.pop(request.request_id, None)
         self._no_remote.discard(request.request_id)
 
     def on_outcomes(self, finished: list[str], failed: list[str]) -> LoadOutcomes:
@@ -87,8 +83,8 @@ class RemoteKVLoads:
                 self._abandoned.discard(req_id)
                 self.kv_cache.free(req_id, step_discarded=True)
             elif ok:
-                request.status = RequestStatus.WAITING
-                self._loaded.add(req_id)
+                request.status = RequestStatus.WAITING  # holding its blocks
+                self._ready[req_id] = request
                 outcomes.ready.append(request)
             else:
                 self._fail(request, outcomes)
@@ -108,8 +104,14 @@ class RemoteKVLoads:
             outcomes.failed.append(request)
 
     def drop_all(self) -> list[Request]:
-        """The worker died (its pulls with it): free every parked request's blocks;
-        returns the live ones, to wait again (they will recompute)."""
+        """The worker died (its pulls and the KV they loaded with it): free every
+        parked or ready request's blocks; returns the parked live ones, to wait again
+        (ready ones still wait). All of them recompute."""
+        for req_id, request in self._ready.items():
+            self.kv_cache.free(req_id, step_discarded=True)
+            request.num_computed_tokens = 0
+            self._no_remote.add(req_id)
+        self._ready.clear()
         requeue = []
         for req_id, request in self.loading.items():
             self.kv_cache.free(req_id, step_discarded=True)

@@ -1,0 +1,42 @@
+"""Which step features a scheduler gets, from the engine configuration's pieces.
+
+Prompt logprobs are always on (a request asks for them); jump-forward when the
+scheduler config enables it; speculative decoding, KV transfer and pipeline
+micro-batches when the deployment has them. The order is the order of the hooks:
+micro-batches first (a busy request is held before a speculator counts a decode).
+"""
+
+from __future__ import annotations
+
+from kvflow.config import SchedulerConfig
+from kvflow.kv_transfer.scheduler.connector import KVConnectorScheduler
+from kvflow.kv_transfer.scheduler.step_feature import KVTransferFeature
+from kvflow.services.scheduler.jump_forward import JumpForwardFeature
+from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
+from kvflow.services.scheduler.micro_batches import MicroBatchFeature
+from kvflow.services.scheduler.prompt_logprobs import PromptLogprobsFeature
+from kvflow.services.scheduler.spec_decode.speculator import Speculator
+from kvflow.services.scheduler.spec_decode.step_feature import SpecDecodeFeature
+from kvflow.services.scheduler.step_features import StepFeature
+
+
+def make_step_features(
+    config: SchedulerConfig,
+    kv_cache: KVCacheManager,
+    max_model_len: int,
+    *,
+    speculator: Speculator | None = None,
+    kv_connector: KVConnectorScheduler | None = None,
+    pipeline_depth: int = 1,  # pipeline stages: micro_batches.py's rules when > 1
+) -> list[StepFeature]:
+    features: list[StepFeature] = []
+    if pipeline_depth > 1:
+        features.append(MicroBatchFeature(pipeline_depth))
+    if speculator is not None:
+        features.append(SpecDecodeFeature(speculator, kv_cache, max_model_len))
+    if kv_connector is not None:
+        features.append(KVTransferFeature(kv_connector, kv_cache))
+    if config.grammar_jump_forward:
+        features.append(JumpForwardFeature(max_model_len))
+    features.append(PromptLogprobsFeature())
+    return features
