@@ -68,7 +68,9 @@ class LineError(Exception):
 
 def add_run_batch_parser(sub: Any) -> None:
     parser = sub.add_parser("run-batch", help="answer an OpenAI batch file (JSONL) offline")
-    parser.add_argument("-i", "--input-file", required=True, help="requests, one JSON a line")
+    parser.add_argument(
+        "-i", "--input-file", required=True, help="requests, one JSON a line ('-': stdin)"
+    )
     parser.add_argument("-o", "--output-file", required=True, help="results ('-': stdout)")
     add_engine_args(parser)
     parser.set_defaults(handler=run)
@@ -77,14 +79,26 @@ def add_run_batch_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvflow.offline.llm import LLM
 
-    lines = [line for line in Path(args.input_file).read_bytes().splitlines() if line.strip()]
+    lines = read_lines(args.input_file)  # before the model loads: a wrong path fails at once
     llm = LLM(**engine_options(args))
     try:
-        results = run_lines(llm, lines)
+        run_file(llm, lines, args.output_file)
     finally:
         llm.close()
-    write_output(args.output_file, b"".join(result + b"\n" for result in results))
     return 0
+
+
+def read_lines(path: str) -> list[bytes]:
+    """The file's non-blank lines ('-': stdin)."""
+    data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    return [line for line in data.splitlines() if line.strip()]
+
+
+def run_file(llm: Any, lines: list[bytes], output_file: str) -> None:
+    """Answer every line with `llm`'s engine; write `output_file` whole once all are
+    answered (nothing, if the run fails)."""
+    results = run_lines(llm, lines)
+    write_output(output_file, b"".join(result + b"\n" for result in results))
 
 
 def run_lines(llm: Any, lines: list[bytes]) -> list[bytes]:
