@@ -165,3 +165,17 @@ def test_write_output_is_all_or_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     run_batch.write_output(str(results), b'{"new": 1}\n')
     assert results.read_text() == '{"new": 1}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl"]
+
+
+def test_dash_reads_stdin_and_writes_stdout(
+    monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    import io
+
+    from kvflow.cli import run_batch
+
+    stdin = io.TextIOWrapper(io.BytesIO(b'{"a": 1}\n\n  \n{"b": 2}\n'))
+    monkeypatch.setattr(run_batch.sys, "stdin", stdin)
+    assert run_batch.read_lines("-") == [b'{"a": 1}', b'{"b": 2}']  # blank lines skipped
+    run_batch.write_output("-", b'{"c": 3}\n')
+    assert capsysbinary.readouterr().out == b'{"c": 3}\n'
