@@ -179,3 +179,24 @@ def test_dash_reads_stdin_and_writes_stdout(
     assert run_batch.read_lines("-") == [b'{"a": 1}', b'{"b": 2}']  # blank lines skipped
     run_batch.write_output("-", b'{"c": 3}\n')
     assert capsysbinary.readouterr().out == b'{"c": 3}\n'
+
+
+def test_every_line_is_admitted_before_the_first_step(
+    llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_step = llm.engine.step_deltas
+    admitted: list[int] = []
+
+    def recording_step() -> Any:
+        admitted.append(len(llm.engine.outputs.request_ids()))
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step_deltas", recording_step)
+    two_prompts = _line("two", "/v1/completions", {"prompt": PROMPTS, "n": 2, **_greedy()})
+    lines = [line.encode() for line in [*_batch_lines(), two_prompts]]
+    run_file(llm, lines, str(tmp_path / "results.jsonl"))
+    # 4 good lines + a line of 2 prompts (its own tasks, a loop turn later): one batch
+    assert admitted[0] == 6
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    choices = records[-1]["response"]["body"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
