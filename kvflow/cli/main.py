@@ -1,4 +1,4 @@
-"""`kvflow` command line: serve (and each process role), generate, chat, bench."""
+"""`kvflow` command line: serve (and each process role), generate, chat, run-batch, bench."""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(handler=_run_chat)
+
+    from kvflow.cli.run_batch import add_run_batch_parser
+
+    add_run_batch_parser(sub)  # an OpenAI batch file, offline
 
     from kvflow.cli.serve import add_serve_parsers
 

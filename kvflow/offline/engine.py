@@ -165,13 +165,23 @@ class LLMEngine:
         requests that changed (finished ones last). If the step raises, every
         unfinished request is failed first (`recover_from_failed_step`): the engine
         stays usable."""
+        return self.outputs.apply(self._guarded_step())
+
+    def step_deltas(self) -> list[RequestOutputDelta]:
+        """As `step`, but returns the detokenizer's deltas by sample ("<id>#<index>"
+        when n > 1): what a served frontend receives (`kvflow run-batch` uses it)."""
+        deltas = self._guarded_step()
+        self.outputs.apply(deltas)
+        return deltas
+
+    def _guarded_step(self) -> list[RequestOutputDelta]:
         try:
             return self._step()
         except BaseException:  # incl. KeyboardInterrupt
             self.recover_from_failed_step()
             raise
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[RequestOutputDelta]:
         failed = self.core.poll_grammars(now=time.time())  # guided requests compiled, or not
         while self.core.can_schedule():
             plan = self.core.schedule(now=time.time())
@@ -181,14 +191,14 @@ class LLMEngine:
         if not self.executor.num_in_flight:
             if self.core.waiting_for_grammar and not failed:
                 time.sleep(0.001)  # only compiles under way: do not spin on the GIL
-            return self.outputs.apply(self._detokenize(failed))
+            return self._detokenize(failed)
         result = self.executor.result()
         step, deltas = self.core.update(result, now=time.time())
         if step.batch.num_tokens:
             cost = self.roofline.record(step.batch, result.execute_time_s)
             if self.trace is not None:
                 self._trace_step(step, result, cost)
-        return self.outputs.apply(self._detokenize(failed + deltas))
+        return self._detokenize(failed + deltas)
 
     def start_trace(self, path: str | Path) -> None:
         """Write the steps from here on as a Chrome/Perfetto trace (step_trace.py);

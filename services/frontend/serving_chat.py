@@ -10,7 +10,7 @@ generated, i.e. an assistant turn the model continues.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 
 import msgspec
@@ -226,10 +226,19 @@ def _echo_text(request: ChatCompletionRequest, conversation: list[dict[str, obje
     return str(last["content"]) if last["role"] == generated_role else ""
 
 
-async def create_chat_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
+def prepare_chat_completion(
+    ctx: ServingContext, body: bytes, headers: Mapping[str, str]
+) -> tuple[ServedRequest, bool]:
+    """A validated /v1/chat/completions body, ready to run, and whether it streams (call
+    on the event loop); raises what becomes the error response. `kvflow run-batch` too."""
     request = decode_request(body, ChatCompletionRequest)
     ctx.check_model(request.model)
-    deadlines = request_deadlines(request.timeout, raw.headers, bool(request.stream))
+    deadlines = request_deadlines(request.timeout, headers, bool(request.stream))
     chat = _Chat(ctx, request, deadlines)
     ctx.check_engine(request.data_parallel_rank)
-    return await chat.respond(raw, bool(request.stream))
+    return chat, bool(request.stream)
+
+
+async def create_chat_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
+    chat, stream = prepare_chat_completion(ctx, body, raw.headers)
+    return await chat.respond(raw, stream)

@@ -12,7 +12,7 @@ the engine's prompt logprobs).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 
 from starlette.requests import Request
@@ -210,10 +210,19 @@ class _Completion(ServedRequest):
         )
 
 
-async def create_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
+def prepare_completion(
+    ctx: ServingContext, body: bytes, headers: Mapping[str, str]
+) -> tuple[ServedRequest, bool]:
+    """A validated /v1/completions body, ready to run, and whether it streams (call on
+    the event loop); raises what becomes the error response. `kvflow run-batch` too."""
     request = decode_request(body, CompletionRequest)
     ctx.check_model(request.model)
-    deadlines = request_deadlines(request.timeout, raw.headers, bool(request.stream))
+    deadlines = request_deadlines(request.timeout, headers, bool(request.stream))
     completion = _Completion(ctx, request, deadlines)
     ctx.check_engine(request.data_parallel_rank)
-    return await completion.respond(raw, bool(request.stream))
+    return completion, bool(request.stream)
+
+
+async def create_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
+    completion, stream = prepare_completion(ctx, body, raw.headers)
+    return await completion.respond(raw, stream)
