@@ -176,6 +176,12 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "--api-key-file or KVFLOW_API_KEY)",
     )
     group.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split chat output at its think tags into reasoning_content and content: "
+        "qwen3 or deepseek_r1",
+    )
 
 
 def _add_address_args(parser: argparse.ArgumentParser) -> None:
@@ -244,8 +250,21 @@ def _run_serve(args: argparse.Namespace) -> int:
         distributed_executor_backend=args.distributed_executor_backend,
         ray_address=args.ray_address,
         dp_hosts=_dp_hosts(args),
+        reasoning_parser=_reasoning_parser(args),
     )
     return serve(_config(args), options)
+
+
+def _reasoning_parser(args: argparse.Namespace) -> str | None:
+    """--reasoning-parser, checked before anything starts."""
+    from kvflow.errors import ConfigError
+    from kvflow.services.frontend.reasoning import reasoning_parser
+
+    try:
+        reasoning_parser(args.reasoning_parser)
+    except ConfigError as exc:
+        raise SystemExit(f"kvflow: --reasoning-parser: {exc}") from None
+    return args.reasoning_parser  # type: ignore[no-any-return]
 
 
 def _run_scheduler(args: argparse.Namespace) -> int:
@@ -325,7 +344,12 @@ def _run_frontend(args: argparse.Namespace) -> int:
 
     config = _config(args)
     model_dir = _model_dir(config)
-    options = ServeOptions(host=args.host, port=args.port, api_key=resolve_api_key(args))
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        api_key=resolve_api_key(args),
+        reasoning_parser=_reasoning_parser(args),
+    )
     frontend = make_frontend_config(config, model_dir, options)
     if config.parallel.data_parallel_size == 1:
         run_frontend(frontend, resolve_addresses(args), model_dir)

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from kvflow.errors import ConfigError
+from kvflow.services.frontend.reasoning import reasoning_parser
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_STORED_RESPONSES = 1024
@@ -38,6 +39,7 @@ class FrontendConfig:
     engine_label: str = "0"  # `engine` label of request-level metrics
     # /v1/responses kept for previous_response_id and GET (LRU; 0: none; response_store.py)
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    reasoning_parser: str | None = None  # chat's think-tag split (reasoning.py); None: off
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.vocab_size < 1:
@@ -46,5 +48,6 @@ class FrontendConfig:
             raise ConfigError("max_body_bytes must be >= 1")
         if self.max_stored_responses < 0:
             raise ConfigError("max_stored_responses must be >= 0")
+        reasoning_parser(self.reasoning_parser)  # an unknown name fails here, at start
         if "#" in self.frontend_id or not self.frontend_id:
             raise ConfigError("frontend_id must be non-empty and without '#'")

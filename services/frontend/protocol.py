@@ -223,6 +223,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables (enable_thinking)
 
     def conversation(self) -> list[dict[str, Any]]:
         return [message.to_dict() for message in self.messages]

@@ -116,6 +116,8 @@ class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    # Absent unless a reasoning parser is configured (--reasoning-parser).
+    reasoning_content: str | msgspec.UnsetType | None = msgspec.UNSET
     # Absent unless the choice called tools (UNSET fields are not encoded).
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
 
@@ -139,6 +141,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
 
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

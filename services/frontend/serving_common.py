@@ -100,9 +100,12 @@ class ServingContext:
         conversation: Conversation,
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         try:
-            return apply_chat_template(self.tokenizer, conversation, add_generation_prompt, tools)
+            return apply_chat_template(
+                self.tokenizer, conversation, add_generation_prompt, tools, template_kwargs
+            )
         except jinja2.TemplateError as exc:
             # Templates reject conversations with raise_exception (e.g. roles out of order).
             raise InvalidRequestError(f"chat template: {exc}", param="messages") from None

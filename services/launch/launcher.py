@@ -71,6 +71,7 @@ class ServeOptions:
     distributed_executor_backend: str = "mp"  # "ray": engines on a Ray cluster's nodes
     ray_address: str | None = None  # of the running cluster; None: `ray start`'s own
     dp_hosts: DataParallelHosts = DataParallelHosts()  # engines on other hosts (headless)
+    reasoning_parser: str | None = None  # chat's think-tag split (frontend/reasoning.py)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
@@ -335,4 +336,5 @@ def make_frontend_config(
         port=options.port,
         api_key=options.api_key,
         model_root=config.model.model or str(model_dir),
+        reasoning_parser=options.reasoning_parser,
     )
