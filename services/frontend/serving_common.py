@@ -33,7 +33,12 @@ from kvflow.errors import (
 from kvflow.model_limits import check_prompt
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
-from kvflow.sampling_params import SamplingParams, validate_sampling_params
+from kvflow.sampling_params import (
+    SamplingParams,
+    truncate_prompt,
+    validate_sampling_params,
+    with_bad_words_token_ids,
+)
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient, sample_index
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST
@@ -120,12 +125,15 @@ class ServingContext:
     def prepare_ids(
         self, token_ids: list[int], params: SamplingParams, text: str | None
     ) -> PreparedPrompt:
-        """Check the ids and the lengths; validate params with max_tokens resolved."""
+        """Check the ids and the lengths; validate params with max_tokens resolved
+        (after truncate_prompt_tokens, and with the bad words' token ids)."""
         vocab_size = self.config.vocab_size
+        token_ids = truncate_prompt(token_ids, params, self.config.max_model_len)
         max_tokens = check_prompt(
             token_ids, params.max_tokens, self.config.max_model_len, vocab_size
         )
         resolved = msgspec.structs.replace(params, max_tokens=max_tokens)
+        resolved = with_bad_words_token_ids(resolved, self.tokenizer)
         validate_sampling_params(resolved, vocab_size)
         return PreparedPrompt(token_ids, text, resolved)
 
