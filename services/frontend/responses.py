@@ -48,6 +48,9 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # return_token_ids (vLLM's extra): the choice's prompt and output ids; else absent.
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -128,6 +131,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -137,6 +141,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids
 
 
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -152,6 +157,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):

@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
+from kvflow.services.frontend.ignored_fields import ignored_fields, mark_ignored
 from kvflow.services.frontend.protocol import ChatCompletionRequest, decode_request
 from kvflow.services.frontend.reasoning import ReasoningParser, reasoning_parser
 from kvflow.services.frontend.request_deadline import RequestDeadlines, request_deadlines
@@ -201,6 +202,7 @@ class _Chat(ServedRequest):
             deadlines=deadlines,
         )
         self.include_usage = request.include_usage
+        self.return_ids = bool(request.return_token_ids)
         self.echo = _echo_text(request, conversation)
         reasoning = reasoning_parser(ctx.config.reasoning_parser)
         self.choices = [
@@ -217,7 +219,10 @@ class _Chat(ServedRequest):
             model=self.model,
             choices=[c.final(self.echo) for c in self.choices],
             usage=self.usage(self.choices),
+            prompt_token_ids=self.ids_if(self.return_ids, self.prompts[0].token_ids),
         )
+        for choice, counts in zip(response.choices, self.choices):
+            choice.token_ids = self.ids_if(self.return_ids, counts.token_ids)
         return json_response(response)
 
     async def stream(self) -> AsyncGenerator[bytes, None]:
@@ -227,6 +232,7 @@ class _Chat(ServedRequest):
         async with aclosing(self.deltas()) as deltas:
             async for index, delta in deltas:
                 part = self.choices[index].apply(self.ctx, delta)
+                part.token_ids = self.ids_if(self.return_ids, delta.token_ids)
                 delta_message = part.delta
                 if (
                     delta_message.content
@@ -261,6 +267,7 @@ async def create_chat_completion(ctx: ServingContext, raw: Request, body: bytes)
     request = decode_request(body, ChatCompletionRequest)
     ctx.check_model(request.model)
     deadlines = request_deadlines(request.timeout, raw.headers, bool(request.stream))
+    ignored = ignored_fields(body, ChatCompletionRequest)
     chat = _Chat(ctx, request, deadlines)
     ctx.check_engine(request.data_parallel_rank)
-    return await chat.respond(raw, bool(request.stream))
+    return mark_ignored(await chat.respond(raw, bool(request.stream)), ignored)

@@ -260,9 +260,11 @@ class ChoiceCounts:
     def __init__(self) -> None:
         self.num_tokens = 0
         self.num_cached_tokens = 0
+        self.token_ids: list[int] = []  # for return_token_ids
 
     def count(self, delta: RequestOutputDelta) -> None:
         self.num_tokens += len(delta.token_ids)
+        self.token_ids += delta.token_ids
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 
 
@@ -353,6 +355,10 @@ class ServedRequest(ABC):
                 yield self._first
             async for item in rest:
                 yield item
+
+    def ids_if(self, wanted: bool, ids: list[int]) -> list[int] | msgspec.UnsetType:
+        """`ids` for return_token_ids, else absent from the response."""
+        return ids if wanted else msgspec.UNSET
 
     def usage(self, choices: Sequence[ChoiceCounts]) -> UsageInfo:
         n = len(choices) // len(self.prompts)
