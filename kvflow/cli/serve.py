@@ -250,12 +250,12 @@ def _run_serve(args: argparse.Namespace) -> int:
         distributed_executor_backend=args.distributed_executor_backend,
         ray_address=args.ray_address,
         dp_hosts=_dp_hosts(args),
-        reasoning_parser=_reasoning_parser(args),
+        reasoning_parser=resolve_reasoning_parser(args),
     )
     return serve(_config(args), options)
 
 
-def _reasoning_parser(args: argparse.Namespace) -> str | None:
+def resolve_reasoning_parser(args: argparse.Namespace) -> str | None:
     """--reasoning-parser, checked before anything starts."""
     from kvflow.errors import ConfigError
     from kvflow.services.frontend.reasoning import reasoning_parser
@@ -348,7 +348,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=resolve_api_key(args),
-        reasoning_parser=_reasoning_parser(args),
+        reasoning_parser=resolve_reasoning_parser(args),
     )
     frontend = make_frontend_config(config, model_dir, options)
     if config.parallel.data_parallel_size == 1:
