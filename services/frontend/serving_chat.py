@@ -239,6 +239,7 @@ class _Chat(ServedRequest):
                     or delta_message.reasoning_content
                     or delta_message.tool_calls
                     or part.logprobs
+                    or part.token_ids
                     or part.finish_reason is not None
                 ):
                     yield sse_event(self._chunk([part]))

@@ -202,7 +202,12 @@ class _Completion(ServedRequest):
                 choice = self.choices[index].apply(self.ctx, delta)
                 choice.token_ids = self.ids_if(self.return_ids, delta.token_ids)
                 has_logprobs = choice.logprobs is not None and bool(choice.logprobs.tokens)
-                if choice.text or has_logprobs or choice.finish_reason is not None:
+                if (
+                    choice.text
+                    or has_logprobs
+                    or choice.token_ids
+                    or choice.finish_reason is not None
+                ):
                     yield sse_event(self._chunk([choice]))
         if self.include_usage:
             yield sse_event(self._chunk([], usage=True))

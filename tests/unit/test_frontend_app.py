@@ -391,6 +391,9 @@ def test_return_token_ids_and_truncate_prompt_tokens(h: Harness) -> None:
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}]
     )
     assert out["choices"][0]["token_ids"] == [101, 102]
+    events = stream(h, "/v1/chat/completions", {**chat, "stream": True})
+    streamed = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids", [])]
+    assert streamed == [101, 102]
 
 
 def test_completion_fills_context_when_max_tokens_is_null(h: Harness) -> None:
