@@ -3,8 +3,9 @@
 Order of operations (vLLM's), each step skipped when no row needs it:
 
     logits [R, V] fp32
-      1. logit_bias          sparse add
-      2. min_tokens          stop ids of rows below min_tokens -> -inf
+      1. logit_bias          sparse add; allowed_token_ids: every other token -> -inf
+      2. min_tokens          stop ids of rows below min_tokens -> -inf; so are bad words'
+                             last tokens where the output ends with the rest of the word
       3. penalties           repetition (prompt + output), frequency, presence (output)
       4. greedy rows         argmax of the logits after 1-3
       5. temperature         logits / T
@@ -37,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from kvflow.gpu_worker.sampling_metadata import (
+    AllowedTokens,
     BannedTokens,
     LogitBias,
     PenaltyTensors,
@@ -134,9 +136,12 @@ class Sampler:
 
 
 def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """Steps 1-3 in place: logit_bias, min_tokens bans, penalties."""
+    """Steps 1-3 in place: logit_bias and allowed_token_ids, min_tokens and bad-word
+    bans, penalties."""
     if md.logit_bias is not None:
         apply_logit_bias(logits, md.logit_bias)
+    if md.allowed is not None:
+        apply_allowed_tokens(logits, md.allowed)
     if md.banned is not None:
         apply_banned_tokens(logits, md.banned)
     if md.penalties is not None:
@@ -145,6 +150,12 @@ def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> None:
 
 def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> None:
     logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, allowed: AllowedTokens) -> None:
+    rows = logits.index_select(0, allowed.rows)
+    rows.masked_fill_(~allowed.mask, float("-inf"))
+    logits.index_copy_(0, allowed.rows, rows)
 
 
 def apply_banned_tokens(logits: torch.Tensor, banned: BannedTokens) -> None:

@@ -82,6 +82,14 @@ class BannedTokens:
 
 
 @dataclass(frozen=True, eq=False)
+class AllowedTokens:
+    """Rows that may sample only some tokens (allowed_token_ids): the rest become -inf."""
+
+    rows: torch.Tensor  # [Ra] int64
+    mask: torch.Tensor  # [Ra, V] bool, True: may be sampled
+
+
+@dataclass(frozen=True, eq=False)
 class SamplingMetadata:
     temperature: torch.Tensor  # [R] fp32; greedy rows hold 1.0 so dividing is always safe
     top_k: torch.Tensor  # [R] int64, 0 = off, else clamped to V
@@ -107,6 +115,7 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # random seeded row -> its own generator
     seeded_rows: torch.Tensor  # [S] int64, the keys of `generators` in order
     max_num_logprobs: int | None  # None: no row asked for logprobs
+    allowed: AllowedTokens | None = None
 
     @property
     def num_rows(self) -> int:

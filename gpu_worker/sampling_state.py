@@ -11,6 +11,7 @@ per-slot entries. Each step then only gathers::
        │     yes: reuse the gathered parameter tensors and row groups
        │     no:  index_select the per-slot tensors, split the rows into groups
        ├─ min_tokens bans of the rows still below min_tokens (usually none)
+       ├─ bad-word bans of the rows whose output ends with a word's first tokens
        └─ penalty histories of the penalised rows (usually none)
 
 Slots are reused: `remove` clears what a later occupant could otherwise inherit, and
@@ -26,11 +27,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvflow.gpu_worker.bad_words import banned_next_tokens, longest_prefix
 from kvflow.gpu_worker.penalty_state import PenaltyParams, PenaltyState
 from kvflow.gpu_worker.sampling_metadata import (
     GREEDY,
     PLAIN,
     TRUNCATED,
+    AllowedTokens,
     BannedTokens,
     LogitBias,
     SamplingMetadata,
@@ -56,6 +59,7 @@ class _Composition(NamedTuple):
     penalties: PenaltyParams | None
     penalty_slots: np.ndarray  # [Rp] int64, the slots of the penalised rows
     min_tokens_rows: list[tuple[int, int]]  # (row, slot) of slots with min_tokens > 0
+    bad_words_rows: list[tuple[int, int]]  # (row, slot) of slots with bad words
 
 
 class SamplingState:
@@ -75,6 +79,8 @@ class SamplingState:
         self.values = torch.zeros(3, num_slots, dtype=torch.float32, device=device)
         self.logit_bias: dict[int, LogitBias] = {}  # slot -> its bias (rows unset)
         self.min_tokens: dict[int, tuple[int, list[int]]] = {}  # slot -> (min, stop ids)
+        self.allowed: dict[int, torch.Tensor] = {}  # slot -> [V] bool, allowed_token_ids
+        self.bad_words: dict[int, list[list[int]]] = {}  # slot -> banned token sequences
         self.penalties = PenaltyState(num_slots, vocab_size, device)
         self._epoch = 0
         self._key: tuple[int, bytes] | None = None
@@ -101,6 +107,12 @@ class SamplingState:
             self.logit_bias[slot] = self._bias_of(params.logit_bias)
         if len(output_token_ids) < params.min_tokens:
             self.min_tokens[slot] = (params.min_tokens, self._stop_ids(params))
+        if params.allowed_token_ids:
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            mask[torch.tensor(params.allowed_token_ids, dtype=torch.int64)] = True
+            self.allowed[slot] = mask
+        if params.bad_words_token_ids:
+            self.bad_words[slot] = params.bad_words_token_ids
         self.penalties.add(slot, params, output_token_ids)
 
     def remove(self, slot: int) -> None:
@@ -109,6 +121,8 @@ class SamplingState:
         self.generators[slot] = None
         self.logit_bias.pop(slot, None)
         self.min_tokens.pop(slot, None)
+        self.allowed.pop(slot, None)
+        self.bad_words.pop(slot, None)
         self.penalties.remove(slot)
 
     def metadata(self, slots: np.ndarray, rows: TokenRows) -> SamplingMetadata:
@@ -118,7 +132,7 @@ class SamplingState:
             self._composition = self._compose(slots)
             self._key = key
         composition = self._composition
-        banned = self._banned(composition.min_tokens_rows, rows)
+        banned = self._banned(composition, rows)
         penalties = None
         if composition.penalties is not None:
             pen_slots = composition.penalty_slots
@@ -143,8 +157,9 @@ class SamplingState:
         penalties = self.penalties.params(slots)
         metadata = self._gather(slots, slot_list, no_penalties=penalties is None)
         min_tokens_rows = [(row, s) for row, s in enumerate(slot_list) if s in self.min_tokens]
+        bad_words_rows = [(row, s) for row, s in enumerate(slot_list) if s in self.bad_words]
         penalty_slots = slots[np.flatnonzero(self.penalties.active[slots])]
-        return _Composition(metadata, penalties, penalty_slots, min_tokens_rows)
+        return _Composition(metadata, penalties, penalty_slots, min_tokens_rows, bad_words_rows)
 
     def _gather(
         self, slots: np.ndarray, slot_list: list[int], no_penalties: bool
@@ -182,6 +197,7 @@ class SamplingState:
             generators=seeded,
             seeded_rows=self._tensor(np.array(list(seeded), dtype=np.int64)),
             max_num_logprobs=None if num_logprobs < 0 else num_logprobs,
+            allowed=self._allowed(slot_list),
         )
 
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
@@ -198,6 +214,13 @@ class SamplingState:
             token_ids=torch.cat([b.token_ids for _, b in parts]),
             values=torch.cat([b.values for _, b in parts]),
         )
+
+    def _allowed(self, slot_list: list[int]) -> AllowedTokens | None:
+        parts = [(row, self.allowed[s]) for row, s in enumerate(slot_list) if s in self.allowed]
+        if not parts:
+            return None
+        rows = torch.tensor([row for row, _ in parts], dtype=torch.int64, device=self.device)
+        return AllowedTokens(rows=rows, mask=torch.stack([mask for _, mask in parts]))
 
     def _bias_of(self, logit_bias: dict[int, float]) -> LogitBias:
         device = self.device
@@ -216,11 +239,31 @@ class SamplingState:
 
     # ---- per step ----------------------------------------------------------------------
 
-    def _banned(
+    def _banned(self, composition: _Composition, rows: TokenRows) -> BannedTokens | None:
+        """Stop ids of the rows still below min_tokens, and the bad words' next tokens."""
+        pairs = self._min_tokens_bans(composition.min_tokens_rows, rows)
+        for row, slot in composition.bad_words_rows:
+            output = self.recent_output(slot, rows)
+            pairs.extend((row, t) for t in banned_next_tokens(self.bad_words[slot], output))
+        if not pairs:
+            return None
+        row_ids, token_ids = zip(*pairs)
+        return BannedTokens(
+            rows=torch.tensor(row_ids, dtype=torch.int64, device=self.device),
+            token_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+        )
+
+    def recent_output(self, slot: int, rows: TokenRows) -> list[int]:
+        """The end of the slot's output that a bad-word match can need."""
+        end = int(rows.num_tokens[slot])
+        start = max(int(rows.num_prompt_tokens[slot]), end - longest_prefix(self.bad_words[slot]))
+        return rows.token_ids[slot, start:end].tolist()  # type: ignore[no-any-return]
+
+    def _min_tokens_bans(
         self, min_tokens_rows: list[tuple[int, int]], rows: TokenRows
-    ) -> BannedTokens | None:
-        """Stop ids of the rows still below min_tokens. A slot that reached it leaves
-        `min_tokens` for good: its output only grows while it holds the slot."""
+    ) -> list[tuple[int, int]]:
+        """A slot that reached min_tokens leaves `min_tokens` for good: its output only
+        grows while it holds the slot."""
         pairs: list[tuple[int, int]] = []
         for row, slot in min_tokens_rows:
             entry = self.min_tokens.get(slot)
@@ -231,10 +274,4 @@ class SamplingState:
                 del self.min_tokens[slot]
                 continue
             pairs.extend((row, token) for token in stop_ids)
-        if not pairs:
-            return None
-        row_ids, token_ids = zip(*pairs)
-        return BannedTokens(
-            rows=torch.tensor(row_ids, dtype=torch.int64, device=self.device),
-            token_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-        )
+        return pairs

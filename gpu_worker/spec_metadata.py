@@ -22,7 +22,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvflow.gpu_worker.bad_words import banned_next_tokens
 from kvflow.gpu_worker.sampling_metadata import (
+    AllowedTokens,
     BannedTokens,
     LogitBias,
     PenaltyParams,
@@ -82,8 +84,27 @@ def verification_metadata(
     if requests.penalties is not None:
         assert state.penalties.counts is not None
         counts = state.penalties.counts.index_select(0, requests.penalties.params.slots)
-    expanded = expand_metadata(requests, draft_rows, min_tokens, counts)
+    bad_words = _bad_word_bans(state, rows, slots, draft_rows)
+    expanded = expand_metadata(requests, draft_rows, min_tokens, counts, bad_words)
     return Verification(expanded, requests, draft_rows)
+
+
+def _bad_word_bans(
+    state: SamplingState, rows: TokenRows, slots: np.ndarray, drafts: DraftRows
+) -> list[tuple[int, int]]:
+    """(row, token) bans of bad words at each position: the history of (r, j) ends
+    with the drafts d_<j."""
+    pairs: list[tuple[int, int]] = []
+    for r, slot in enumerate(slots.tolist()):
+        sequences = state.bad_words.get(slot)
+        if sequences is None:
+            continue
+        output = state.recent_output(slot, rows)
+        for j in range(drafts.num_draft_tokens[r] + 1):
+            history = output + drafts.draft_token_ids[r][:j]
+            row = drafts.offsets[r] + j
+            pairs.extend((row, token) for token in banned_next_tokens(sequences, history))
+    return pairs
 
 
 def expand_metadata(
@@ -91,6 +112,7 @@ def expand_metadata(
     drafts: DraftRows,
     min_tokens: Sequence[tuple[int, list[int]] | None],  # per request: (min left, stop ids)
     penalty_counts: torch.Tensor | None,  # [Rp, V] output counts of the penalised requests
+    bad_word_bans: Sequence[tuple[int, int]] = (),  # (expanded row, token)
 ) -> SamplingMetadata:
     """`md` with one row per verified position. `min_tokens[r]`: how many more outputs
     request r must produce before its stop ids are allowed, with those ids (None: none).
@@ -107,7 +129,8 @@ def expand_metadata(
         truncated_rows=drafts.rows_of(md.truncated_rows),
         penalties=_penalties(md.penalties, drafts, penalty_counts),
         logit_bias=_logit_bias(md.logit_bias, drafts),
-        banned=_banned(drafts, min_tokens, md.temperature.device),
+        banned=_banned(drafts, min_tokens, md.temperature.device, bad_word_bans),
+        allowed=_allowed(md.allowed, drafts),
         generators={},
         seeded_rows=md.seeded_rows[:0],
     )
@@ -130,8 +153,22 @@ def _logit_bias(bias: LogitBias | None, drafts: DraftRows) -> LogitBias | None:
     )
 
 
+def _allowed(allowed: AllowedTokens | None, drafts: DraftRows) -> AllowedTokens | None:
+    """Each allowed row's mask at every one of its positions."""
+    if allowed is None:
+        return None
+    repeats = [drafts.num_draft_tokens[r] + 1 for r in allowed.rows.tolist()]
+    counts = torch.tensor(repeats, dtype=torch.int64, device=allowed.mask.device)
+    return AllowedTokens(
+        rows=drafts.rows_of(allowed.rows), mask=allowed.mask.repeat_interleave(counts, dim=0)
+    )
+
+
 def _banned(
-    drafts: DraftRows, min_tokens: Sequence[tuple[int, list[int]] | None], device: torch.device
+    drafts: DraftRows,
+    min_tokens: Sequence[tuple[int, list[int]] | None],
+    device: torch.device,
+    bad_word_bans: Sequence[tuple[int, int]],
 ) -> BannedTokens | None:
     """Row (r, j) has j more outputs than request r: banned while j < outputs still owed."""
     pairs = [
@@ -141,6 +178,7 @@ def _banned(
         for j in range(min(entry[0], drafts.num_draft_tokens[r] + 1))
         for token in entry[1]
     ]
+    pairs += bad_word_bans
     if not pairs:
         return None
     rows, tokens = zip(*pairs)

@@ -7,6 +7,8 @@ crosses process boundaries as MessagePack unchanged. `validate_sampling_params()
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from kvflow.errors import InvalidRequestError
@@ -20,8 +22,10 @@ __all__ = [
     "StructuredOutputsParams",
     "child_request_ids",
     "child_sampling_params",
+    "truncate_prompt",
     "validate_sampling_params",
     "validate_structured_outputs",
+    "with_bad_words_token_ids",
 ]
 
 # Upper bound on top-N logprobs per token (OpenAI allows 20 for chat, 5 for completions).
@@ -67,6 +71,23 @@ def validate_sampling_params(params: SamplingParams, vocab_size: int | None = No
             name,
             f"must be in [0, {MAX_LOGPROBS}], got {value}",
         )
+    _check(
+        params.truncate_prompt_tokens is None
+        or params.truncate_prompt_tokens >= 1
+        or params.truncate_prompt_tokens == -1,
+        "truncate_prompt_tokens",
+        f"must be >= 1 or -1, got {params.truncate_prompt_tokens}",
+    )
+    _check(
+        params.allowed_token_ids is None or bool(params.allowed_token_ids),
+        "allowed_token_ids",
+        "must not be empty",
+    )
+    _check(
+        all(params.bad_words_token_ids or ()),
+        "bad_words",
+        "a bad word must have tokens",
+    )
     _validate_token_ids(params, vocab_size)
     if params.structured_outputs is not None:
         validate_structured_outputs(params.structured_outputs)
@@ -79,6 +100,11 @@ def _validate_token_ids(params: SamplingParams, vocab_size: int | None) -> None:
         return
     for tok in params.stop_token_ids or []:
         _check(0 <= tok < vocab_size, "stop_token_ids", f"token id {tok} is out of vocabulary")
+    for tok in params.allowed_token_ids or []:
+        _check(0 <= tok < vocab_size, "allowed_token_ids", f"token id {tok} is out of vocabulary")
+    for word in params.bad_words_token_ids or []:
+        for tok in word:
+            _check(0 <= tok < vocab_size, "bad_words", f"token id {tok} is out of vocabulary")
     for tok, bias in (params.logit_bias or {}).items():
         _check(0 <= tok < vocab_size, "logit_bias", f"token id {tok} is out of vocabulary")
         _check(-100.0 <= bias <= 100.0, "logit_bias", f"bias must be in [-100, 100], got {bias}")
@@ -101,6 +127,31 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise InvalidSamplingParams(f"{field}: {message}", param=field)
+
+
+def with_bad_words_token_ids(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """`params` with each bad word's token sequences filled in: the word as written
+    (leading blanks stripped) and, where it tokenizes differently, after a space, as
+    the word reads mid-text (vLLM's rule)."""
+    if not params.bad_words or params.bad_words_token_ids is not None:
+        return params
+    sequences: list[list[int]] = []
+    for word in params.bad_words:
+        bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(bare)
+        if spaced and spaced != bare:
+            sequences.append(spaced)
+    return msgspec.structs.replace(params, bad_words_token_ids=sequences)
+
+
+def truncate_prompt(token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The last `truncate_prompt_tokens` of the prompt (-1: of max_model_len), else all."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return token_ids
+    keep = max_model_len if keep == -1 else keep
+    return token_ids[-keep:] if keep >= 1 else token_ids
 
 
 def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:

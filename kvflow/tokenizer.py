@@ -10,6 +10,10 @@ from typing import Any
 from kvflow.errors import InvalidRequestError
 
 Conversation = list[dict[str, Any]]
+# apply_chat_template's own arguments: a request's template kwargs may not set them.
+_OWN_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "tokenizer"}
+)
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -80,15 +84,24 @@ def apply_chat_template(
     messages: Conversation,
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,  # for templates that render tools
+    template_kwargs: dict[str, Any] | None = None,  # e.g. {"enable_thinking": False}
 ) -> list[int]:
-    """Render a conversation with the model's template and tokenize it."""
+    """Render a conversation with the model's template and tokenize it.
+
+    `template_kwargs` become template variables (a request's `chat_template_kwargs`);
+    they cannot replace the arguments this function itself passes."""
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model has no chat template; use completions instead")
     for message in messages:
         if not isinstance(message, dict) or "role" not in message:
             raise InvalidRequestError("each message needs a 'role' and 'content'", param="messages")
+    extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _OWN_ARGUMENTS}
     text = tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **extra,
     )
     # The template already wrote BOS etc.; adding special tokens again would double them.
     return list(tokenizer.encode(text, add_special_tokens=False))

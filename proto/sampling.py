@@ -60,6 +60,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # Banned words; a word's token sequences (with and without a leading space) are
+    # filled in where the tokenizer is (`bad_words_token_ids`), before the engine.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: max_model_len)
     seed: int | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None

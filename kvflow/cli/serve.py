@@ -178,6 +178,12 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--api-key-file", default=None, help="read the API key from this file")
     add_tls_args(group)
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split chat output at its think tags into reasoning_content and content: "
+        "qwen3 or deepseek_r1",
+    )
 
 
 def _add_address_args(parser: argparse.ArgumentParser) -> None:
@@ -247,8 +253,21 @@ def _run_serve(args: argparse.Namespace) -> int:
         ray_address=args.ray_address,
         dp_hosts=_dp_hosts(args),
         tls=resolve_tls(args),
+        reasoning_parser=resolve_reasoning_parser(args),
     )
     return serve(_config(args), options)
+
+
+def resolve_reasoning_parser(args: argparse.Namespace) -> str | None:
+    """--reasoning-parser, checked before anything starts."""
+    from kvflow.errors import ConfigError
+    from kvflow.services.frontend.reasoning import reasoning_parser
+
+    try:
+        reasoning_parser(args.reasoning_parser)
+    except ConfigError as exc:
+        raise SystemExit(f"kvflow: --reasoning-parser: {exc}") from None
+    return args.reasoning_parser  # type: ignore[no-any-return]
 
 
 def _run_scheduler(args: argparse.Namespace) -> int:
@@ -329,7 +348,11 @@ def _run_frontend(args: argparse.Namespace) -> int:
     config = _config(args)
     model_dir = _model_dir(config)
     options = ServeOptions(
-        host=args.host, port=args.port, api_key=resolve_api_key(args), tls=resolve_tls(args)
+        host=args.host,
+        port=args.port,
+        api_key=resolve_api_key(args),
+        tls=resolve_tls(args),
+        reasoning_parser=resolve_reasoning_parser(args),
     )
     frontend = make_frontend_config(config, model_dir, options)
     if config.parallel.data_parallel_size == 1:

@@ -31,7 +31,13 @@ from kvflow.outputs import RequestOutput
 from kvflow.proto.engine import AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import StepResult
-from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
+from kvflow.sampling_params import (
+    SamplingParams,
+    child_request_ids,
+    child_sampling_params,
+    truncate_prompt,
+    with_bad_words_token_ids,
+)
 from kvflow.services.detokenizer.streams import DetokenizerStreams
 from kvflow.services.scheduler.assembly import EngineShape, build_engine_core
 from kvflow.services.scheduler.engine_core import StepInFlight
@@ -127,6 +133,8 @@ class LLMEngine:
         InvalidRequestError with the engine's reason when it cannot run."""
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        prompt_ids = truncate_prompt(prompt_ids, params, self.max_model_len)
+        params = with_bad_words_token_ids(params, self.tokenizer)
         if params.structured_outputs is not None:  # a bad grammar fails here, not later
             check_grammar(params.structured_outputs)
         now = time.time()

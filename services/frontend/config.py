@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.services.frontend.reasoning import reasoning_parser
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_STORED_RESPONSES = 1024
@@ -91,6 +92,8 @@ class FrontendConfig:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{scheme}://{host}:{self.port}"
 
+    reasoning_parser: str | None = None  # chat's think-tag split (reasoning.py); None: off
+
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.vocab_size < 1:
             raise ConfigError("max_model_len and vocab_size must be >= 1")
@@ -98,5 +101,6 @@ class FrontendConfig:
             raise ConfigError("max_body_bytes must be >= 1")
         if self.max_stored_responses < 0:
             raise ConfigError("max_stored_responses must be >= 0")
+        reasoning_parser(self.reasoning_parser)  # an unknown name fails here, at start
         if "#" in self.frontend_id or not self.frontend_id:
             raise ConfigError("frontend_id must be non-empty and without '#'")

@@ -2,13 +2,15 @@
 
 Bodies are decoded straight into these types (`decode_request`); msgspec rejects wrong
 types and out-of-range integers with a message naming the field, which becomes a 400.
-Unknown fields are ignored (OpenAI clients send extras such as `parallel_tool_calls`).
+Unknown fields are ignored (OpenAI clients send extras), logged and named in a response
+header (ignored_fields.py).
 OpenAI's nullable fields accept `null` and mean "the default"; range checks of floats
 live in `SamplingParams.validate`, the one place the engine's limits are spelled out.
 
 Field names and meanings follow OpenAI, plus vLLM's extras (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
-skip_special_tokens, prompt_logprobs, priority, cache_salt) so vLLM clients port over.
+skip_special_tokens, prompt_logprobs, allowed_token_ids, bad_words, truncate_prompt_tokens,
+return_token_ids, priority, cache_salt) so vLLM clients port over.
 """
 
 from __future__ import annotations
@@ -75,6 +77,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
+    return_token_ids: bool | None = False  # prompt_token_ids and each choice's token_ids
     priority: Int32 = 0
     cache_salt: str | None = None
     data_parallel_rank: Annotated[int, Meta(ge=0)] | None = None  # the engine to use
@@ -112,6 +118,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             frequency_penalty=_or(self.frequency_penalty, 0.0),
             repetition_penalty=_or(self.repetition_penalty, 1.0),
             logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             seed=self.seed,
             stop=stop or None,
             stop_token_ids=self.stop_token_ids or None,
@@ -223,6 +232,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables (enable_thinking)
 
     def conversation(self) -> list[dict[str, Any]]:
         return [message.to_dict() for message in self.messages]

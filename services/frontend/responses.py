@@ -48,6 +48,9 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # return_token_ids (vLLM's extra): the choice's prompt and output ids; else absent.
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -116,6 +119,8 @@ class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    # Absent unless a reasoning parser is configured (--reasoning-parser).
+    reasoning_content: str | msgspec.UnsetType | None = msgspec.UNSET
     # Absent unless the choice called tools (UNSET fields are not encoded).
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
 
@@ -126,6 +131,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -135,10 +141,12 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids
 
 
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
@@ -149,6 +157,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):

@@ -3,7 +3,9 @@
 Streams start with one chunk per choice carrying `role: assistant` (and the echoed
 text, if any), then content deltas; the chunk that ends a choice has its finish_reason.
 Logprobs use the chat shape: content = [{token, logprob, bytes, top_logprobs: [...]}].
-`echo` (vLLM's extra) prepends the last message's content when it is the role being
+With `--reasoning-parser`, the thinking goes to `reasoning_content` (streamed as
+`delta.reasoning_content` before the content; reasoning.py) and tool calls are read from
+the content after it. `echo` (vLLM's extra) prepends the last message's content when it is the role being
 generated, i.e. an assistant turn the model continues.
 """
 
@@ -19,7 +21,9 @@ from starlette.responses import Response
 
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
+from kvflow.services.frontend.ignored_fields import ignored_fields, mark_ignored
 from kvflow.services.frontend.protocol import ChatCompletionRequest, decode_request
+from kvflow.services.frontend.reasoning import ReasoningParser, reasoning_parser
 from kvflow.services.frontend.request_deadline import RequestDeadlines, request_deadlines
 from kvflow.services.frontend.responses import (
     ChatChoice,
@@ -66,8 +70,12 @@ def token_bytes(token: str) -> list[int]:
 
 
 class _Choice(ChoiceCounts):
-    def __init__(self, index: int, logprobs: bool, tools: ToolUse) -> None:
+    def __init__(
+        self, index: int, logprobs: bool, tools: ToolUse, reasoning: ReasoningParser | None
+    ) -> None:
         super().__init__()
+        self.reasoning = reasoning
+        self.reasoning_stream = reasoning.stream() if reasoning is not None else None
         self.index = index
         self.want_logprobs = logprobs
         self.text: list[str] = []
@@ -100,15 +108,28 @@ class _Choice(ChoiceCounts):
         )
 
     def _delta_message(self, delta: RequestOutputDelta) -> DeltaMessage:
-        """Text as content, or (tool calling) content and tool_calls pieces."""
+        """Text as content, or (tool calling) content and tool_calls pieces; with a
+        reasoning parser, the thinking first, as reasoning_content."""
+        reasoning, text = self._split_reasoning(delta)
         if self.tool_stream is None:
-            return DeltaMessage(content=delta.text or None)
-        content, calls = self.tool_stream.feed(delta.text)
+            return DeltaMessage(reasoning_content=reasoning or None, content=text or None)
+        content, calls = self.tool_stream.feed(text)
         if delta.finish_reason is not None:
             rest, more = self.tool_stream.finish(delta.finish_reason)
             content, calls = content + rest, calls + more
         self.num_streamed_calls = max(self.num_streamed_calls, len({c.index for c in calls}))
-        return DeltaMessage(content=content or None, tool_calls=calls or None)
+        return DeltaMessage(
+            reasoning_content=reasoning or None, content=content or None, tool_calls=calls or None
+        )
+
+    def _split_reasoning(self, delta: RequestOutputDelta) -> tuple[str, str]:
+        if self.reasoning_stream is None:
+            return "", delta.text
+        reasoning, content = self.reasoning_stream.feed(delta.text)
+        if delta.finish_reason is not None:
+            more_reasoning, more_content = self.reasoning_stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
 
     def _finish_reason(self, num_calls: int) -> str | None:
         if self.finish_reason is None:
@@ -117,6 +138,10 @@ class _Choice(ChoiceCounts):
 
     def final(self, echo: str) -> ChatChoice:
         text = "".join(self.text)
+        reasoning: str | msgspec.UnsetType | None = msgspec.UNSET
+        if self.reasoning is not None:
+            reasoning, answer = self.reasoning.split(text)
+            text = answer or ""
         extracted = extract_tool_calls(self.tools, text, self.finish_reason)
         content = echo + (extracted.content or "")
         return ChatChoice(
@@ -124,6 +149,7 @@ class _Choice(ChoiceCounts):
             message=ChatMessageOut(
                 role=_ASSISTANT,
                 content=content if content or not extracted.calls else None,
+                reasoning_content=reasoning,
                 tool_calls=extracted.calls or msgspec.UNSET,
             ),
             logprobs=ChatLogprobs(content=self.logprobs) if self.want_logprobs else None,
@@ -162,7 +188,9 @@ class _Chat(ServedRequest):
         tools = tool_use(request.tools, request.tool_choice, parallel)
         conversation = request.conversation()
         shown, template_tools = with_tools(conversation, tools, ctx.tokenizer.chat_template)
-        token_ids = ctx.render_chat(shown, request.add_generation_prompt, template_tools)
+        token_ids = ctx.render_chat(
+            shown, request.add_generation_prompt, template_tools, request.chat_template_kwargs
+        )
         super().__init__(
             ctx,
             "chatcmpl",
@@ -174,8 +202,12 @@ class _Chat(ServedRequest):
             deadlines=deadlines,
         )
         self.include_usage = request.include_usage
+        self.return_ids = bool(request.return_token_ids)
         self.echo = _echo_text(request, conversation)
-        self.choices = [_Choice(i, bool(request.logprobs), tools) for i in range(params.n)]
+        reasoning = reasoning_parser(ctx.config.reasoning_parser)
+        self.choices = [
+            _Choice(i, bool(request.logprobs), tools, reasoning) for i in range(params.n)
+        ]
 
     async def full(self) -> Response:
         async with aclosing(self.deltas()) as deltas:
@@ -187,7 +219,10 @@ class _Chat(ServedRequest):
             model=self.model,
             choices=[c.final(self.echo) for c in self.choices],
             usage=self.usage(self.choices),
+            prompt_token_ids=self.ids_if(self.return_ids, self.prompts[0].token_ids),
         )
+        for choice, counts in zip(response.choices, self.choices):
+            choice.token_ids = self.ids_if(self.return_ids, counts.token_ids)
         return json_response(response)
 
     async def stream(self) -> AsyncGenerator[bytes, None]:
@@ -197,11 +232,14 @@ class _Chat(ServedRequest):
         async with aclosing(self.deltas()) as deltas:
             async for index, delta in deltas:
                 part = self.choices[index].apply(self.ctx, delta)
+                part.token_ids = self.ids_if(self.return_ids, delta.token_ids)
                 delta_message = part.delta
                 if (
                     delta_message.content
+                    or delta_message.reasoning_content
                     or delta_message.tool_calls
                     or part.logprobs
+                    or part.token_ids
                     or part.finish_reason is not None
                 ):
                     yield sse_event(self._chunk([part]))
@@ -241,4 +279,5 @@ def prepare_chat_completion(
 
 async def create_chat_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
     chat, stream = prepare_chat_completion(ctx, body, raw.headers)
-    return await chat.respond(raw, stream)
+    ignored = ignored_fields(body, ChatCompletionRequest)
+    return mark_ignored(await chat.respond(raw, stream), ignored)

@@ -33,7 +33,12 @@ from kvflow.errors import (
 from kvflow.model_limits import check_prompt
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
-from kvflow.sampling_params import SamplingParams, validate_sampling_params
+from kvflow.sampling_params import (
+    SamplingParams,
+    truncate_prompt,
+    validate_sampling_params,
+    with_bad_words_token_ids,
+)
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient, sample_index
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST
@@ -123,9 +128,12 @@ class ServingContext:
         conversation: Conversation,
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         try:
-            return apply_chat_template(self.tokenizer, conversation, add_generation_prompt, tools)
+            return apply_chat_template(
+                self.tokenizer, conversation, add_generation_prompt, tools, template_kwargs
+            )
         except jinja2.TemplateError as exc:
             # Templates reject conversations with raise_exception (e.g. roles out of order).
             raise InvalidRequestError(f"chat template: {exc}", param="messages") from None
@@ -140,12 +148,15 @@ class ServingContext:
     def prepare_ids(
         self, token_ids: list[int], params: SamplingParams, text: str | None
     ) -> PreparedPrompt:
-        """Check the ids and the lengths; validate params with max_tokens resolved."""
+        """Check the ids and the lengths; validate params with max_tokens resolved
+        (after truncate_prompt_tokens, and with the bad words' token ids)."""
         vocab_size = self.config.vocab_size
+        token_ids = truncate_prompt(token_ids, params, self.config.max_model_len)
         max_tokens = check_prompt(
             token_ids, params.max_tokens, self.config.max_model_len, vocab_size
         )
         resolved = msgspec.structs.replace(params, max_tokens=max_tokens)
+        resolved = with_bad_words_token_ids(resolved, self.tokenizer)
         validate_sampling_params(resolved, vocab_size)
         return PreparedPrompt(token_ids, text, resolved)
 
@@ -272,9 +283,11 @@ class ChoiceCounts:
     def __init__(self) -> None:
         self.num_tokens = 0
         self.num_cached_tokens = 0
+        self.token_ids: list[int] = []  # for return_token_ids
 
     def count(self, delta: RequestOutputDelta) -> None:
         self.num_tokens += len(delta.token_ids)
+        self.token_ids += delta.token_ids
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 
 
@@ -366,6 +379,10 @@ class ServedRequest(ABC):
                 yield self._first
             async for item in rest:
                 yield item
+
+    def ids_if(self, wanted: bool, ids: list[int]) -> list[int] | msgspec.UnsetType:
+        """`ids` for return_token_ids, else absent from the response."""
+        return ids if wanted else msgspec.UNSET
 
     def usage(self, choices: Sequence[ChoiceCounts]) -> UsageInfo:
         n = len(choices) // len(self.prompts)

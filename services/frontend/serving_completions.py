@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
+from kvflow.services.frontend.ignored_fields import ignored_fields, mark_ignored
 from kvflow.services.frontend.protocol import CompletionRequest, decode_request
 from kvflow.services.frontend.request_deadline import RequestDeadlines, request_deadlines
 from kvflow.services.frontend.responses import (
@@ -165,6 +166,7 @@ class _Completion(ServedRequest):
             deadlines=deadlines,
         )
         self.include_usage = request.include_usage
+        self.return_ids = bool(request.return_token_ids)
         want_logprobs = request.logprobs is not None
         self.choices = [
             _Choice(
@@ -181,11 +183,15 @@ class _Completion(ServedRequest):
         async with aclosing(self.deltas()) as deltas:
             async for index, delta in deltas:
                 self.choices[index].apply(self.ctx, delta)
+        choices = [c.final() for c in self.choices]
+        for choice, counts in zip(choices, self.choices):
+            choice.prompt_token_ids = self.ids_if(self.return_ids, counts.prompt.token_ids)
+            choice.token_ids = self.ids_if(self.return_ids, counts.token_ids)
         response = CompletionResponse(
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=[c.final() for c in self.choices],
+            choices=choices,
             usage=self.usage(self.choices),
         )
         return json_response(response)
@@ -194,8 +200,14 @@ class _Completion(ServedRequest):
         async with aclosing(self.deltas()) as deltas:
             async for index, delta in deltas:
                 choice = self.choices[index].apply(self.ctx, delta)
+                choice.token_ids = self.ids_if(self.return_ids, delta.token_ids)
                 has_logprobs = choice.logprobs is not None and bool(choice.logprobs.tokens)
-                if choice.text or has_logprobs or choice.finish_reason is not None:
+                if (
+                    choice.text
+                    or has_logprobs
+                    or choice.token_ids
+                    or choice.finish_reason is not None
+                ):
                     yield sse_event(self._chunk([choice]))
         if self.include_usage:
             yield sse_event(self._chunk([], usage=True))
@@ -225,4 +237,5 @@ def prepare_completion(
 
 async def create_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
     completion, stream = prepare_completion(ctx, body, raw.headers)
-    return await completion.respond(raw, stream)
+    ignored = ignored_fields(body, CompletionRequest)
+    return mark_ignored(await completion.respond(raw, stream), ignored)

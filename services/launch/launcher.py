@@ -72,6 +72,7 @@ class ServeOptions:
     ray_address: str | None = None  # of the running cluster; None: `ray start`'s own
     dp_hosts: DataParallelHosts = DataParallelHosts()  # engines on other hosts (headless)
     tls: TlsConfig | None = None  # HTTPS for the API; None: plain HTTP
+    reasoning_parser: str | None = None  # chat's think-tag split (frontend/reasoning.py)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
@@ -338,4 +339,5 @@ def make_frontend_config(
         model_root=config.model.model or str(model_dir),
         max_waiting_requests=config.scheduler.max_waiting_requests,
         tls=options.tls,
+        reasoning_parser=options.reasoning_parser,
     )

@@ -361,6 +361,41 @@ def test_completion_non_streaming(h: Harness) -> None:
     assert add.frontend_id == h.client.frontend_id
 
 
+def test_unknown_fields_are_named_in_a_header_and_the_request_still_runs(h: Harness) -> None:
+    body = {"prompt": "Hi", "max_tokens": 1, "frobnicate": 1, "zz_extra": {"a": 2}}
+    r = h.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvflow-ignored-fields"] == "frobnicate,zz_extra"
+    chat = {"messages": MESSAGES, "max_completion_tokens": 1, "frobnicate": True}
+    r = h.post("/v1/chat/completions", chat)
+    assert r.status_code == 200 and r.headers["x-kvflow-ignored-fields"] == "frobnicate"
+    r = h.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+    assert "x-kvflow-ignored-fields" not in r.headers
+
+
+def test_return_token_ids_and_truncate_prompt_tokens(h: Harness) -> None:
+    before = len(h.fake.added)
+    body = {"prompt": "Hi there", "max_tokens": 3, "return_token_ids": True}
+    r = h.post("/v1/completions", {**body, "truncate_prompt_tokens": 5})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["prompt_token_ids"] == ids("Hi there")[-5:]
+    assert choice["token_ids"] == [101, 102, 103]
+    (add,) = h.fake.added[before:]
+    assert add.prompt_token_ids == ids("Hi there")[-5:]
+    plain = h.post("/v1/completions", {"prompt": "Hi there", "max_tokens": 3}).json()
+    assert "token_ids" not in plain["choices"][0]
+    chat = {"messages": MESSAGES, "max_completion_tokens": 2, "return_token_ids": True}
+    out = h.post("/v1/chat/completions", chat).json()
+    assert out["prompt_token_ids"] == chat_ids(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}]
+    )
+    assert out["choices"][0]["token_ids"] == [101, 102]
+    events = stream(h, "/v1/chat/completions", {**chat, "stream": True})
+    streamed = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids", [])]
+    assert streamed == [101, 102]
+
+
 def test_completion_fills_context_when_max_tokens_is_null(h: Harness) -> None:
     before = len(h.fake.added)
     r = h.post("/v1/completions", {"prompt": "abcd", "max_tokens": None, "temperature": 0})

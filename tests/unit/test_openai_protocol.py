@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any
 
 import msgspec
 import pytest
+from starlette.responses import Response
 
 from kvflow.errors import (
     EngineDeadError,
@@ -14,13 +17,22 @@ from kvflow.errors import (
     PromptTooLongError,
 )
 from kvflow.model_limits import check_prompt
-from kvflow.sampling_params import SamplingParams, validate_sampling_params
+from kvflow.sampling_params import (
+    InvalidSamplingParams,
+    SamplingParams,
+    validate_sampling_params,
+)
 from kvflow.services.frontend.engine_client import (
     child_request_ids,
     child_sampling_params,
     sample_index,
 )
 from kvflow.services.frontend.errors import RequestTooLargeError, error_info
+from kvflow.services.frontend.ignored_fields import (
+    IGNORED_FIELDS_HEADER,
+    ignored_fields,
+    mark_ignored,
+)
 from kvflow.services.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,7 +86,9 @@ def test_bad_prompt_lists(prompt: Any) -> None:
     assert status_and_param(info.value) == (400, "prompt")
 
 
-def test_unknown_fields_and_nulls_are_accepted() -> None:
+def test_unknown_fields_and_nulls_are_accepted_and_unknown_ones_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     body = {
         "prompt": "x",
         "temperature": None,
@@ -83,9 +97,39 @@ def test_unknown_fields_and_nulls_are_accepted() -> None:
         "n": None,
         "echo": None,
         "some_future_field": {"a": 1},
+        "another_unknown": 2,
     }
     params = completion(**body).to_sampling_params()
     assert params == SamplingParams(max_tokens=16)
+    raw = json.dumps(body).encode()
+    with caplog.at_level(logging.WARNING, logger="kvflow.services.frontend.ignored_fields"):
+        assert ignored_fields(raw, CompletionRequest) == ["another_unknown", "some_future_field"]
+        assert ignored_fields(raw, CompletionRequest) == ["another_unknown", "some_future_field"]
+    warned = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(warned) == 2  # once per field name, however many requests carry it
+    assert all(("'some_future_field'" in m) != ("'another_unknown'" in m) for m in warned)
+    response = mark_ignored(Response(), ["another_unknown", "some_future_field", "bad\nname"])
+    assert response.headers[IGNORED_FIELDS_HEADER] == "another_unknown,some_future_field"
+    assert IGNORED_FIELDS_HEADER not in mark_ignored(Response(), []).headers
+
+
+def test_vllm_sampling_extras_reach_sampling_params() -> None:
+    body = {
+        "prompt": "x",
+        "allowed_token_ids": [3, 4],
+        "bad_words": ["foo"],
+        "truncate_prompt_tokens": 5,
+        "return_token_ids": True,
+    }
+    params = completion(**body).to_sampling_params()
+    assert params.allowed_token_ids == [3, 4] and params.bad_words == ["foo"]
+    assert params.truncate_prompt_tokens == 5
+    with pytest.raises(InvalidSamplingParams):
+        validate_sampling_params(SamplingParams(allowed_token_ids=[]), 10)
+    with pytest.raises(InvalidSamplingParams):
+        validate_sampling_params(SamplingParams(allowed_token_ids=[10]), 10)
+    with pytest.raises(InvalidSamplingParams):
+        validate_sampling_params(SamplingParams(truncate_prompt_tokens=0), 10)
 
 
 @pytest.mark.parametrize(

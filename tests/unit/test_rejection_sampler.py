@@ -286,3 +286,32 @@ def test_min_tokens_counts_the_drafts_before_each_position() -> None:
     assert out.token_ids == [[a0, a1, EOS, EOS]]
     out, _ = run_sampler(logits, [[EOS, a1, EOS]], params)  # EOS at position 0 is banned
     assert out.token_ids == [[a0]]
+
+
+def test_allowed_token_ids_hold_at_every_position() -> None:
+    logits = position_logits(seed=5, k=2)
+    allowed = [2, 3]
+    best = [allowed[int(row[allowed].argmax())] for row in logits]
+    assert any(int(row.argmax()) not in allowed for row in logits)
+    params = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    out, _ = run_sampler(logits, [best[:2]], params)
+    assert out.token_ids == [best]
+
+
+def test_bad_words_see_the_drafts_before_each_position() -> None:
+    """Output so far ends with 6: the bad word [8, 7] bans 7 only after the draft 8."""
+    logits = position_logits(seed=6, k=2)
+    logits[:, 7] = 50.0  # 7 would win everywhere ...
+    logits[0, 8] = 60.0  # ... but 8 first
+    after_ban = logits[1].clone()
+    after_ban[7] = float("-inf")
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[8, 7]])
+    out, _ = run_sampler(logits, [[8, 7]], params)
+    assert out.token_ids == [[8, int(after_ban.argmax())]]
+    out, _ = run_sampler(logits, [[8, 7]], SamplingParams(temperature=0.0))
+    assert out.token_ids == [[8, 7, 7]]
+    # [6, 8]: the output's own last token starts the word, so 8 is banned at position 0.
+    out, _ = run_sampler(
+        logits, [[8]], SamplingParams(temperature=0.0, bad_words_token_ids=[[6, 8]])
+    )
+    assert out.token_ids[0][0] != 8

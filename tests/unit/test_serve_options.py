@@ -11,9 +11,10 @@ import pytest
 from kvflow import LLM
 from kvflow.cli.args import engine_options
 from kvflow.cli.main import build_parser
-from kvflow.cli.serve import resolve_api_key
+from kvflow.cli.serve import resolve_api_key, resolve_reasoning_parser
 from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError
+from kvflow.services.frontend.config import FrontendConfig
 
 
 def _args(*argv: str) -> object:
@@ -66,3 +67,13 @@ def test_cpu_attention_backend_is_refused_on_cuda() -> None:
     assert resolve_attention_backend("auto", "cuda") == "triton"
     with pytest.raises(ConfigError, match="device cpu only"):
         resolve_attention_backend("cpu", "cuda")
+
+
+def test_reasoning_parser_is_checked_at_start() -> None:
+    assert resolve_reasoning_parser(_args()) is None
+    assert resolve_reasoning_parser(_args("--reasoning-parser", "qwen3")) == "qwen3"
+    assert resolve_reasoning_parser(_args("--reasoning-parser", "deepseek_r1")) == "deepseek_r1"
+    with pytest.raises(SystemExit, match="known: deepseek_r1, qwen3"):
+        resolve_reasoning_parser(_args("--reasoning-parser", "qwen9"))
+    with pytest.raises(ConfigError, match="unknown reasoning parser"):
+        FrontendConfig("m", max_model_len=8, vocab_size=8, reasoning_parser="qwen9")
