@@ -138,8 +138,9 @@ class ModelRunner:
         self._register()
 
     def _register(self) -> None:
-        # Order matters within a hook: KV loads before the drafts, the stage's spans last.
-        optional = (self._kv, self._draft, *self._per_request, self.stage)
+        # Hooks run in this order: prompt logprobs while a KV save's copies still run,
+        # KV loads before the drafts, the stage's spans last.
+        optional = (*self._per_request, self._kv, self._draft, self.stage)
         features: list[StepFeature] = [f for f in optional if f is not None]
         self.features = StepFeatures(features)
 
