@@ -1,6 +1,6 @@
 """The worker side of a KV connector: load before the forward pass, save during it.
 
-    ModelRunner.execute(plan):
+    ModelRunner.execute(plan), through KVConnectorFeature (runner_feature.py):
         start_load_kv(plan.kv_connector)   blocks the step computes on top of
         hook = start_save_kv(plan.kv_connector)
         forward (each attention layer calls hook: its blocks are copied out meanwhile)
