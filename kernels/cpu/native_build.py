@@ -196,6 +196,7 @@ NATIVE_KERNELS = (
     "int8_linear",
     "bf16_gemm",
     "block_vnni",
+    "fused_moe",
 )
 
 

@@ -1,0 +1,90 @@
+"""Launcher of the native fused experts (fused_moe.cpp): every expert's MLP in one call.
+
+`fused_experts(x, rows, offsets, w13, w2)` is `fused_experts_reference` (the spec, in
+kernels/fused_moe_reference.py) on float32 or bfloat16 CPU tensors: the tokens' rows
+grouped by expert, gate|up, silu(gate) * up, down, with float32 sums and the
+reference's roundings. It runs wherever a C++ compiler is (vector code for the CPU's
+own ISA, see the source); elsewhere `available()` is False and the caller keeps the
+reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kvflow.kernels.cpu import native_calls
+from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
+
+
+@functools.cache
+def _library(march: str = "native") -> ctypes.CDLL | None:
+    signatures = {"kvflow_fused_moe": [*[POINTER] * 7, *[INT64] * 5], "kvflow_fused_moe_isa": []}
+    return load_bound("fused_moe", signatures, march)
+
+
+def available(march: str = "native") -> bool:
+    return _library(march) is not None
+
+
+def vector_bits(march: str = "native") -> int:
+    """The vector width the build runs at (512 with AVX-512, 256 with AVX, else 128)."""
+    library = _library(march)
+    assert library is not None
+    return int(library.kvflow_fused_moe_isa())
+
+
+def applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the kernel takes these operands (else the reference serves)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in DTYPE_CODES
+        and w13.dtype == w2.dtype == x.dtype
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and w13.is_contiguous()
+        and w2.is_contiguous()
+    )
+
+
+def fused_experts(
+    x: torch.Tensor,  # [T, H], unit column stride
+    rows: torch.Tensor,  # [N] int64: the token of each sorted row
+    offsets: torch.Tensor,  # [E+1] int64: expert e's sorted rows, absolute
+    w13: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
+    w2: torch.Tensor,  # [E, H, I]
+    march: str = "native",
+) -> torch.Tensor:  # [N, H]: rows outside [offsets[0], offsets[E]) are zero
+    experts, hidden = w13.shape[0], x.shape[1]
+    inter = w13.shape[1] // 2
+    if not applies(x, w13, w2) or w13.shape != (experts, 2 * inter, hidden):
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} does not fit experts w13 {w13.shape}")
+    if w2.shape != (experts, hidden, inter) or offsets.shape != (experts + 1,):
+        raise ValueError(f"w2 {tuple(w2.shape)} / offsets {tuple(offsets.shape)} do not fit")
+    if rows.dtype != torch.int64 or offsets.dtype != torch.int64:
+        raise ValueError("rows and offsets are int64")
+    rows, offsets = rows.contiguous(), offsets.contiguous()
+    y = torch.zeros(rows.shape[0], hidden, dtype=x.dtype)
+    act = torch.empty(rows.shape[0], inter, dtype=x.dtype)  # silu(gate) * up, per row
+    library = _library(march)
+    assert library is not None, "check available() first"
+    status = native_calls.run(
+        library.kvflow_fused_moe,
+        x.data_ptr(),
+        rows.data_ptr(),
+        offsets.data_ptr(),
+        w13.data_ptr(),
+        w2.data_ptr(),
+        act.data_ptr(),
+        y.data_ptr(),
+        experts,
+        hidden,
+        inter,
+        x.stride(0),
+        DTYPE_CODES[x.dtype],
+    )
+    if status != 0:
+        raise RuntimeError(f"native fused experts failed with status {status}")
+    return y

@@ -1,0 +1,83 @@
+"""The fused experts' spec: routing, grouping by expert, and the expert MLPs in torch.
+
+A mixture-of-experts layer sends each token to `top_k` of E experts. The kernels (CPU:
+kernels/cpu/fused_moe.cpp, CUDA: kernels/fused_moe_triton.py) take the (token, slot)
+pairs sorted by expert, so each expert's rows are one contiguous group and one call
+runs every expert:
+
+    topk_ids [T, k] ──flatten, stable sort──▶ order [T*k]: sorted row s is pair order[s]
+                                              rows = order // k: its token
+    counts per expert ──cumsum──▶ offsets [E+1]: expert e owns sorted rows
+                                                 [offsets[e], offsets[e+1])
+
+    T=3, k=2, E=4, topk_ids = [[2, 0], [2, 3], [0, 2]]
+    pairs by expert: e0: (0,1) (2,0)  e1: -  e2: (0,0) (1,0) (2,1)  e3: (1,1)
+    rows = [0, 2, 0, 1, 2, 1], offsets = [0, 2, 2, 5, 6]
+
+Every step here has a shape fixed by (T, k, E), never by the routing: no `.item()`, no
+`nonzero`, so a recorded CPU decode graph (gpu_worker/op_tape.py) replays it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # [T, k] float32: each chosen expert's share of the token
+    ids: torch.Tensor  # [T, k] int64: the chosen experts
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """Softmax over the experts, the `top_k` largest, optionally rescaled to sum to 1
+    (Mixtral always; Qwen's `norm_topk_prob`). logits [T, E] -> weights, ids [T, k]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(weights, ids)
+
+
+class Grouping(NamedTuple):
+    order: torch.Tensor  # [T*k] int64: the flat (token, slot) pair of each sorted row
+    rows: torch.Tensor  # [T*k] int64: the token of each sorted row
+    offsets: torch.Tensor  # [E+1] int64: expert e's sorted rows [offsets[e], offsets[e+1])
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> Grouping:
+    """The pairs of `ids` [T, k] sorted by expert (stable: token order within an expert)."""
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return Grouping(order, order // ids.shape[1], offsets)
+
+
+def fused_experts_reference(
+    x: torch.Tensor,  # [T, H]
+    rows: torch.Tensor,  # [N] int64: token of each sorted row
+    offsets: torch.Tensor,  # [E+1] int64: the experts' sorted rows (absolute indices)
+    w13: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
+    w2: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:  # [N, H]: rows outside [offsets[0], offsets[E]) are zero
+    """silu(x w_gate^T) * (x w_up^T) w_down^T per expert on its rows, in x's dtype."""
+    y = x.new_zeros(rows.shape[0], x.shape[1])
+    bounds = offsets.tolist()
+    for e in range(w13.shape[0]):
+        start, end = bounds[e], bounds[e + 1]
+        gate, up = F.linear(x[rows[start:end]], w13[e]).chunk(2, dim=-1)
+        y[start:end] = F.linear(F.silu(gate) * up, w2[e])
+    return y
+
+
+def combine(y: torch.Tensor, grouping: Grouping, routing: Routing) -> torch.Tensor:
+    """The sorted rows' outputs y [T*k, H] weighted and summed per token -> [T, H]."""
+    num_tokens, top_k = routing.ids.shape
+    pairs = torch.empty_like(y)
+    pairs[grouping.order] = y  # back to (token, slot) order
+    weights = routing.weights.to(y.dtype).view(num_tokens, 1, top_k)
+    return torch.bmm(weights, pairs.view(num_tokens, top_k, -1)).squeeze(1)
