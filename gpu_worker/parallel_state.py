@@ -27,11 +27,14 @@ from kvflow.errors import ConfigError
 
 @dataclass(frozen=True)
 class TPGroup:
-    """Tensor-parallel ranks sharing one model; `group=None` means the default group."""
+    """Tensor-parallel ranks sharing one model; `group=None` means the default group.
+    `expert_parallel`: a mixture-of-experts layer gives each rank whole experts instead
+    of a slice of every expert (gpu_worker/layers/moe.py)."""
 
     size: int = 1
     rank: int = 0
     group: dist.ProcessGroup | None = None
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         assert self.size >= 1 and 0 <= self.rank < self.size, (self.size, self.rank)
@@ -56,12 +59,12 @@ _tp_group = TPGroup()
 
 @contextmanager
 def tensor_parallel(
-    size: int, rank: int, group: dist.ProcessGroup | None = None
+    size: int, rank: int, group: dist.ProcessGroup | None = None, expert_parallel: bool = False
 ) -> Iterator[TPGroup]:
     """Make (size, rank, group) the group that layers built inside the block join."""
     global _tp_group
     previous = _tp_group
-    _tp_group = TPGroup(size, rank, group)
+    _tp_group = TPGroup(size, rank, group, expert_parallel)
     try:
         yield _tp_group
     finally:

@@ -2,11 +2,12 @@
 
 Checkpoint names are model parameter names, except for matrices the model packs
 (`packed_modules_mapping`, e.g. `...self_attn.k_proj.weight` -> `...qkv_proj.weight`
-shard "k"). A checkpoint that stores a packed matrix fused (Phi-3's qkv_proj,
-gate_up_proj) is cut into its parts by the model's `split_checkpoint_tensor`. Loading is
-strict both ways: a checkpoint tensor with no parameter is an error, and so is a
-parameter (or a shard of a packed one) that no tensor filled, named as the checkpoint
-tensor that was missing.
+shard "k"), or where the model maps names itself (`checkpoint_target(name)` -> (parameter
+name, shard_id), e.g. a mixture of experts stacking per-expert tensors). A checkpoint
+that stores a packed matrix fused (Phi-3's qkv_proj, gate_up_proj) is cut into its parts
+by the model's `split_checkpoint_tensor`. Loading is strict both ways: a checkpoint
+tensor with no parameter is an error, and so is a parameter (or a shard of a packed one)
+that no tensor filled, named as the checkpoint tensor that was missing.
 """
 
 from __future__ import annotations
@@ -86,11 +87,15 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     elsewhere = getattr(model, "skips_weight", None)  # a pipeline stage's other layers
+    target_of = getattr(model, "checkpoint_target", None)
     loaded: set[tuple[str, Any]] = set()
     for name, tensor in _split(model, weights):
         if _skipped(name, tied) or (elsewhere is not None and elsewhere(name)):
             continue
-        target, shard_id = packed_target(name, mapping)
+        if target_of is not None:
+            target, shard_id = target_of(name)
+        else:
+            target, shard_id = packed_target(name, mapping)
         param = params.get(target)
         if param is None:
             raise UnsupportedModelError(f"checkpoint tensor {name!r} matches no model parameter")

@@ -146,7 +146,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec, layer: int, backend: AttentionBackend):
         super().__init__()
         self.self_attn = LlamaAttention(config, spec, layer, backend)
-        self.mlp = LlamaMLP(config, spec)
+        self.mlp = LlamaMLP(config, spec) if spec.mlp is None else spec.mlp(config, layer)
         self.block, self.residual_scale = spec.block, spec.residual_scale
 
         def norm() -> RMSNorm:

@@ -16,8 +16,11 @@ from kvflow.gpu_worker.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from kvflow.gpu_worker.models.mixtral import MixtralForCausalLM
 from kvflow.gpu_worker.models.olmo2 import Olmo2ForCausalLM
 from kvflow.gpu_worker.models.phi3 import Phi3ForCausalLM
+from kvflow.gpu_worker.models.qwen2_moe import Qwen2MoeForCausalLM
+from kvflow.gpu_worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from kvflow.gpu_worker.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -31,6 +34,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -14,8 +14,11 @@ Granite's embedding, residual and logit multipliers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from torch import nn
 
 from kvflow.gpu_worker.layers.rope_scaling import rope_parameters
 
@@ -43,6 +46,8 @@ class DecoderSpec:
     # one table on every layer.
     ropes: dict[str, dict[str, Any]] = field(default_factory=dict)
     rope_layers: tuple[str | None, ...] = ()
+    # A family's MLP of layer i, (config, i) -> module (a mixture of experts); None: LlamaMLP
+    mlp: Callable[[Any, int], nn.Module] | None = None
 
     @staticmethod
     def sliding_windows_of(config: Any) -> tuple[int | None, ...]:

@@ -1,0 +1,151 @@
+"""Mixture-of-experts MLP: a router picks `top_k` experts per token, and every expert's
+gate|up -> SiLU*up -> down runs on its tokens in one fused call.
+
+    x [T, H] ─router─▶ logits [T, E] ─softmax, top-k─▶ weights, ids [T, k]
+             ─group_by_expert─▶ rows, offsets ─fused experts─▶ y [T*k, H]
+             ─combine (weighted sum per token)─▶ [T, H] ─all-reduce over TP ranks─▶
+
+The experts' weights are stacked at load from the checkpoint's per-expert tensors:
+w13 [E, 2I, H] (each expert's gate rows, then its up rows) and w2 [E, H, I]. Over
+tensor-parallel ranks they are split one of two ways, and either way each rank's output
+is a partial sum that one all-reduce completes (as a row-parallel layer's):
+
+    tensor parallel (default)   every rank holds every expert, I/tp of its intermediate
+                                features (an MLP's Megatron split, expert by expert)
+    expert parallel             rank r holds experts [r E/tp, (r+1) E/tp) whole; rows
+                                routed elsewhere produce zeros here
+
+The fused call is the native CPU kernel (kernels/cpu/fused_moe.cpp) on the CPU, the
+Triton grouped GEMM (kernels/fused_moe_triton.py) on CUDA, and their torch reference
+(kernels/fused_moe_reference.py) where neither applies.
+
+Checkpoint tensors: expert e's `<prefix>.<e>.<gate|up|down>.weight` (the family names
+the prefix and the three projections: Qwen's gate_proj/up_proj/down_proj, Mixtral's
+w1/w3/w2). That full name is the shard id on the stacked parameter, so a checkpoint
+that lacks an expert's tensor fails at load naming it (weights.load_weights).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.gpu_worker.layers.linear import copy_checked, copy_checked_loader, new_parameter
+from kvflow.gpu_worker.parallel_state import divide, get_tp_group
+from kvflow.kernels.cpu import fused_moe as cpu_fused_moe
+from kvflow.kernels.fused_moe_reference import (
+    combine,
+    fused_experts_reference,
+    group_by_expert,
+    route,
+)
+
+
+class ExpertNames(NamedTuple):
+    """How a checkpoint names one expert's projections, under `prefix.<expert>.`."""
+
+    prefix: str  # e.g. model.layers.3.mlp.experts
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+    def of(self, expert: int, proj: str) -> str:
+        return f"{self.prefix}.{expert}.{proj}.weight"
+
+
+class Router(nn.Module):
+    """logits = x W^T, W [E, H] replicated on every rank (`gate` in the checkpoints)."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = new_parameter((num_experts, hidden_size), copy_checked_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedExperts(nn.Module):
+    """This rank's experts, stacked: w13_weight [E_local, 2 I_local, H], w2_weight
+    [E_local, H, I_local]; see the module docstring for the split."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, names: ExpertNames
+    ) -> None:
+        super().__init__()
+        tp = get_tp_group()
+        self.num_experts = num_experts
+        if tp.expert_parallel:
+            self.num_local = divide(num_experts, tp.size)
+            self.first_expert = tp.rank * self.num_local
+            self.inter, self.inter_start = intermediate_size, 0
+        else:
+            self.num_local, self.first_expert = num_experts, 0
+            self.inter = divide(intermediate_size, tp.size)
+            self.inter_start = tp.rank * self.inter
+        # checkpoint name -> (local expert, 0 gate / 1 up / 2 down)
+        self.shards: dict[str, tuple[int, int]] = {}
+        for local in range(self.num_local):
+            for part, proj in enumerate((names.gate, names.up, names.down)):
+                self.shards[names.of(self.first_expert + local, proj)] = (local, part)
+        w13_ids = [name for name, (_, part) in self.shards.items() if part < 2]
+        w2_ids = [name for name, (_, part) in self.shards.items() if part == 2]
+        shape13 = (self.num_local, 2 * self.inter, hidden_size)
+        self.w13_weight = new_parameter(shape13, self.weight_loader, w13_ids)
+        shape2 = (self.num_local, hidden_size, self.inter)
+        self.w2_weight = new_parameter(shape2, self.weight_loader, w2_ids)
+        # Every expert's checkpoint names, this rank's or not (expert parallel skips them).
+        self.all_names = {names.of(e, p) for e in range(num_experts) for p in names[1:]}
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+        local, part = self.shards[shard_id]
+        if part == 2:  # down [H, I]: this rank's intermediate columns
+            copy_checked(param.data[local], loaded.narrow(1, self.inter_start, self.inter))
+            return
+        rows = loaded.narrow(0, self.inter_start, self.inter)  # gate or up [I, H]
+        copy_checked(param.data[local].narrow(0, part * self.inter, self.inter), rows)
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Sorted rows (see kernels/fused_moe_reference.py) -> their outputs [N, H];
+        `offsets` are every expert's, this rank's are taken here."""
+        local = offsets[self.first_expert : self.first_expert + self.num_local + 1]
+        w13, w2 = self.w13_weight, self.w2_weight
+        if x.is_cuda:
+            from kvflow.kernels.fused_moe_triton import fused_experts  # never imported on CPU
+
+            return fused_experts(x, rows, local, w13, w2)
+        if cpu_fused_moe.applies(x, w13, w2) and cpu_fused_moe.available():
+            return cpu_fused_moe.fused_experts(x, rows, local, w13, w2)
+        return fused_experts_reference(x, rows, local, w13, w2)
+
+
+class FusedMoE(nn.Module):
+    """Router + fused experts, [T, H] -> [T, H] summed over the tensor-parallel ranks.
+    `renormalize`: rescale the top-k weights to sum to 1 (Qwen's norm_topk_prob)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        names: ExpertNames,
+    ) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = Router(hidden_size, num_experts)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, names)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce."""
+        routing = route(self.gate(x), self.top_k, self.renormalize)
+        grouping = group_by_expert(routing.ids, self.experts.num_experts)
+        y = self.experts(x, grouping.rows, grouping.offsets)  # [T*k, H], sorted rows
+        return combine(y, grouping, routing)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.partial(x))
