@@ -56,6 +56,7 @@ class RankInit:
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     pipeline_parallel_size: int = 1  # stages; tensor-parallel size = world_size / this
     layer_partition: tuple[int, ...] | None = None  # layers per stage (None: even)
+    expert_parallel: bool = False  # whole experts per TP rank (gpu_worker/layers/moe.py)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -74,6 +75,7 @@ def rank_inits(
     host: str = "127.0.0.1",
     pipeline_parallel_size: int = 1,
     layer_partition: tuple[int, ...] | None = None,
+    expert_parallel: bool = False,
 ) -> list[RankInit | None]:
     """One entry per rank: None for a single rank (no process group at all)."""
     if world_size == 1:
@@ -86,6 +88,7 @@ def rank_inits(
             rank,
             pipeline_parallel_size=pipeline_parallel_size,
             layer_partition=layer_partition,
+            expert_parallel=expert_parallel,
         )
         for rank in range(world_size)
     ]
@@ -125,7 +128,8 @@ def rank_group(init: RankInit | None, device: str) -> Iterator[TPGroup]:
         # The layers' collectives run on a group of their own with the short timeout;
         # the default group (long timeout) serves start-up, when ranks finish loading
         # their shards at different times.
-        with tensor_parallel(*_stage_tp_group(init)) as group, pipeline_parallel(_pp_group(init)):
+        tp = tensor_parallel(*_stage_tp_group(init), expert_parallel=init.expert_parallel)
+        with tp as group, pipeline_parallel(_pp_group(init)):
             yield group
     finally:
         dist.destroy_process_group()

@@ -162,6 +162,11 @@ class ParallelConfig:
     load_balance: LoadBalance = _opt(
         "prefix-aware", "how the frontend picks an engine when data_parallel_size > 1"
     )
+    enable_expert_parallel: bool = _opt(
+        False,
+        "mixture-of-experts layers give each tensor-parallel rank whole experts "
+        "(E/tp of them) instead of a slice of every expert",
+    )
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:

@@ -328,6 +328,7 @@ def worker_rank_init(config: EngineConfig, rank: int, init_method: str | None) -
         rank,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         layer_partition=parallel.layer_partition,
+        expert_parallel=parallel.enable_expert_parallel,
     )
 
 

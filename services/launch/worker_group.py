@@ -103,6 +103,7 @@ def worker_rank_args(
         parallel.world_size,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         layer_partition=parallel.layer_partition,
+        expert_parallel=parallel.enable_expert_parallel,
     )
     return [(config, addresses, rank, model_dir, init) for rank, init in enumerate(inits)]
 
