@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvflow.errors import ConfigError
 from kvflow.gpu_worker.model_files import set_offline
 
 # A Llama config.json that states every field the model code reads needs no defaults,
@@ -67,9 +68,11 @@ def load_model(
     device: torch.device,
     attention_backend: str,
     quantization: str = "none",
+    load_format: str = "auto",
 ) -> nn.Module:
     """The model of `model_dir` on `device` in `dtype`, weights loaded, in eval mode;
-    `quantization` as gpu_worker/quantization.py describes."""
+    `quantization` as gpu_worker/quantization.py describes; `load_format` "dummy":
+    random weights (gpu_worker/dummy_weights.py), no checkpoint read."""
     from kvflow.gpu_worker.attention.backend import get_attention_backend
     from kvflow.gpu_worker.block_weights import attach_block_weights
     from kvflow.gpu_worker.models.registry import get_model_class
@@ -82,8 +85,15 @@ def load_model(
     backend = get_attention_backend(attention_backend)
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config, backend)  # type: ignore[call-arg]
-    load_weights(model, iterate_safetensors(model_dir))
-    attach_block_weights(model, model_dir)  # a converted GGUF's blocks, for small batches
+    if load_format not in ("auto", "dummy"):
+        raise ConfigError(f"load_format must be auto or dummy, got {load_format!r}")
+    if load_format == "dummy":
+        from kvflow.gpu_worker.dummy_weights import init_dummy_weights
+
+        init_dummy_weights(model)
+    else:
+        load_weights(model, iterate_safetensors(model_dir))
+        attach_block_weights(model, model_dir)  # a converted GGUF's blocks, for small batches
     quantize_model(model, quantization)
     pack_weights(model)  # CPU: oneDNN's layout, once (the plain weights are freed)
     return model.eval().requires_grad_(False)

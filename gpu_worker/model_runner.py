@@ -97,6 +97,7 @@ class ModelRunner:
             self.device,
             config.device.attention_backend,
             config.model.quantization,
+            config.model.load_format,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         kv_dtype = kv_storage_dtype(config.cache.kv_cache_dtype, self.dtype)

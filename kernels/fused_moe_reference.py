@@ -66,7 +66,9 @@ def fused_experts_reference(
 ) -> torch.Tensor:  # [N, H]: rows outside [offsets[0], offsets[E]) are zero
     """silu(x w_gate^T) * (x w_up^T) w_down^T per expert on its rows, in x's dtype."""
     y = x.new_zeros(rows.shape[0], x.shape[1])
-    bounds = offsets.tolist()
+    # int() of each (not tolist()): a CPU graph's recording sees the data-dependent read
+    # and runs the step eagerly rather than freezing this routing into its tape.
+    bounds = [int(bound) for bound in offsets]
     for e in range(w13.shape[0]):
         start, end = bounds[e], bounds[e + 1]
         gate, up = F.linear(x[rows[start:end]], w13[e]).chunk(2, dim=-1)

@@ -54,6 +54,11 @@ class ModelConfig:
         "at load from the float weights; gguf = a GGUF checkpoint's own blocks "
         "(docs/quantization.md)",
     )
+    load_format: Literal["auto", "dummy"] = _opt(
+        "auto",
+        "auto = the checkpoint's weights; dummy = random weights of the model's shapes "
+        "(a directory with config.json and tokenizer files suffices: benchmarks)",
+    )
     max_model_len: int | None = _opt(None, "context length cap (default: model's own)")
     served_model_name: str | None = _opt(None, "name reported by /v1/models")
     seed: int = _opt(0, "seed of the global sampler generator")
