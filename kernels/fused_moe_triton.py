@@ -146,7 +146,11 @@ def fused_experts(
     expert, row = _block_plan(offsets, num_rows)
     dot = dot_dtype(_grouped_gemm_kernel, x.dtype)
     common = dict(
-        DOT_DTYPE=dot, PRECISION=dot_precision(dot), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K
+        DOT_DTYPE=dot,
+        PRECISION=dot_precision(dot),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
     )
     rows = rows.contiguous()
     _grouped_gemm_kernel[(expert.shape[0], triton.cdiv(inter, BLOCK_N))](

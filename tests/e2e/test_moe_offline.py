@@ -53,7 +53,9 @@ def _generate(model_dir: Path, **options: Any) -> tuple[list[list[int]], Any]:
     try:
         moe = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
         assert len(moe) == 2
-        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+        params = [
+            SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS
+        ]
         outputs = llm.generate(PROMPTS, params)
         return [list(o.outputs[0].token_ids) for o in outputs], llm.engine.runner.decode_graphs
     finally:
