@@ -107,8 +107,31 @@ def _tiny_dense_config(arch: str, vocab_size: int) -> Any:
         "smollm3": lambda: transformers.SmolLM3Config(no_rope_layers=[1, 0], **common),
     }
     if arch not in configs:
-        raise ValueError(arch)
+        return _tiny_moe_config(arch, vocab_size)
     return configs[arch]()
+
+
+def _tiny_moe_config(arch: str, vocab_size: int) -> Any:
+    """The mixture-of-experts families: 4 experts (top 2); Qwen3-MoE with a dense layer."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "qwen3moe":
+        return Qwen3MoeConfig(
+            vocab_size=vocab_size, mlp_only_layers=[0], tie_word_embeddings=False,
+            norm_topk_prob=True, **moe, **TINY_COMMON,
+        )  # fmt: skip
+    if arch == "qwen2moe":
+        return Qwen2MoeConfig(
+            vocab_size=vocab_size, shared_expert_intermediate_size=48,
+            tie_word_embeddings=False, **moe, **TINY_COMMON,
+        )  # fmt: skip
+    if arch == "mixtral":
+        return MixtralConfig(
+            vocab_size=vocab_size, num_local_experts=4, num_experts_per_tok=2,
+            tie_word_embeddings=False, **TINY_COMMON,
+        )  # fmt: skip
+    raise ValueError(arch)
 
 
 @pytest.fixture(scope="session")
