@@ -11,25 +11,31 @@
 // Each phase is a list of (expert, column block, row block) tasks run on torch's OpenMP
 // pool with dynamic scheduling: a decode step (a row or two per expert) still spreads
 // over the threads by column blocks, and a prefill's row blocks of one column block run
-// back to back so that block's weights stay in cache. A task converts its rows to
-// float32 once, then streams each weight row against all of them (one read of a weight
-// byte per task, whatever its row count).
+// back to back so that block's weights stay in cache. Within a task, 4 rows x 4 weight
+// rows are one register tile (16 accumulators; each loaded vector serves 4 products),
+// on AVX512_BF16 with vdpbf16ps straight from the bf16 rows (no widening pass).
 //
 // Rounding follows the reference (F.linear, F.silu, *): the gate and up products, silu,
 // the product and the output are each rounded to the dtype (no-ops in float32).
 //
 // Vectors are GCC/Clang vector extensions of 16 floats: one zmm register with -march
 // that has AVX-512, two ymm with AVX2, four xmm on plain x86-64: the same code on every
-// ISA. Built by native_build.py.
+// ISA; vdpbf16ps only where the build has AVX512_BF16. Built by native_build.py.
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVFLOW_MOE_DPBF16 1
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -40,6 +46,7 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 constexpr int64_t LANES = 16;
 constexpr int64_t ROW_BLOCK = 16;  // sorted rows per task
 constexpr int64_t COL_BLOCK = 32;  // output columns per task
+constexpr int TILE = 4;            // register tile: 4 rows x 4 weight rows
 
 inline f32x16 load16(const float* p) {
     f32x16 v;
@@ -69,21 +76,69 @@ inline float rounded(float x) {
     return load(t);
 }
 
-// out[r] = xs[r] . w for the n rows of xs (float32, [n][K]); w is one weight row [K].
-template <typename T>
-inline void dots(const float* xs, int64_t n, const T* w, int64_t K, float* out) {
-    const int64_t body = K / LANES * LANES;
-    for (int64_t r0 = 0; r0 < n; r0 += 4) {  // 4 rows' accumulators in registers
-        const int64_t m = std::min<int64_t>(4, n - r0);
-        f32x16 acc[4] = {};
-        for (int64_t k = 0; k < body; k += LANES) {
-            const f32x16 wv = load16(w + k);
-            for (int64_t r = 0; r < m; ++r) acc[r] += load16(xs + (r0 + r) * K + k) * wv;
+// out[m][n] = a[m] . b[n] over K for M rows a (activations) and N rows b (weights):
+// each loaded vector feeds M or N products. bf16 with AVX512_BF16: vdpbf16ps on 32
+// elements at a time (pairs multiplied exactly, summed in float32), else float32 FMAs
+// on 16 at a time (bf16 widened on load). The tail past the vectors is scalar.
+template <typename T, int M, int N>
+inline void tile(const T* const* a, const T* const* b, int64_t K, float (*out)[TILE]) {
+    f32x16 acc[M][N] = {};
+    int64_t k = 0;
+#ifdef KVFLOW_MOE_DPBF16
+    if constexpr (std::is_same_v<T, Bf16>) {
+        __m512 dp[M][N];
+        for (int m = 0; m < M; ++m)
+            for (int n = 0; n < N; ++n) dp[m][n] = _mm512_setzero_ps();
+        for (; k + 32 <= K; k += 32) {
+            __m512bh bv[N];
+            for (int n = 0; n < N; ++n) bv[n] = (__m512bh)_mm512_loadu_si512(b[n] + k);
+            for (int m = 0; m < M; ++m) {
+                const __m512bh av = (__m512bh)_mm512_loadu_si512(a[m] + k);
+                for (int n = 0; n < N; ++n) dp[m][n] = _mm512_dpbf16_ps(dp[m][n], av, bv[n]);
+            }
         }
-        for (int64_t r = 0; r < m; ++r) {
-            float sum = hsum16(acc[r]);
-            for (int64_t k = body; k < K; ++k) sum += xs[(r0 + r) * K + k] * load(w[k]);
-            out[r0 + r] = sum;
+        for (int m = 0; m < M; ++m)
+            for (int n = 0; n < N; ++n) std::memcpy(&acc[m][n], &dp[m][n], sizeof(f32x16));
+    }
+#endif
+    for (; k + LANES <= K; k += LANES) {
+        f32x16 bv[N];
+        for (int n = 0; n < N; ++n) bv[n] = load16(b[n] + k);
+        for (int m = 0; m < M; ++m) {
+            const f32x16 av = load16(a[m] + k);
+            for (int n = 0; n < N; ++n) acc[m][n] += av * bv[n];
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int n = 0; n < N; ++n) {
+            float sum = hsum16(acc[m][n]);
+            for (int64_t j = k; j < K; ++j) sum += load(a[m][j]) * load(b[n][j]);
+            out[m][n] = sum;
+        }
+}
+
+// out[m][n] = a[m] . b[n] for m < rows, n < cols (rows, cols <= TILE).
+template <typename T, int N>
+inline void tile_rows(const T* const* a, int rows, const T* const* b, int64_t K,
+                      float (*out)[TILE]) {
+    switch (rows) {
+        case 4: tile<T, 4, N>(a, b, K, out); break;
+        case 3: tile<T, 3, N>(a, b, K, out); break;
+        case 2: tile<T, 2, N>(a, b, K, out); break;
+        default: tile<T, 1, N>(a, b, K, out); break;
+    }
+}
+
+template <typename T>
+inline void dots(const T* const* a, int rows, const T* const* b, int cols, int64_t K,
+                 float (*out)[TILE]) {
+    if (cols == TILE) {
+        tile_rows<T, TILE>(a, rows, b, K, out);
+    } else {
+        for (int n = 0; n < cols; ++n) {
+            float one[TILE][TILE];
+            tile_rows<T, 1>(a, rows, b + n, K, one);
+            for (int m = 0; m < rows; ++m) out[m][n] = one[m][0];
         }
     }
 }
@@ -107,55 +162,50 @@ struct Shape {
     int64_t experts, hidden, inter, x_stride;
 };
 
+// One task's gate|up: act[r, j] for its rows and columns, TILE x TILE at a time.
 template <typename T>
-void gate_up(const T* x, const int64_t* rows, const int64_t* offsets, const T* w13, T* act,
-             const Shape& s) {
+void gate_up_task(const T* x, const int64_t* rows, const T* w13, T* act, const Task& task,
+                  const Shape& s) {
     const int64_t H = s.hidden, I = s.inter;
-    const std::vector<Task> work = tasks(offsets, s.experts, I);
-#pragma omp parallel
-    {
-        std::vector<float> xs(ROW_BLOCK * H);
-        float g[ROW_BLOCK], u[ROW_BLOCK];
-#pragma omp for schedule(dynamic)
-        for (size_t t = 0; t < work.size(); ++t) {
-            const Task& task = work[t];
-            for (int64_t r = 0; r < task.rows; ++r) {
-                const T* src = x + rows[task.row0 + r] * s.x_stride;
-                for (int64_t k = 0; k < H; ++k) xs[r * H + k] = load(src[k]);
-            }
-            const T* w = w13 + task.expert * 2 * I * H;
-            for (int64_t j = task.col0; j < task.col0 + task.cols; ++j) {
-                dots(xs.data(), task.rows, w + j * H, H, g);
-                dots(xs.data(), task.rows, w + (I + j) * H, H, u);
-                for (int64_t r = 0; r < task.rows; ++r) {
-                    const float gate = rounded<T>(g[r]);
+    const T* w = w13 + task.expert * 2 * I * H;
+    for (int64_t r0 = 0; r0 < task.rows; r0 += TILE) {
+        const int m = static_cast<int>(std::min<int64_t>(TILE, task.rows - r0));
+        const T* a[TILE];
+        for (int r = 0; r < m; ++r) a[r] = x + rows[task.row0 + r0 + r] * s.x_stride;
+        for (int64_t j0 = task.col0; j0 < task.col0 + task.cols; j0 += TILE) {
+            const int n = static_cast<int>(std::min<int64_t>(TILE, task.col0 + task.cols - j0));
+            const T *gw[TILE], *uw[TILE];
+            for (int c = 0; c < n; ++c) gw[c] = w + (j0 + c) * H, uw[c] = w + (I + j0 + c) * H;
+            float g[TILE][TILE], u[TILE][TILE];
+            dots(a, m, gw, n, H, g);
+            dots(a, m, uw, n, H, u);
+            for (int r = 0; r < m; ++r)
+                for (int c = 0; c < n; ++c) {
+                    const float gate = rounded<T>(g[r][c]);
                     const float silu = rounded<T>(gate / (1.0f + std::exp(-gate)));
-                    store(act + (task.row0 + r) * I + j, silu * rounded<T>(u[r]));
+                    store(act + (task.row0 + r0 + r) * I + j0 + c, silu * rounded<T>(u[r][c]));
                 }
-            }
         }
     }
 }
 
+// One task's down: y[r, c] for its rows and columns.
 template <typename T>
-void down(const T* act, const int64_t* offsets, const T* w2, T* y, const Shape& s) {
+void down_task(const T* act, const T* w2, T* y, const Task& task, const Shape& s) {
     const int64_t H = s.hidden, I = s.inter;
-    const std::vector<Task> work = tasks(offsets, s.experts, H);
-#pragma omp parallel
-    {
-        std::vector<float> as(ROW_BLOCK * I);
-        float out[ROW_BLOCK];
-#pragma omp for schedule(dynamic)
-        for (size_t t = 0; t < work.size(); ++t) {
-            const Task& task = work[t];
-            for (int64_t r = 0; r < task.rows; ++r)
-                for (int64_t k = 0; k < I; ++k)
-                    as[r * I + k] = load(act[(task.row0 + r) * I + k]);
-            const T* w = w2 + task.expert * H * I;
-            for (int64_t c = task.col0; c < task.col0 + task.cols; ++c) {
-                dots(as.data(), task.rows, w + c * I, I, out);
-                for (int64_t r = 0; r < task.rows; ++r) store(y + (task.row0 + r) * H + c, out[r]);
-            }
+    const T* w = w2 + task.expert * H * I;
+    for (int64_t r0 = 0; r0 < task.rows; r0 += TILE) {
+        const int m = static_cast<int>(std::min<int64_t>(TILE, task.rows - r0));
+        const T* a[TILE];
+        for (int r = 0; r < m; ++r) a[r] = act + (task.row0 + r0 + r) * I;
+        for (int64_t c0 = task.col0; c0 < task.col0 + task.cols; c0 += TILE) {
+            const int n = static_cast<int>(std::min<int64_t>(TILE, task.col0 + task.cols - c0));
+            const T* b[TILE];
+            for (int c = 0; c < n; ++c) b[c] = w + (c0 + c) * I;
+            float out[TILE][TILE];
+            dots(a, m, b, n, I, out);
+            for (int r = 0; r < m; ++r)
+                for (int c = 0; c < n; ++c) store(y + (task.row0 + r0 + r) * H + c0 + c, out[r][c]);
         }
     }
 }
@@ -163,9 +213,19 @@ void down(const T* act, const int64_t* offsets, const T* w2, T* y, const Shape& 
 template <typename T>
 void fused_moe(const void* x, const int64_t* rows, const int64_t* offsets, const void* w13,
                const void* w2, void* act, void* y, const Shape& s) {
-    gate_up(static_cast<const T*>(x), rows, offsets, static_cast<const T*>(w13),
-            static_cast<T*>(act), s);
-    down(static_cast<const T*>(act), offsets, static_cast<const T*>(w2), static_cast<T*>(y), s);
+    const std::vector<Task> first = tasks(offsets, s.experts, s.inter);
+    const std::vector<Task> second = tasks(offsets, s.experts, s.hidden);
+#pragma omp parallel  // one team for both phases; the first `for`'s barrier parts them
+    {
+#pragma omp for schedule(dynamic)
+        for (size_t t = 0; t < first.size(); ++t)
+            gate_up_task(static_cast<const T*>(x), rows, static_cast<const T*>(w13),
+                         static_cast<T*>(act), first[t], s);
+#pragma omp for schedule(dynamic)
+        for (size_t t = 0; t < second.size(); ++t)
+            down_task(static_cast<const T*>(act), static_cast<const T*>(w2), static_cast<T*>(y),
+                      second[t], s);
+    }
 }
 
 }  // namespace
@@ -190,9 +250,12 @@ int kvflow_fused_moe(const void* x, const int64_t* rows, const int64_t* offsets,
     return 0;
 }
 
-// The vector width this build runs at: 512 with AVX-512, 256 with AVX, else 128.
+// The vector width this build runs at: 512 with AVX-512, 256 with AVX, else 128; +1
+// where bf16 dot products use vdpbf16ps.
 int kvflow_fused_moe_isa() {
-#if defined(__AVX512F__)
+#if defined(KVFLOW_MOE_DPBF16)
+    return 513;
+#elif defined(__AVX512F__)
     return 512;
 #elif defined(__AVX__)
     return 256;

@@ -30,7 +30,8 @@ def available(march: str = "native") -> bool:
 
 
 def vector_bits(march: str = "native") -> int:
-    """The vector width the build runs at (512 with AVX-512, 256 with AVX, else 128)."""
+    """The vector width the build runs at (512 with AVX-512, 256 with AVX, else 128),
+    513 where bf16 dot products use AVX512_BF16."""
     library = _library(march)
     assert library is not None
     return int(library.kvflow_fused_moe_isa())
