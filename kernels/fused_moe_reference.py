@@ -45,6 +45,7 @@ class Grouping(NamedTuple):
     order: torch.Tensor  # [T*k] int64: the flat (token, slot) pair of each sorted row
     rows: torch.Tensor  # [T*k] int64: the token of each sorted row
     offsets: torch.Tensor  # [E+1] int64: expert e's sorted rows [offsets[e], offsets[e+1])
+    inverse: torch.Tensor  # [T*k] int64: the sorted row of each flat pair
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> Grouping:
@@ -54,7 +55,9 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> Grouping:
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    return Grouping(order, order // ids.shape[1], offsets)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.shape[0], device=ids.device)
+    return Grouping(order, order // ids.shape[1], offsets, inverse)
 
 
 def fused_experts_reference(
@@ -79,7 +82,6 @@ def fused_experts_reference(
 def combine(y: torch.Tensor, grouping: Grouping, routing: Routing) -> torch.Tensor:
     """The sorted rows' outputs y [T*k, H] weighted and summed per token -> [T, H]."""
     num_tokens, top_k = routing.ids.shape
-    pairs = torch.empty_like(y)
-    pairs[grouping.order] = y  # back to (token, slot) order
+    pairs = y[grouping.inverse]  # back to (token, slot) order
     weights = routing.weights.to(y.dtype).view(num_tokens, 1, top_k)
     return torch.bmm(weights, pairs.view(num_tokens, top_k, -1)).squeeze(1)

@@ -37,6 +37,8 @@ from kvflow.gpu_worker.layers.linear import copy_checked, copy_checked_loader, n
 from kvflow.gpu_worker.parallel_state import divide, get_tp_group
 from kvflow.kernels.cpu import fused_moe as cpu_fused_moe
 from kvflow.kernels.fused_moe_reference import (
+    Grouping,
+    Routing,
     combine,
     fused_experts_reference,
     group_by_expert,
@@ -107,18 +109,18 @@ class FusedExperts(nn.Module):
         rows = loaded.narrow(0, self.inter_start, self.inter)  # gate or up [I, H]
         copy_checked(param.data[local].narrow(0, part * self.inter, self.inter), rows)
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Sorted rows (see kernels/fused_moe_reference.py) -> their outputs [N, H];
-        `offsets` are every expert's, this rank's are taken here."""
-        local = offsets[self.first_expert : self.first_expert + self.num_local + 1]
+    def forward(self, x: torch.Tensor, routing: Routing, grouping: Grouping) -> torch.Tensor:
+        """x [T, H] routed -> this rank's experts' weighted outputs per token [T, H]."""
+        local = grouping.offsets[self.first_expert : self.first_expert + self.num_local + 1]
         w13, w2 = self.w13_weight, self.w2_weight
         if x.is_cuda:
             from kvflow.kernels.fused_moe_triton import fused_experts  # never imported on CPU
 
-            return fused_experts(x, rows, local, w13, w2)
+            return combine(fused_experts(x, grouping.rows, local, w13, w2), grouping, routing)
         if cpu_fused_moe.applies(x, w13, w2) and cpu_fused_moe.available():
-            return cpu_fused_moe.fused_experts(x, rows, local, w13, w2)
-        return fused_experts_reference(x, rows, local, w13, w2)
+            return cpu_fused_moe.fused_moe(x, grouping, routing, local, w13, w2)
+        y = fused_experts_reference(x, grouping.rows, local, w13, w2)
+        return combine(y, grouping, routing)
 
 
 class FusedMoE(nn.Module):
@@ -144,8 +146,7 @@ class FusedMoE(nn.Module):
         """This rank's share of the output, before the all-reduce."""
         routing = route(self.gate(x), self.top_k, self.renormalize)
         grouping = group_by_expert(routing.ids, self.experts.num_experts)
-        y = self.experts(x, grouping.rows, grouping.offsets)  # [T*k, H], sorted rows
-        return combine(y, grouping, routing)
+        return self.experts(x, routing, grouping)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.partial(x))

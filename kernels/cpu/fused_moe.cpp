@@ -7,6 +7,9 @@
 //
 //   phase 1  act[s, j] = silu(x[rows[s]] . w13[e, j]) * (x[rows[s]] . w13[e, I + j])
 //   phase 2  y[s, c]   = act[s] . w2[e, c]
+//   phase 3  out[t]    = sum over the token's slots j of weight[t, j] * y[inverse[t, j]]
+//            (optional: the routing's weighted sum, `combine` in the reference; a slot
+//            whose expert is not among this call's adds nothing)
 //
 // Each phase is a list of (expert, column block, row block) tasks run on torch's OpenMP
 // pool with dynamic scheduling: a decode step (a row or two per expert) still spreads
@@ -162,6 +165,43 @@ struct Shape {
     int64_t experts, hidden, inter, x_stride;
 };
 
+struct Combine {
+    const int64_t* inverse;  // [T * k]: sorted row of each (token, slot) pair
+    const float* weights;    // [T * k]: its routing weight
+    int64_t tokens, top_k;
+};
+
+constexpr int64_t MAX_TOP_K = 64;
+
+// out[t] = sum_j round(weight[t, j]) * y[inverse[t, j]] over the slots whose sorted row
+// is in [lo, hi) (this call's experts), float32 sums rounded once (torch's bmm).
+template <typename T>
+void combine_token(const T* y, T* out, int64_t t, int64_t lo, int64_t hi, const Combine& c,
+                   int64_t H) {
+    float w[MAX_TOP_K];
+    const T* src[MAX_TOP_K];
+    int n = 0;
+    for (int64_t j = 0; j < c.top_k; ++j) {
+        const int64_t pos = c.inverse[t * c.top_k + j];
+        if (pos >= lo && pos < hi) {
+            w[n] = rounded<T>(c.weights[t * c.top_k + j]);
+            src[n++] = y + pos * H;
+        }
+    }
+    T* dst = out + t * H;
+    int64_t h = 0;
+    for (; h + 8 <= H; h += 8) {
+        f32x8 acc = {};
+        for (int i = 0; i < n; ++i) acc += w[i] * load8(src[i] + h);
+        store8(dst + h, acc);
+    }
+    for (; h < H; ++h) {
+        float acc = 0.0f;
+        for (int i = 0; i < n; ++i) acc += w[i] * load(src[i][h]);
+        store(dst + h, acc);
+    }
+}
+
 // One task's gate|up: act[r, j] for its rows and columns, TILE x TILE at a time.
 template <typename T>
 void gate_up_task(const T* x, const int64_t* rows, const T* w13, T* act, const Task& task,
@@ -212,7 +252,8 @@ void down_task(const T* act, const T* w2, T* y, const Task& task, const Shape& s
 
 template <typename T>
 void fused_moe(const void* x, const int64_t* rows, const int64_t* offsets, const void* w13,
-               const void* w2, void* act, void* y, const Shape& s) {
+               const void* w2, void* act, void* y, void* out, const Combine& c,
+               const Shape& s) {
     const std::vector<Task> first = tasks(offsets, s.experts, s.inter);
     const std::vector<Task> second = tasks(offsets, s.experts, s.hidden);
 #pragma omp parallel  // one team for both phases; the first `for`'s barrier parts them
@@ -225,6 +266,12 @@ void fused_moe(const void* x, const int64_t* rows, const int64_t* offsets, const
         for (size_t t = 0; t < second.size(); ++t)
             down_task(static_cast<const T*>(act), static_cast<const T*>(w2), static_cast<T*>(y),
                       second[t], s);
+        if (out != nullptr) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < c.tokens; ++t)
+                combine_token(static_cast<const T*>(y), static_cast<T*>(out), t, offsets[0],
+                              offsets[s.experts], c, s.hidden);
+        }
     }
 }
 
@@ -235,15 +282,21 @@ extern "C" {
 // x [tokens, H] (row stride x_stride), rows [N] int64, offsets [E + 1] int64 (absolute
 // sorted-row indices, non-decreasing), w13 [E, 2I, H], w2 [E, H, I], act [N, I] scratch,
 // y [N, H]: the rows [offsets[0], offsets[E]) are written, the others left as they are.
-// dtype 0 = float32, 1 = bfloat16. Returns 0, or 1 for an unknown dtype.
+// With `out` [tokens, H] (else null): phase 3 from inverse [tokens * top_k] int64 and
+// weights [tokens * top_k] float32. dtype 0 = float32, 1 = bfloat16. Returns 0; 1 for an
+// unknown dtype, 2 for top_k > 64.
 int kvflow_fused_moe(const void* x, const int64_t* rows, const int64_t* offsets,
-                     const void* w13, const void* w2, void* act, void* y, int64_t experts,
-                     int64_t hidden, int64_t inter, int64_t x_stride, int64_t dtype) {
+                     const void* w13, const void* w2, void* act, void* y,
+                     const int64_t* inverse, const float* weights, void* out, int64_t experts,
+                     int64_t hidden, int64_t inter, int64_t x_stride, int64_t tokens,
+                     int64_t top_k, int64_t dtype) {
     const Shape s{experts, hidden, inter, x_stride};
+    const Combine c{inverse, weights, tokens, top_k};
+    if (out != nullptr && top_k > MAX_TOP_K) return 2;
     if (dtype == 0) {
-        fused_moe<float>(x, rows, offsets, w13, w2, act, y, s);
+        fused_moe<float>(x, rows, offsets, w13, w2, act, y, out, c, s);
     } else if (dtype == 1) {
-        fused_moe<Bf16>(x, rows, offsets, w13, w2, act, y, s);
+        fused_moe<Bf16>(x, rows, offsets, w13, w2, act, y, out, c, s);
     } else {
         return 1;
     }

@@ -3,7 +3,9 @@
 `fused_experts(x, rows, offsets, w13, w2)` is `fused_experts_reference` (the spec, in
 kernels/fused_moe_reference.py) on float32 or bfloat16 CPU tensors: the tokens' rows
 grouped by expert, gate|up, silu(gate) * up, down, with float32 sums and the
-reference's roundings. It runs wherever a C++ compiler is (vector code for the CPU's
+reference's roundings. `fused_moe` also sums each token's rows with its routing weights
+(the reference's `combine`) in the same call: no zero-filled [T*k, H] buffer, no
+scatter back to token order and no batched matmul around it. It runs wherever a C++ compiler is (vector code for the CPU's
 own ISA, see the source); elsewhere `available()` is False and the caller keeps the
 reference.
 """
@@ -17,11 +19,12 @@ import torch
 
 from kvflow.kernels.cpu import native_calls
 from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
+from kvflow.kernels.fused_moe_reference import Grouping, Routing
 
 
 @functools.cache
 def _library(march: str = "native") -> ctypes.CDLL | None:
-    signatures = {"kvflow_fused_moe": [*[POINTER] * 7, *[INT64] * 5], "kvflow_fused_moe_isa": []}
+    signatures = {"kvflow_fused_moe": [*[POINTER] * 10, *[INT64] * 7], "kvflow_fused_moe_isa": []}
     return load_bound("fused_moe", signatures, march)
 
 
@@ -58,6 +61,39 @@ def fused_experts(
     w2: torch.Tensor,  # [E, H, I]
     march: str = "native",
 ) -> torch.Tensor:  # [N, H]: rows outside [offsets[0], offsets[E]) are zero
+    """`fused_experts_reference`: each sorted row's expert output."""
+    y = torch.zeros(rows.shape[0], x.shape[1], dtype=x.dtype)
+    _run(x, rows, offsets, w13, w2, y, None, march)
+    return y
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H], unit column stride
+    grouping: Grouping,  # group_by_expert(routing.ids, all experts)
+    routing: Routing,
+    offsets: torch.Tensor,  # [E+1] int64: this call's experts' slice of grouping.offsets
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    march: str = "native",
+) -> torch.Tensor:  # [T, H]
+    """`combine(fused_experts_reference(...), grouping, routing)`: the tokens' weighted
+    sums of their experts' outputs (those among `offsets`' experts), in one call."""
+    y = torch.empty(grouping.rows.shape[0], x.shape[1], dtype=x.dtype)  # read where written
+    out = torch.empty_like(y[: x.shape[0]])
+    _run(x, grouping.rows, offsets, w13, w2, y, (grouping, routing, out), march)
+    return out
+
+
+def _run(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    y: torch.Tensor,
+    combined: tuple[Grouping, Routing, torch.Tensor] | None,
+    march: str,
+) -> None:
     experts, hidden = w13.shape[0], x.shape[1]
     inter = w13.shape[1] // 2
     if not applies(x, w13, w2) or w13.shape != (experts, 2 * inter, hidden):
@@ -67,8 +103,13 @@ def fused_experts(
     if rows.dtype != torch.int64 or offsets.dtype != torch.int64:
         raise ValueError("rows and offsets are int64")
     rows, offsets = rows.contiguous(), offsets.contiguous()
-    y = torch.zeros(rows.shape[0], hidden, dtype=x.dtype)
     act = torch.empty(rows.shape[0], inter, dtype=x.dtype)  # silu(gate) * up, per row
+    inverse = weights = out = None
+    top_k = 0
+    if combined is not None:
+        grouping, routing, out = combined
+        inverse, top_k = grouping.inverse, routing.ids.shape[1]
+        weights = routing.weights.to(torch.float32).contiguous()
     library = _library(march)
     assert library is not None, "check available() first"
     status = native_calls.run(
@@ -80,12 +121,16 @@ def fused_experts(
         w2.data_ptr(),
         act.data_ptr(),
         y.data_ptr(),
+        None if inverse is None else inverse.data_ptr(),
+        None if weights is None else weights.data_ptr(),
+        None if out is None else out.data_ptr(),
         experts,
         hidden,
         inter,
         x.stride(0),
+        x.shape[0],
+        top_k,
         DTYPE_CODES[x.dtype],
     )
     if status != 0:
         raise RuntimeError(f"native fused experts failed with status {status}")
-    return y

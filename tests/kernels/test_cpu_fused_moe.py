@@ -7,8 +7,9 @@ import torch
 from isa_builds import MARCHES, skip_unless_runs
 
 from kvflow.kernels.cpu import fused_moe as module
-from kvflow.kernels.cpu.fused_moe import fused_experts
+from kvflow.kernels.cpu.fused_moe import fused_experts, fused_moe
 from kvflow.kernels.fused_moe_reference import (
+    Routing,
     combine,
     fused_experts_reference,
     group_by_expert,
@@ -39,6 +40,7 @@ def test_grouping_matches_the_documented_example() -> None:
     assert grouping.rows.tolist() == [0, 2, 0, 1, 2, 1]
     assert grouping.offsets.tolist() == [0, 2, 2, 5, 6]
     assert ids.reshape(-1)[grouping.order].tolist() == [0, 0, 2, 2, 2, 3]
+    assert grouping.order[grouping.inverse].tolist() == list(range(6))
 
 
 @pytest.mark.parametrize("march", MARCHES)
@@ -59,10 +61,10 @@ def test_matches_reference(march, dtype, tokens, hidden, inter, experts, top_k) 
     actual = fused_experts(x, grouping.rows, grouping.offsets, w13, w2, march=march)
     assert actual.dtype == dtype and actual.shape == (tokens * top_k, hidden)
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[dtype])
+    combined = fused_moe(x, grouping, routing, grouping.offsets, w13, w2, march=march)
+    assert combined.dtype == dtype and combined.shape == (tokens, hidden)
     torch.testing.assert_close(
-        combine(actual, grouping, routing).float(),
-        combine(expected, grouping, routing).float(),
-        **TOLERANCES[dtype],
+        combined.float(), combine(expected, grouping, routing).float(), **TOLERANCES[dtype]
     )
 
 
@@ -80,6 +82,12 @@ def test_a_slice_of_the_experts_writes_only_their_rows(dtype) -> None:
     start, end = local[0].item(), local[-1].item()
     assert actual[:start].abs().sum() == 0 and actual[end:].abs().sum() == 0
     assert actual[start:end].abs().sum() > 0
+    routing = Routing(torch.rand(9, 2, generator=torch.Generator().manual_seed(5)), ids)
+    combined = fused_moe(x, grouping, routing, local, w13[2:4].contiguous(), w2[2:4].contiguous())
+    want = combine(expected, grouping, routing)  # other experts' slots add nothing
+    torch.testing.assert_close(combined.float(), want.float(), **TOLERANCES[dtype])
+    chose_none = ~((ids == 2) | (ids == 3)).any(dim=1)
+    assert chose_none.any() and combined[chose_none].abs().sum() == 0
 
 
 def test_refuses_mismatched_operands() -> None:
