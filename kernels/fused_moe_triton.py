@@ -41,6 +41,46 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 
 
 @triton.jit
+def _silu_mul(gate_acc, up_acc, dtype: tl.constexpr):
+    """SiLU(gate) * up of [BLOCK_M, BLOCK_N] fp32 accumulators, each rounded to the
+    output dtype where the unfused layer would round (the reference's order)."""
+    gate = round_to(gate_acc, dtype)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
+    return silu * round_to(up_acc, dtype)
+
+
+@triton.jit
+def _expert_tile_dots(
+    a_ptr, a_rows, row_mask, stride_a, w_expert, cols, col_mask, out_cols, K,
+    GLU: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One row block's [BLOCK_M, BLOCK_N] fp32 accumulators over K: x @ gate^T and (GLU)
+    x @ up^T of one expert (`w_expert`: its [2 * out_cols or out_cols, K] weights)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        k_mask = ks < K
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        w = tl.load(w_expert + cols[None, :] * K + ks[:, None], mask=w_mask, other=0.0)
+        acc = tl.dot(
+            a.to(DOT_DTYPE), w.to(tl.float32).to(DOT_DTYPE), acc, input_precision=PRECISION
+        )  # [BLOCK_M, BLOCK_N]
+        if GLU:
+            up_ptrs = w_expert + (out_cols + cols[None, :]) * K + ks[:, None]
+            up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            up = up.to(tl.float32).to(DOT_DTYPE)
+            acc_up = tl.dot(a.to(DOT_DTYPE), up, acc_up, input_precision=PRECISION)
+    return acc, acc_up
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     out_ptr,  # [N, out_cols]: act (GLU) or y
     a_ptr,  # GLU: x [T, K] read through rows; else act [N, K]
@@ -77,34 +117,12 @@ def _grouped_gemm_kernel(
     col_mask = cols < out_cols
     w_rows = 2 * out_cols if GLU else out_cols
     w_expert = w_ptr + expert.to(tl.int64) * w_rows * K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        k_mask = ks < K
-        a = tl.load(
-            a_ptr + a_rows[:, None] * stride_a + ks[None, :],
-            mask=row_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-        w_mask = k_mask[:, None] & col_mask[None, :]
-        w = tl.load(w_expert + cols[None, :] * K + ks[:, None], mask=w_mask, other=0.0)
-        acc = tl.dot(
-            a.to(DOT_DTYPE), w.to(tl.float32).to(DOT_DTYPE), acc, input_precision=PRECISION
-        )  # [BLOCK_M, BLOCK_N]
-        if GLU:
-            up_ptrs = w_expert + (out_cols + cols[None, :]) * K + ks[:, None]
-            up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-            acc_up = tl.dot(
-                a.to(DOT_DTYPE),
-                up.to(tl.float32).to(DOT_DTYPE),
-                acc_up,
-                input_precision=PRECISION,
-            )
+    acc, acc_up = _expert_tile_dots(
+        a_ptr, a_rows, row_mask, stride_a, w_expert, cols, col_mask, out_cols, K,
+        GLU, DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if GLU:
-        gate = round_to(acc, dtype)
-        silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
-        acc = silu * round_to(acc_up, dtype)
+        acc = _silu_mul(acc, acc_up, dtype)
     out = round_to(acc, dtype)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_cols + cols[None, :]
     tl.store(out_ptrs, out.to(dtype), mask=row_mask[:, None] & col_mask[None, :])
