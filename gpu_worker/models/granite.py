@@ -6,6 +6,7 @@ embeddings times `embedding_multiplier`, each block's attention and MLP outputs 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from kvflow.gpu_worker.models.llama import LlamaForCausalLM
@@ -15,13 +16,8 @@ from kvflow.gpu_worker.models.spec import DecoderSpec
 class GraniteForCausalLM(LlamaForCausalLM):
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
-        bias = bool(getattr(config, "attention_bias", False))
-        return DecoderSpec(
-            qkv_bias=bias,
-            o_bias=bias,
-            qk_norm=False,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            sliding_windows=DecoderSpec.sliding_windows_of(config),
+        return dataclasses.replace(
+            super().decoder_spec(config),
             attention_scale=config.attention_multiplier,
             embedding_scale=config.embedding_multiplier,
             residual_scale=config.residual_multiplier,

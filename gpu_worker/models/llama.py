@@ -22,6 +22,7 @@ is tied to it). A stage before the last returns (hidden, residual) for the next 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -390,11 +391,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
-        bias = bool(getattr(config, "attention_bias", False))
-        return DecoderSpec(
-            qkv_bias=bias,
-            o_bias=bias,
-            qk_norm=True,
-            mlp_bias=False,
-            sliding_windows=DecoderSpec.sliding_windows_of(config),
-        )
+        return dataclasses.replace(super().decoder_spec(config), qk_norm=True, mlp_bias=False)

@@ -5,6 +5,7 @@ layers/norm.py ShardedRMSNorm)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from kvflow.gpu_worker.models.llama import LlamaForCausalLM
@@ -14,13 +15,7 @@ from kvflow.gpu_worker.models.spec import DecoderSpec
 class Olmo2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
-        bias = bool(getattr(config, "attention_bias", False))
-        return DecoderSpec(
-            qkv_bias=bias,
-            o_bias=bias,
-            qk_norm=False,
-            qk_norm_whole=True,
-            mlp_bias=False,
-            sliding_windows=DecoderSpec.sliding_windows_of(config),
-            block="post",
+        # Llama's spec, with post-norm blocks and q/k norms over the whole projections.
+        return dataclasses.replace(
+            super().decoder_spec(config), qk_norm_whole=True, mlp_bias=False, block="post"
         )
