@@ -3,9 +3,10 @@ the backend hands them to the torch backend, and the cap reaches the result."""
 
 from __future__ import annotations
 
+from test_triton_backend import _metadata, _step
+
 from kvflow.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from kvflow.gpu_worker.attention.triton_backend import TritonAttentionBackend
-from tests.kernels.test_triton_backend import _metadata, _step
 
 
 def test_soft_capped_step_matches_the_torch_backend(make_batch, assert_close) -> None:

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_dense_families_parity import HEADS, SMALL, longrope, prompt, sharpen
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Phi3Config
 
 from kvflow.errors import UnsupportedModelError
 from kvflow.gpu_worker.model_loader import load_model
 from kvflow.kernels.cpu.paged_decode import load_paged_decode
-from tests.models.test_dense_families_parity import HEADS, SMALL, longrope, prompt, sharpen
 
 
 def save(config: Any, path: Path) -> Any:

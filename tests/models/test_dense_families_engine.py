@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from test_dense_families_parity import longrope, sharpen
 from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Phi3Config
 
 from kvflow import LLM, SamplingParams
-from tests.models.test_dense_families_parity import longrope, sharpen
 
 MAX_TOKENS = 10
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_dense_families_parity import sharpen
+from test_tensor_parallel import _prefill, _rank_logits
 from transformers import AutoModelForCausalLM, Olmo2Config, Phi3Config
 
 from kvflow.gpu_worker.model_loader import load_model
-from tests.models.test_dense_families_parity import sharpen
-from tests.models.test_tensor_parallel import _prefill, _rank_logits
 
 pytestmark = pytest.mark.slow
 
