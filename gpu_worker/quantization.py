@@ -49,6 +49,14 @@ def quantize_model(model: nn.Module, method: str) -> int:
         raise ConfigError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
     if int8_linear.library() is None:
         raise ConfigError(f"quantization {method} needs the native CPU kernels (a C++ compiler)")
+    from kvflow.gpu_worker.layers.moe import FusedExperts
+
+    if any(isinstance(m, FusedExperts) for m in model.modules()):
+        # The 8-bit routes cover linear layers; experts would stay float, silently.
+        raise ConfigError(
+            f"quantization {method} covers dense linear layers only; "
+            "this model's experts (MoE) are not quantized: use quantization none"
+        )
     layers = [m for m in model.modules() if isinstance(m, _LAYERS)]
     if method == "gguf" and not any(getattr(m, "blocks", None) is not None for m in layers):
         raise ConfigError(

@@ -165,3 +165,19 @@ def test_a_missing_expert_tensor_fails_naming_it(checkpoint, tmp_path: Path) -> 
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     with pytest.raises(UnsupportedModelError, match=missing.replace(".", r"\.")):
         load_model(tmp_path, torch.float32, torch.device("cpu"), "torch")
+
+
+def test_quantization_is_refused_for_experts() -> None:
+    """q8_0 covers linear layers only: a MoE model is refused, not left half float."""
+    import pytest as _pytest
+    from torch import nn
+
+    from kvflow.errors import ConfigError
+    from kvflow.gpu_worker.layers.moe import FusedExperts
+    from kvflow.gpu_worker.quantization import quantize_model
+
+    model = nn.Module()
+    model.experts = FusedExperts.__new__(FusedExperts)
+    nn.Module.__init__(model.experts)
+    with _pytest.raises(ConfigError, match="experts"):
+        quantize_model(model, "q8_0")
