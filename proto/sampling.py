@@ -29,6 +29,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     these strings exactly; grammar: EBNF (llama.cpp's GBNF is accepted as is); json_object:
     any JSON object. `disable_any_whitespace` makes JSON compact (no optional blanks);
     `whitespace_pattern` is a regex for the blanks JSON may use instead.
+    `reasoning_end_token_ids` (set by the frontend's reasoning parser, never by a client):
+    the constraint starts after the output contains these tokens, so the thinking before
+    them is free text.
     """
 
     json: str | dict[str, Any] | None = None
@@ -38,6 +41,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     json_object: bool = False
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    reasoning_end_token_ids: list[int] | None = None
 
     @property
     def kind(self) -> str:

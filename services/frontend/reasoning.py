@@ -9,14 +9,22 @@ text split at its think tags into `reasoning_content` and `content`.
 
 A stream is split as it comes (`ReasoningStream.feed`): a tag cut across deltas is held
 back until it is complete or cannot be one, so clients see the same split either way.
-Tool calls and structured content are read from the content only, never the thinking.
+Tool calls and structured content are read from the content only, never the thinking,
+and a request's constraint (structured outputs, a forced tool call) is enforced from the
+end tag on (`gate_after_reasoning`): the engine leaves the thinking free. With
+`chat_template_kwargs` `enable_thinking: false` (or `thinking: false`) the template
+closes the thinking in the prompt, so the constraint applies from the first token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 from kvflow.errors import ConfigError
+from kvflow.sampling_params import SamplingParams
 
 _OPEN, _THINKING, _CONTENT = range(3)
 
@@ -55,6 +63,24 @@ def reasoning_parser(name: str | None) -> ReasoningParser | None:
         known = ", ".join(sorted(REASONING_PARSERS))
         raise ConfigError(f"unknown reasoning parser {name!r}; known: {known}")
     return parser
+
+
+def gate_after_reasoning(
+    params: SamplingParams,
+    parser: ReasoningParser | None,
+    tokenizer: Any,
+    template_kwargs: dict[str, Any] | None,
+) -> SamplingParams:
+    """`params` with its constraint starting after the thinking's end tag, where the
+    output will think first."""
+    guided = params.structured_outputs
+    kwargs = template_kwargs or {}
+    thinking_off = kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
+    if guided is None or parser is None or thinking_off:
+        return params
+    end = list(tokenizer.encode(parser.end_tag, add_special_tokens=False))
+    gated = msgspec.structs.replace(guided, reasoning_end_token_ids=end)
+    return msgspec.structs.replace(params, structured_outputs=gated)
 
 
 class ReasoningStream:

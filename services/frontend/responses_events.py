@@ -7,6 +7,8 @@
                 response.output_text.delta ...        the text as it is generated
                 response.output_text.done             the whole text
                 response.content_part.done            the finished part
+      reasoning (first, with --reasoning-parser): the same with a reasoning_text part
+                and response.reasoning_text.delta / .done
       call:     response.function_call_arguments.delta ...
                 response.function_call_arguments.done the whole arguments
       response.output_item.done                       the finished item
@@ -24,7 +26,12 @@ from typing import Any
 
 import msgspec
 
-from kvflow.services.frontend.responses_protocol import OutputItem, OutputText, ResponseObject
+from kvflow.services.frontend.responses_protocol import (
+    OutputItem,
+    OutputText,
+    ReasoningText,
+    ResponseObject,
+)
 
 
 class _Event(msgspec.Struct, kw_only=True, tag_field="type"):
@@ -61,14 +68,28 @@ class ContentPartAdded(_Event, kw_only=True, tag="response.content_part.added"):
     item_id: str
     output_index: int
     content_index: int = 0
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class ContentPartDone(_Event, kw_only=True, tag="response.content_part.done"):
     item_id: str
     output_index: int
     content_index: int = 0
-    part: OutputText
+    part: OutputText | ReasoningText
+
+
+class ReasoningTextDelta(_Event, kw_only=True, tag="response.reasoning_text.delta"):
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    delta: str
+
+
+class ReasoningTextDone(_Event, kw_only=True, tag="response.reasoning_text.done"):
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    text: str
 
 
 class OutputTextDelta(_Event, kw_only=True, tag="response.output_text.delta"):
@@ -119,6 +140,8 @@ ResponseEvent = (
     | ContentPartDone
     | OutputTextDelta
     | OutputTextDone
+    | ReasoningTextDelta
+    | ReasoningTextDone
     | FunctionCallArgumentsDelta
     | FunctionCallArgumentsDone
     | ErrorEvent

@@ -9,6 +9,7 @@ tool use, and SamplingParams.
      name, arguments}                           (consecutive calls share one turn)
     {"type": "function_call_output",            {"role": "tool", "tool_call_id",
      call_id, output}                            "content": output}
+    {"type": "reasoning", ...}                  nothing: earlier thinking is left out
 
 `instructions` becomes a leading system message; it is not carried to later turns
 (OpenAI's rule): a stored response keeps its history without it.
@@ -26,6 +27,7 @@ from kvflow.services.frontend.responses_protocol import (
     InputContentPart,
     InputItem,
     OutputItem,
+    ReasoningItem,
     ResponsesRequest,
     TextConfig,
 )
@@ -59,6 +61,8 @@ def input_messages(items: str | list[InputItem]) -> list[Message]:
             messages.append(_message(item, where))
         elif item.type == "function_call":
             _add_call(messages, item, where)
+        elif item.type == "reasoning":
+            continue  # earlier thinking stays out of the prompt (module docstring)
         else:
             call_id = _required(item.call_id, where, "call_id")
             output = _required(item.output, where, "output")
@@ -73,6 +77,7 @@ def output_messages(output: list[OutputItem]) -> list[Message]:
         if isinstance(o, FunctionCallItem)
         else InputItem(role="assistant", content="".join(part.text for part in o.content))
         for o in output
+        if not isinstance(o, ReasoningItem)
     ]
     return input_messages(items) if items else []
 

@@ -5,13 +5,16 @@ events), so the two cannot disagree. Text goes through the chat path's ToolCallS
 content becomes a `message` item with one `output_text` part, each tool call a
 `function_call` item. Items are opened when their first piece arrives, in that order;
 a message is closed when a call opens after it. A response with no content and no
-call still gets one (empty) message, as OpenAI's does.
+call still gets one (empty) message, as OpenAI's does. With a reasoning parser the
+thinking comes first, as a `reasoning` item with one `reasoning_text` part, closed when
+the answer's first item opens.
 """
 
 from __future__ import annotations
 
 import uuid
 
+from kvflow.services.frontend.reasoning import ReasoningParser
 from kvflow.services.frontend.responses import DeltaToolCall
 from kvflow.services.frontend.responses_events import (
     ContentPartAdded,
@@ -22,6 +25,8 @@ from kvflow.services.frontend.responses_events import (
     OutputItemDone,
     OutputTextDelta,
     OutputTextDone,
+    ReasoningTextDelta,
+    ReasoningTextDone,
     ResponseEvent,
 )
 from kvflow.services.frontend.responses_protocol import (
@@ -29,6 +34,8 @@ from kvflow.services.frontend.responses_protocol import (
     OutputItem,
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
 )
 from kvflow.services.frontend.tool_calling import ToolUse
 from kvflow.services.frontend.tool_parser import ToolCallStream
@@ -54,24 +61,40 @@ class _OpenCall:
         self.arguments: list[str] = []
 
 
+class _OpenReasoning:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.id = new_item_id("rs")
+        self.text: list[str] = []
+
+
 class OutputBuilder:
-    def __init__(self, use: ToolUse) -> None:
+    def __init__(self, use: ToolUse, reasoning: ReasoningParser | None = None) -> None:
         self.stream = ToolCallStream(use)
+        self.reasoning = reasoning.stream() if reasoning is not None else None
         self.output: list[OutputItem] = []  # finished items, in output_index order
         self.status = "in_progress"
         self._count = 0  # items opened so far
+        self._thinking: _OpenReasoning | None = None
         self._message: _OpenMessage | None = None
         self._calls: dict[int, _OpenCall] = {}  # by the tool-call stream's index
 
     def feed(self, piece: str) -> list[ResponseEvent]:
-        content, calls = self.stream.feed(piece)
-        return self._emit(content, calls)
+        thought, answer = self.reasoning.feed(piece) if self.reasoning else ("", piece)
+        content, calls = self.stream.feed(answer)
+        return self._think(thought) + self._emit(content, calls)
 
     def finish(self, finish_reason: str | None) -> list[ResponseEvent]:
         """Close every item; `length` (max_output_tokens) makes the response incomplete."""
-        content, calls = self.stream.finish(finish_reason)
-        events = self._emit(content, calls)
         self.status = "incomplete" if finish_reason == "length" else "completed"
+        events: list[ResponseEvent] = []
+        if self.reasoning is not None:
+            thought, answer = self.reasoning.finish()
+            events += self._think(thought) + self._emit(*self.stream.feed(answer))
+        content, calls = self.stream.finish(finish_reason)
+        events += self._emit(content, calls)
+        if self._thinking is not None:
+            events += self._close_reasoning()
         if self._count == 0:
             events += self._open_message()
         if self._message is not None:
@@ -87,8 +110,43 @@ class OutputBuilder:
         parts = [p.text for o in self.output if isinstance(o, OutputMessage) for p in o.content]
         return "".join(parts)
 
+    def _think(self, thought: str) -> list[ResponseEvent]:
+        if not thought:
+            return []
+        events: list[ResponseEvent] = []
+        if self._thinking is None:
+            self._thinking = _OpenReasoning(self._next_index())
+            added = ReasoningItem(id=self._thinking.id, status="in_progress")
+            events += [
+                OutputItemAdded(output_index=self._thinking.index, item=added),
+                ContentPartAdded(
+                    item_id=self._thinking.id,
+                    output_index=self._thinking.index,
+                    part=ReasoningText(text=""),
+                ),
+            ]
+        self._thinking.text.append(thought)
+        item_id, index = self._thinking.id, self._thinking.index
+        return [*events, ReasoningTextDelta(item_id=item_id, output_index=index, delta=thought)]
+
+    def _close_reasoning(self) -> list[ResponseEvent]:
+        thinking, self._thinking = self._thinking, None
+        assert thinking is not None
+        part = ReasoningText(text="".join(thinking.text))
+        status = "incomplete" if self.status == "incomplete" else "completed"
+        item = ReasoningItem(id=thinking.id, status=status, content=[part])
+        self.output.append(item)
+        item_id, index = thinking.id, thinking.index
+        return [
+            ReasoningTextDone(item_id=item_id, output_index=index, text=part.text),
+            ContentPartDone(item_id=item_id, output_index=index, part=part),
+            OutputItemDone(output_index=index, item=item),
+        ]
+
     def _emit(self, content: str, calls: list[DeltaToolCall]) -> list[ResponseEvent]:
         events: list[ResponseEvent] = []
+        if (content or calls) and self._thinking is not None:
+            events += self._close_reasoning()
         if content:
             if self._message is None:
                 events += self._open_message()

@@ -20,14 +20,16 @@ from msgspec import Meta
 
 from kvflow.services.frontend.protocol import Count, Int32, Int64, MaxTokens, Penalty, Text, Timeout
 
-ItemType = Literal["message", "function_call", "function_call_output"]
+# A "reasoning" item sent back is accepted and left out of the prompt, as chat templates
+# leave earlier turns' thinking out.
+ItemType = Literal["message", "function_call", "function_call_output", "reasoning"]
 InputRole = Literal["system", "developer", "user", "assistant"]
 
 
 class InputContentPart(msgspec.Struct, kw_only=True):
     """input_text (a user/system turn) or output_text (an assistant turn sent back)."""
 
-    type: Literal["input_text", "output_text", "text"]
+    type: Literal["input_text", "output_text", "text", "reasoning_text", "summary_text"]
     text: str
 
 
@@ -43,6 +45,9 @@ class InputItem(msgspec.Struct, kw_only=True):
     arguments: str | None = None
     output: str | list[InputContentPart] | None = None
     status: str | None = None
+    # reasoning (left out of the prompt)
+    summary: list[InputContentPart] | None = None
+    encrypted_content: str | None = None
 
 
 class FunctionTool(msgspec.Struct, kw_only=True):
@@ -130,7 +135,21 @@ class FunctionCallItem(msgspec.Struct, kw_only=True, tag="function_call", tag_fi
     status: str
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(msgspec.Struct, kw_only=True, tag="reasoning_text", tag_field="type"):
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, kw_only=True, tag="reasoning", tag_field="type"):
+    """The thinking (with --reasoning-parser), before the answer's items."""
+
+    id: str
+    status: str
+    summary: list[Any] = msgspec.field(default_factory=list)
+    content: list[ReasoningText] = msgspec.field(default_factory=list)
+    encrypted_content: str | None = None
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(msgspec.Struct, kw_only=True):
@@ -149,12 +168,14 @@ class ResponseUsage(msgspec.Struct, kw_only=True):
     total_tokens: int
 
     @classmethod
-    def of(cls, input_tokens: int, output_tokens: int, cached_tokens: int) -> ResponseUsage:
+    def of(
+        cls, input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0
+    ) -> ResponseUsage:
         return cls(
             input_tokens=input_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
             output_tokens=output_tokens,
-            output_tokens_details=OutputTokensDetails(),
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
             total_tokens=input_tokens + output_tokens,
         )
 

@@ -23,7 +23,11 @@ from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
 from kvflow.services.frontend.ignored_fields import ignored_fields, mark_ignored
 from kvflow.services.frontend.protocol import ChatCompletionRequest, decode_request
-from kvflow.services.frontend.reasoning import ReasoningParser, reasoning_parser
+from kvflow.services.frontend.reasoning import (
+    ReasoningParser,
+    gate_after_reasoning,
+    reasoning_parser,
+)
 from kvflow.services.frontend.request_deadline import RequestDeadlines, request_deadlines
 from kvflow.services.frontend.responses import (
     ChatChoice,
@@ -183,7 +187,11 @@ class _Chat(ServedRequest):
         request: ChatCompletionRequest,
         deadlines: RequestDeadlines,
     ) -> None:
+        reasoning = reasoning_parser(ctx.config.reasoning_parser)
         params = request.to_sampling_params()  # validated in ctx.prepare, once per prompt
+        params = gate_after_reasoning(
+            params, reasoning, ctx.tokenizer, request.chat_template_kwargs
+        )
         parallel = request.parallel_tool_calls is not False
         tools = tool_use(request.tools, request.tool_choice, parallel)
         conversation = request.conversation()
@@ -204,7 +212,6 @@ class _Chat(ServedRequest):
         self.include_usage = request.include_usage
         self.return_ids = bool(request.return_token_ids)
         self.echo = _echo_text(request, conversation)
-        reasoning = reasoning_parser(ctx.config.reasoning_parser)
         self.choices = [
             _Choice(i, bool(request.logprobs), tools, reasoning) for i in range(params.n)
         ]

@@ -22,9 +22,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from kvflow.errors import InvalidRequestError
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST, APIError, error_info
 from kvflow.services.frontend.protocol import decode_request
+from kvflow.services.frontend.reasoning import gate_after_reasoning, reasoning_parser
 from kvflow.services.frontend.request_deadline import RequestDeadlines, request_deadlines
 from kvflow.services.frontend.response_store import ResponseStore, StoredResponse
 from kvflow.services.frontend.responses_events import (
@@ -48,6 +50,7 @@ from kvflow.services.frontend.responses_input import (
 from kvflow.services.frontend.responses_output import OutputBuilder, new_item_id
 from kvflow.services.frontend.responses_protocol import (
     IncompleteDetails,
+    ReasoningItem,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -89,9 +92,13 @@ class _Response(ServedRequest):
         deadlines: RequestDeadlines,
     ) -> None:
         self.use = request_tool_use(request)
+        self.reasoning = reasoning_parser(ctx.config.reasoning_parser)
         params = sampling_params(request, self.use)
+        params = gate_after_reasoning(params, self.reasoning, ctx.tokenizer, None)
         history = _history(store, request.previous_response_id)
         self.messages = [*history, *input_messages(request.input)]
+        if not self.messages:  # e.g. only reasoning items, which stay out of the prompt
+            raise InvalidRequestError("input holds no message to answer", param="input")
         template = ctx.tokenizer.chat_template
         shown = conversation(request.instructions, [], self.messages)
         shown, template_tools = with_tools(shown, self.use, template)
@@ -108,7 +115,7 @@ class _Response(ServedRequest):
         self.id = new_item_id("resp")  # OpenAI's spelling, resp_<hex>
         self.store = store if request.store is not False else None
         self.counts = ChoiceCounts()
-        self.builder = OutputBuilder(self.use)
+        self.builder = OutputBuilder(self.use, self.reasoning)
         self.finish_reason: str | None = None
         self.template = _template(request, self.id, self.created, self.model)
 
@@ -168,6 +175,7 @@ class _Response(ServedRequest):
                 len(self.prompts[0].token_ids),
                 self.counts.num_tokens,
                 self.counts.num_cached_tokens,
+                self._reasoning_tokens(),
             ),
             incomplete_details=IncompleteDetails(reason="max_output_tokens")
             if incomplete
@@ -177,6 +185,19 @@ class _Response(ServedRequest):
             messages = [*self.messages, *output_messages(response.output)]
             self.store.put(StoredResponse(response, messages))
         return response
+
+    def _reasoning_tokens(self) -> int:
+        """Output tokens up to the thinking's end tag (all of them if it never ended)."""
+        if self.reasoning is None or not any(
+            isinstance(o, ReasoningItem) for o in self.builder.output
+        ):
+            return 0
+        end = self.ctx.encode(self.reasoning.end_tag, add_special_tokens=False)
+        ids = self.counts.token_ids
+        for at in range(len(ids) - len(end) + 1):
+            if ids[at : at + len(end)] == end:
+                return at + len(end)
+        return len(ids)
 
 
 def _history(store: ResponseStore, previous_response_id: str | None) -> list[Message]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvflow.errors import InvalidRequestError
 from kvflow.sampling_params import StructuredOutputsParams
 from kvflow.structured_outputs import check_grammar
@@ -65,7 +67,8 @@ def resolve_structured_outputs(
     field, params = candidates[0]
     _check_size(params, field)
     check_grammar(params, field)
-    return params
+    # The reasoning gate is the reasoning parser's to set (reasoning.py), not a client's.
+    return msgspec.structs.replace(params, reasoning_end_token_ids=None)
 
 
 def _from_response_format(fmt: dict[str, Any] | None) -> StructuredOutputsParams | None:

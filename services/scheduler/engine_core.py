@@ -166,7 +166,9 @@ class EngineCore:
             del self.waiting_for_grammar[req_id]
             request = pending.request
             if error is None:
-                request.grammar = RequestGrammar(pending.future.result())
+                guided = request.sampling_params.structured_outputs
+                reasoning_end = guided.reasoning_end_token_ids if guided is not None else None
+                request.grammar = RequestGrammar(pending.future.result(), reasoning_end)
                 request.status = RequestStatus.WAITING
                 self.scheduler.add_request(request)
                 continue

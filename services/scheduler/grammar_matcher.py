@@ -13,6 +13,10 @@ without any replay:
 and `rollback` undoes accepted tokens, which speculative decoding needs for rejected
 drafts.
 
+With a reasoning parser the constraint starts after the thinking: until the output holds
+`reasoning_end` (`</think>`'s ids), tokens are counted but not given to the matcher, and
+the mask restricts nothing. Rolling back into the thinking reopens it.
+
 Bitmask layout (xgrammar's): row r packs token 32w + j of request r in bit j of int32
 word w; 1 = allowed. Rows travel in `StepPlan.grammar_bitmask` for the requests that
 sample in that step and whose grammar restricts the next token.
@@ -43,12 +47,17 @@ if TYPE_CHECKING:
 class RequestGrammar:
     """The compiled grammar of one request and the matcher over its output tokens."""
 
-    def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
+    def __init__(
+        self, compiled: xgrammar.CompiledGrammar, reasoning_end: list[int] | None = None
+    ) -> None:
         import xgrammar as xgr
 
         self.compiled = compiled
         self.matcher = xgr.GrammarMatcher(compiled)  # xgrammar >= 0.2 can always roll back
-        self.num_accepted = 0
+        self.num_accepted = 0  # thinking tokens included
+        self.reasoning_end = tuple(reasoning_end or ())
+        self.in_reasoning = bool(self.reasoning_end)
+        self.thought: list[int] = []  # the thinking tokens, its end included
         # The next token's mask, filled once per matcher state: jump-forward fills it to
         # look for a forced token, and the next plan's bitmask reuses it.
         self._row: np.ndarray | None = None  # [1, words] int32
@@ -59,7 +68,11 @@ class RequestGrammar:
 
     def accept(self, token_id: int) -> bool:
         """Advance on a sampled token; False if the grammar does not allow it."""
-        if not self.matcher.accept_token(token_id):
+        if self.in_reasoning:
+            self.thought.append(token_id)
+            end = self.reasoning_end
+            self.in_reasoning = tuple(self.thought[-len(end) :]) != end
+        elif not self.matcher.accept_token(token_id):
             return False
         self.num_accepted += 1
         self._row_valid = False
@@ -68,7 +81,11 @@ class RequestGrammar:
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""
         assert 0 <= num_tokens <= self.num_accepted, num_tokens
-        self.matcher.rollback(num_tokens)
+        matched = self.num_accepted - len(self.thought)  # tokens the matcher took
+        self.matcher.rollback(min(num_tokens, matched))
+        if num_tokens > matched:  # back into the thinking: it is open again
+            del self.thought[len(self.thought) - (num_tokens - matched) :]
+            self.in_reasoning = True
         self.num_accepted -= num_tokens
         self._row_valid = False
 
@@ -76,6 +93,8 @@ class RequestGrammar:
         """Start over and accept `token_ids`; False if they do not fit the grammar."""
         self.matcher.reset()
         self.num_accepted = 0
+        self.thought.clear()
+        self.in_reasoning = bool(self.reasoning_end)
         self._row_valid = False
         return all(self.accept(t) for t in token_ids)
 
@@ -85,7 +104,8 @@ class RequestGrammar:
         if not self._row_valid:
             row = self._row_buffer()
             row.fill(-1)
-            self._row_restricts = bool(self.matcher.fill_next_token_bitmask(row, 0))
+            restricts = not self.in_reasoning and self.matcher.fill_next_token_bitmask(row, 0)
+            self._row_restricts = bool(restricts)
             self._row_one_word = None
             self._row_valid = True
         assert self._row is not None
@@ -164,6 +184,9 @@ def fill_rows(grammars: list[RequestGrammar]) -> None:
     """Fill the stale next-token rows among `grammars` in one batched call (a row stays
     valid until its matcher moves, so nothing is filled twice)."""
     stale = [g for g in grammars if g.row_is_stale and not g.is_terminated]
+    for grammar in [g for g in stale if g.in_reasoning]:  # nothing to fill while thinking
+        grammar.next_row()
+    stale = [g for g in stale if not g.in_reasoning]
     if len(stale) < 2:  # one row: the batched call buys nothing
         for grammar in stale:
             grammar.next_row()

@@ -107,7 +107,7 @@ def test_an_item_missing_a_field_is_a_400_naming_it(item: dict[str, Any], param:
 @pytest.mark.parametrize(
     "body",
     [
-        {"input": [{"type": "reasoning", "summary": []}]},
+        {"input": [{"type": "web_search_call", "id": "ws_1"}]},
         {"input": []},
         {"input": ""},
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

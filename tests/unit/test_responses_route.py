@@ -172,7 +172,8 @@ def test_openai_stream_helper(h: Harness) -> None:
     [
         ({"input": ""}, 400, "input"),
         ({"input": []}, 400, "input"),
-        ({"input": [{"type": "reasoning"}]}, 400, "input[0].type"),
+        ({"input": [{"type": "web_search_call"}]}, 400, "input[0].type"),
+        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, 400, "input"),
         ({"input": [{"type": "function_call", "name": "f"}]}, 400, "input[0].call_id"),
         ({"input": "x", "previous_response_id": "resp_x"}, 400, "previous_response_id"),
         ({"input": "x" * 200}, 400, "prompt"),
