@@ -182,7 +182,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         default=None,
         help="split chat output at its think tags into reasoning_content and content: "
-        "qwen3 or deepseek_r1",
+        "qwen3, deepseek_r1, or auto (chosen from the chat template)",
     )
 
 

@@ -12,7 +12,9 @@ closed with it, so it lives on the server's event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -35,6 +37,7 @@ from kvflow.services.frontend.errors import APIError, error_response
 from kvflow.services.frontend.health import degraded_health
 from kvflow.services.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from kvflow.services.frontend.openapi import openapi_document
+from kvflow.services.frontend.reasoning import AUTO, auto_reasoning_parser
 from kvflow.services.frontend.responses import VersionResponse
 from kvflow.services.frontend.routing_metrics import RoutingMetrics
 from kvflow.services.frontend.serving_chat import create_chat_completion
@@ -45,6 +48,8 @@ from kvflow.services.frontend.serving_tokenize import detokenize, list_models, t
 from kvflow.services.frontend.sse import read_body
 from kvflow.services.frontend.web_ui import ASSETS, WebUI
 from kvflow.version import __version__
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["FrontendConfig", "build_app"]
 
@@ -70,6 +75,10 @@ def build_app(
     engine_client.add_route_listener(routing.observe)
     view = EngineView()
     engine_client.add_stats_listener(view.observe)
+    if config.reasoning_parser == AUTO:
+        chosen = auto_reasoning_parser(tokenizer)
+        logger.info("--reasoning-parser auto: %s (from the chat template)", chosen or "none")
+        config = dataclasses.replace(config, reasoning_parser=chosen)
     ctx = ServingContext(config, engine_client, tokenizer, metrics)
     web_ui = WebUI(view)
 

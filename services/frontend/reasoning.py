@@ -54,15 +54,34 @@ REASONING_PARSERS = {
 }
 
 
+AUTO = "auto"  # --reasoning-parser auto: chosen from the chat template (auto_reasoning_parser)
+
+
 def reasoning_parser(name: str | None) -> ReasoningParser | None:
-    """The parser of that name (None: none); an unknown name is a ConfigError."""
-    if name is None:
+    """The parser of that name (None: none); an unknown name is a ConfigError. `auto`
+    is resolved by the frontend once its tokenizer is loaded (auto_reasoning_parser)."""
+    if name is None or name == AUTO:
         return None
     parser = REASONING_PARSERS.get(name)
     if parser is None:
-        known = ", ".join(sorted(REASONING_PARSERS))
+        known = ", ".join([*sorted(REASONING_PARSERS), AUTO])
         raise ConfigError(f"unknown reasoning parser {name!r}; known: {known}")
     return parser
+
+
+def auto_reasoning_parser(tokenizer: Any) -> str | None:
+    """The parser a chat template implies, where that is unambiguous: a generation
+    prompt that ends inside an opened `<think>` is deepseek_r1's; a template that
+    writes think tags otherwise is qwen3's; no think tags, no parser."""
+    from kvflow.tokenizer import apply_chat_template
+
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or "<think>" not in template:
+        return None
+    probe = [{"role": "user", "content": "hi"}]
+    prompt = apply_chat_template(tokenizer, probe, True, None, None)
+    text = str(tokenizer.decode(prompt, skip_special_tokens=False))
+    return "deepseek_r1" if text.rstrip().endswith("<think>") else "qwen3"
 
 
 def gate_after_reasoning(

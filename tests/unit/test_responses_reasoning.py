@@ -10,7 +10,11 @@ from openai.types.responses import ResponseStreamEvent
 from test_chat_reasoning import think_tokenizer
 
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
-from kvflow.services.frontend.reasoning import REASONING_PARSERS, gate_after_reasoning
+from kvflow.services.frontend.reasoning import (
+    REASONING_PARSERS,
+    auto_reasoning_parser,
+    gate_after_reasoning,
+)
 from kvflow.services.frontend.responses_events import event_type
 from kvflow.services.frontend.responses_input import input_messages, output_messages
 from kvflow.services.frontend.responses_output import OutputBuilder
@@ -98,3 +102,24 @@ def test_the_constraint_is_gated_after_the_end_tag() -> None:
     assert gate_after_reasoning(params, None, tokenizer, None) is params
     free = SamplingParams()
     assert gate_after_reasoning(free, qwen3, tokenizer, None) is free
+
+
+R1_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n<think>\n"
+)
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "chosen"),
+    [(None, "qwen3"), (R1_TEMPLATE, "deepseek_r1"), (PLAIN_TEMPLATE, None)],
+)
+def test_auto_parser_follows_the_chat_template(template: str | None, chosen: str | None) -> None:
+    tokenizer = think_tokenizer()  # its own template: Qwen3's enable_thinking switch
+    if template is not None:
+        tokenizer.chat_template = template
+    assert auto_reasoning_parser(tokenizer) == chosen
