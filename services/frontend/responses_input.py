@@ -230,6 +230,8 @@ def sampling_params(request: ResponsesRequest, use: ToolUse) -> SamplingParams:
         seed=request.seed,
         stop=stop or None,
         ignore_eos=request.ignore_eos,
+        bad_words=request.bad_words,
+        allowed_token_ids=request.allowed_token_ids,
         structured_outputs=tool_constraint or constraint,
     )
 

@@ -25,6 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from kvflow.errors import InvalidRequestError
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST, APIError, error_info
+from kvflow.services.frontend.ignored_fields import ignored_fields, mark_ignored
 from kvflow.services.frontend.protocol import decode_request
 from kvflow.services.frontend.reasoning import gate_after_reasoning, reasoning_parser
 from kvflow.services.frontend.request_deadline import RequestDeadlines, request_deadlines
@@ -252,7 +253,8 @@ class ResponsesAPI:
         deadlines = request_deadlines(request.timeout, raw.headers, bool(request.stream))
         response = _Response(self.ctx, self.store, request, deadlines)
         self.ctx.check_engine()
-        return await response.respond(raw, bool(request.stream))
+        ignored = ignored_fields(body, ResponsesRequest)
+        return mark_ignored(await response.respond(raw, bool(request.stream)), ignored)
 
     async def retrieve(self, raw: Request) -> Response:
         response_id = raw.path_params["response_id"]

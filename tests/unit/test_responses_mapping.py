@@ -205,6 +205,9 @@ def test_sampling_params() -> None:
     params = sampling_params(r, request_tool_use(r))
     assert (params.max_tokens, params.temperature, params.top_p) == (7, 0.0, 0.5)
     assert params.ignore_eos and params.stop == ["x"] and params.n == 1
+    extras = request(bad_words=["no way"], allowed_token_ids=[5, 6])
+    params = sampling_params(extras, request_tool_use(extras))
+    assert params.bad_words == ["no way"] and params.allowed_token_ids == [5, 6]
     both = request(
         tools=[WEATHER], tool_choice="required", text={"format": {"type": "json_object"}}
     )

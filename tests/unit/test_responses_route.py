@@ -199,3 +199,13 @@ def test_the_route_needs_the_api_key(own: Callable[..., Harness]) -> None:
     auth = {"Authorization": "Bearer secret"}
     assert h.post("/v1/responses", {"input": "x"}, headers=auth).status_code == 200
     assert isinstance(h.http, httpx.Client)
+
+
+def test_unknown_fields_are_named_and_extras_reach_the_engine(h: Harness) -> None:
+    body = {"input": "x", "frobnicate": 1, "include": [], "allowed_token_ids": [7, 8]}
+    for stream in (False, True):
+        r = h.post("/v1/responses", {**body, "stream": stream})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvflow-ignored-fields"] == "frobnicate,include"
+        assert h.fake.added[-1].sampling_params.allowed_token_ids == [7, 8]
+    assert "x-kvflow-ignored-fields" not in h.post("/v1/responses", {"input": "x"}).headers
