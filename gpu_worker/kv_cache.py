@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kvflow.config import resolve_kv_cache_dtype
+from kvflow.gpu_worker import host_memory
 from kvflow.kernels import kv_codec
 
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,9 +68,14 @@ def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, device: torch.device
 ) -> list[torch.Tensor]:
     """Per-layer views `[2, num_blocks, block_size, num_kv_heads, row_width]` of one tensor."""
-    # On CPU, `empty` maps fresh pages that the OS zero-fills on first touch, so start-up
-    # does not spend ~0.8 s writing 2 GiB of zeros; on CUDA a memset is nearly free and
-    # keeps recycled device memory (possibly NaN bit patterns) out of the cache.
+    # On CPU the pages are reserved (host_memory.py: checked against the free memory,
+    # faulted in now, huge where the kernel agrees), not zeroed by a write; on CUDA a
+    # memset is nearly free and keeps recycled device memory (possibly NaN bit patterns)
+    # out of the cache.
+    if device.type == "cpu":
+        host_memory.check_fits(
+            num_blocks * spec.bytes_per_block, "the KV cache", "--kv-cache-memory"
+        )
     alloc = torch.empty if device.type == "cpu" else torch.zeros
     cache = alloc(
         spec.num_layers,
@@ -81,4 +87,5 @@ def allocate_kv_cache(
         dtype=spec.dtype,
         device=device,
     )
+    host_memory.reserve(cache)
     return list(cache.unbind(0))
