@@ -20,6 +20,10 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     frontend_id: str = ""  # which frontend owns the request (the detokenizer routes by it)
+    # Tokens the request already generated on an engine that died (the frontend re-routed
+    # it here): the engine recomputes their KV as after a preemption and samples on from
+    # them; the detokenizer takes them as text already streamed.
+    output_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

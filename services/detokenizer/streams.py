@@ -52,9 +52,12 @@ class DetokenizerStreams:
     def add(self, message: AddRequest) -> None:
         self.frontends.add(message.frontend_id)
         try:
-            detokenizer: IncrementalDetokenizer | None = IncrementalDetokenizer(
+            made = IncrementalDetokenizer(
                 self.tokenizer, message.prompt_token_ids, message.sampling_params
             )
+            if message.output_token_ids:  # re-routed: its text so far reached the client
+                made.update(message.output_token_ids)
+            detokenizer: IncrementalDetokenizer | None = made
         except Exception:  # the scheduler rejects such a request and sends its error
             logger.exception("no detokenizer for request %s", message.req_id)
             detokenizer = None

@@ -56,7 +56,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvflow.errors import EngineDeadError
 from kvflow.proto.addresses import ServiceAddresses
-from kvflow.proto.engine import AbortRequests, AddRequest
+from kvflow.proto.engine import AddRequest
 from kvflow.proto.frontend import EngineDead, FrontendOutputs, RequestOutputDelta
 from kvflow.proto.stats import SchedulerStats
 from kvflow.routing import Decision, NoEngineError, Router, RoutingConfig
@@ -64,6 +64,11 @@ from kvflow.runtime.sockets import TypedSocket
 from kvflow.sampling_params import SamplingParams, child_request_ids, child_sampling_params
 from kvflow.services.frontend.engine_health import EngineHealth
 from kvflow.services.frontend.engine_link import EngineLink
+from kvflow.services.frontend.in_flight import (
+    InFlightRequests,
+    SentRequest,
+    error_delta,
+)
 from kvflow.services.frontend.request_deadline import Deadline
 
 logger = logging.getLogger(__name__)
@@ -75,21 +80,11 @@ StatsListener = Callable[[SchedulerStats], None]
 RouteListener = Callable[[str, Decision], None]  # (engine label, decision)
 
 
-def sample_index(child_id: str) -> int:
-    """Index of the sample a child request id stands for (0 when n == 1)."""
-    _, sep, index = child_id.rpartition("#")
-    return int(index) if sep else 0
-
-
-def error_delta(child_id: str, reason: str) -> RequestOutputDelta:
-    return RequestOutputDelta(child_id, "", [], finish_reason="error", error=reason)
-
-
 # Put into a request's queue when its deadline passes (compared by identity).
 _DEADLINE_PASSED = error_delta("", "deadline")
 
 
-class EngineClient(EngineHealth):
+class EngineClient(EngineHealth, InFlightRequests):
     def __init__(
         self,
         addresses: ServiceAddresses | Sequence[ServiceAddresses],
@@ -115,6 +110,7 @@ class EngineClient(EngineHealth):
         self._route_listeners: list[RouteListener] = []
         self._queues: dict[str, asyncio.Queue[RequestOutputDelta]] = {}  # child id -> queue
         self._owners: dict[str, int] = {}  # child id -> the engine that holds it
+        self._sent: dict[str, SentRequest] = {}  # child id -> what re-routing it would resend
         self._context: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -217,6 +213,7 @@ class EngineClient(EngineHealth):
                     cache_salt=cache_salt,
                     frontend_id=self.frontend_id,
                 )
+                self._sent[child_id] = SentRequest(request, pinned=data_parallel_rank is not None)
                 self.engines[engine].input.send(request)
             while unfinished:
                 delta = await queue.get()
@@ -235,6 +232,7 @@ class EngineClient(EngineHealth):
                 self.abort(sorted(unfinished))
             for child_id in child_ids:
                 self._owners.pop(child_id, None)
+                self._sent.pop(child_id, None)
 
     def _route(self, token_ids: list[int], cache_salt: str | None, rank: int | None) -> int:
         problems = self.engine_problems()
@@ -247,35 +245,6 @@ class EngineClient(EngineHealth):
         for listener in self._route_listeners:
             listener(str(decision.engine), decision)
         return decision.engine
-
-    def abort(self, child_ids: list[str]) -> None:
-        """Tell the engines holding these child requests to drop them (frees KV blocks)."""
-        by_engine: dict[int, list[str]] = {}
-        for child_id in child_ids:
-            engine = self._owners.get(child_id)
-            if engine is not None:
-                by_engine.setdefault(engine, []).append(child_id)
-        for engine, ids in by_engine.items():
-            link = self.engines[engine]
-            if link.sockets:
-                link.input.send(AbortRequests(req_ids=ids, finish_reason="abort"))
-
-    def fail_all(self, reason: str, *, abort: bool = False) -> None:
-        """End every request in flight with an error delta (optionally aborting it)."""
-        for engine in self.engines:
-            self.fail_engine(engine.index, reason, abort=abort)
-
-    def fail_engine(self, engine: int, reason: str, *, abort: bool = False) -> None:
-        """End the requests in flight on one engine with an error delta."""
-        child_ids = [c for c in self._queues if self._owners.get(c) == engine]
-        if len(self.engines) > 1:
-            reason = f"{reason} (engine {engine})"
-        for child_id in child_ids:
-            self._queues.pop(child_id).put_nowait(error_delta(child_id, reason))
-        if abort:
-            self.abort(child_ids)
-        if child_ids:
-            logger.warning("failed %d in-flight request(s): %s", len(child_ids), reason)
 
     # ---- background tasks -------------------------------------------------------------
 
@@ -293,8 +262,12 @@ class EngineClient(EngineHealth):
             case FrontendOutputs(deltas=deltas):
                 for delta in deltas:
                     queue = self._queues.get(delta.req_id)
-                    if queue is not None:  # else: aborted or failed already
-                        queue.put_nowait(delta)
+                    if queue is None:  # aborted or failed already
+                        continue
+                    if self._owners.get(delta.req_id) != engine:
+                        continue  # late output of an engine this request left
+                    self._sent[delta.req_id].observe(delta)
+                    queue.put_nowait(delta)
             case SchedulerStats():
                 self._on_stats(message, engine)
             case EngineDead(reason=reason):

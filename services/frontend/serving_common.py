@@ -40,8 +40,9 @@ from kvflow.sampling_params import (
     with_bad_words_token_ids,
 )
 from kvflow.services.frontend.config import FrontendConfig
-from kvflow.services.frontend.engine_client import EngineClient, sample_index
+from kvflow.services.frontend.engine_client import EngineClient
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST
+from kvflow.services.frontend.in_flight import sample_index
 from kvflow.services.frontend.metrics import FrontendMetrics
 from kvflow.services.frontend.request_deadline import Deadline, RequestDeadlines
 from kvflow.services.frontend.responses import UsageInfo

@@ -12,8 +12,11 @@ included: a stop string's abort goes to the one scheduler that holds the request
 detokenizer's death takes down one engine, not all. Processes are named
 `kvflow-e<i>-sched`, `kvflow-e<i>-w<rank>`, `kvflow-e<i>-detok`.
 
-An engine whose process dies is out of routing at once (its watchdog, read by the
-frontend); its remaining processes are stopped and the engine is started anew, up to
+A dead worker is restarted within `--max-worker-restarts` and the engine's scheduler
+resumes its requests, as in a single engine. An engine that dies otherwise (its
+scheduler or detokenizer, or a worker past its budget) is out of routing at once (its
+watchdog, read by the frontend, which re-routes its requests to the other engines); its
+remaining processes are stopped and the engine is started anew, up to
 `RESTART_BUDGET` times. The restarted scheduler's new incarnation in its stats puts it
 back into routing. Every engine must be ready before the frontend opens its port.
 """
@@ -48,7 +51,7 @@ from kvflow.services.launch.launcher import (
     _TokenizerPreload,
     make_frontend_config,
 )
-from kvflow.services.launch.worker_group import worker_rank_args
+from kvflow.services.launch.worker_group import restart_policy, worker_rank_args
 from kvflow.services.scheduler.main import SchedulerOptions
 
 logger = logging.getLogger(__name__)
@@ -102,14 +105,6 @@ class EngineGroup:
         detokenizer = functools.partial(_named, f"kvflow-e{e}-detok", run_detokenizer)
         children.start("detokenizer", 0, detokenizer, addresses, self.model_dir)
 
-    def dead_child(self) -> str | None:
-        """What happened to the first dead process (no sockets: any thread may ask)."""
-        assert self.children is not None
-        for child in self.children.children:
-            if not child.process.is_alive():
-                return f"engine {self.index}: {child.exit_description()}"
-        return None
-
     def stop(self, timeout_s: float) -> None:
         if self.children is not None:
             self.children.shutdown(self.addresses.scheduler_input, timeout_s)
@@ -141,9 +136,14 @@ class Supervisor:
                     self._check(group)
 
     def _check(self, group: EngineGroup) -> None:
-        death = group.dead_child()
-        if death is None:
+        assert group.children is not None
+        # A dead worker is restarted within its budget, as in a single engine: the
+        # scheduler resumes its requests. Anything else ends the engine.
+        policy = restart_policy(group.config, self.options.restart)
+        fatal = group.children.supervise(policy, time.monotonic())
+        if fatal is None:
             return
+        death = f"engine {group.index}: {fatal}"
         group.death = death
         logger.error("%s", death)
         group.stop(self.options.shutdown_timeout_s)

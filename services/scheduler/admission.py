@@ -58,7 +58,12 @@ def admit(message: AddRequest, limits: EngineLimits, queued_time: float) -> Requ
             param="n",
         )
     max_tokens = check_lengths(message.prompt_token_ids, params, limits)
-    return Request(
+    if len(message.output_token_ids) >= max_tokens:
+        raise InvalidRequestError(
+            f"a resumed request brings {len(message.output_token_ids)} output tokens but "
+            f"may have only {max_tokens}"
+        )
+    request = Request(
         message.req_id,
         message.prompt_token_ids,
         params,
@@ -68,3 +73,5 @@ def admit(message: AddRequest, limits: EngineLimits, queued_time: float) -> Requ
         cache_salt=message.cache_salt,
         max_tokens=max_tokens,
     )
+    request.all_token_ids += message.output_token_ids  # recomputed, as after a preemption
+    return request

@@ -169,6 +169,9 @@ class EngineCore:
                 guided = request.sampling_params.structured_outputs
                 reasoning_end = guided.reasoning_end_token_ids if guided is not None else None
                 request.grammar = RequestGrammar(pending.future.result(), reasoning_end)
+                if not request.grammar.replay(request.output_token_ids):  # a resumed one
+                    error = "structured_outputs: the resumed output does not fit its grammar"
+            if error is None:
                 request.status = RequestStatus.WAITING
                 self.scheduler.add_request(request)
                 continue

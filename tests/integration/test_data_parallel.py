@@ -1,6 +1,7 @@
 """`kvflow serve --data-parallel-size 2` end to end on the tiny random model: outputs equal
 one engine's, 64 concurrent streams, routing by prefix beats round-robin on prefix-cache
-hits, and one engine's death (and restart) leaves the other serving."""
+hits, one engine's death moves its requests to the other (and the engine comes back),
+and a worker's death is resumed by its own engine: no request is lost either way."""
 
 from __future__ import annotations
 
@@ -142,25 +143,33 @@ def test_prefix_aware_beats_round_robin_on_cache_hits(
     assert prefix_aware > round_robin + 0.05
 
 
-def test_an_engine_death_leaves_the_other_serving_and_it_comes_back(dp_server: Server) -> None:
-    url = dp_server.base_url
-    prompts = [_prompt(5000 + i) for i in range(12)]
-    with ThreadPoolExecutor(12) as pool:
+def _offline(tiny_model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_blocks=512, block_size=16)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].text for o in llm.generate(prompts, params)]
+
+
+def _kill_mid_stream(url: str, pid: int, prompts: list[list[int]]) -> list[Any]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(_stream, url, p, 200) for p in prompts]
         time.sleep(3.0)  # every stream is decoding
-        scheduler = child_pid(dp_server.pid, "kvflow-e1-sched")
-        assert scheduler is not None
-        killed_at = time.monotonic()
-        os.kill(scheduler, signal.SIGKILL)
-        health = _wait_degraded(url)
-        results = [f.result() for f in futures]
-    errors = [e for _, e in results if e is not None]
-    completed = [p for p, e in results if e is None]
-    assert errors and completed, results
-    assert all(p[-1] == "length" for p in completed)  # ran to max_tokens
-    assert all("engine 1" in e for e in errors), errors
-    assert health["engines"]["0"] == "ok" and health["engines"]["1"] != "ok"
-    assert time.monotonic() - killed_at < 60
+        os.kill(pid, signal.SIGKILL)
+        return [f.result() for f in futures]
+
+
+def test_an_engine_death_moves_its_requests_and_it_comes_back(
+    dp_server: Server, tiny_model_dir: Path
+) -> None:
+    url = dp_server.base_url
+    prompts = [_prompt(5000 + i) for i in range(12)]
+    scheduler = child_pid(dp_server.pid, "kvflow-e1-sched")
+    assert scheduler is not None
+    results = _kill_mid_stream(url, scheduler, prompts)
+    # Engine 1's streams moved to engine 0 with their tokens so far: no error, and the
+    # text of an uninterrupted run.
+    assert [e for _, e in results if e is not None] == []
+    assert ["".join(p[:-1]) for p, _ in results] == _offline(tiny_model_dir, prompts, 200)
+    assert "re-routed" in dp_server.log_path.read_text(), dp_server.log_tail()
     # The supervisor restarts engine 1; its new incarnation puts it back into routing.
     assert wait_for(lambda: _healthy(url), timeout_s=240.0), dp_server.log_tail()
     before = _by_engine(url, "kvflow:router_requests_total").get("1", 0.0)
@@ -168,6 +177,19 @@ def test_an_engine_death_leaves_the_other_serving_and_it_comes_back(dp_server: S
         again = list(pool.map(lambda i: _stream(url, _prompt(9000 + i), 4), range(8)))
     assert all(e is None for _, e in again), again
     assert _by_engine(url, "kvflow:router_requests_total")["1"] > before
+
+
+def test_a_worker_death_is_resumed_by_its_engine(dp_server: Server, tiny_model_dir: Path) -> None:
+    url = dp_server.base_url
+    assert wait_for(lambda: _healthy(url), timeout_s=240.0), dp_server.log_tail()
+    prompts = [_prompt(7000 + i) for i in range(12)]
+    worker = child_pid(dp_server.pid, "kvflow-e1-w0")
+    assert worker is not None
+    results = _kill_mid_stream(url, worker, prompts)
+    assert [e for _, e in results if e is not None] == []
+    assert ["".join(p[:-1]) for p, _ in results] == _offline(tiny_model_dir, prompts, 200)
+    assert wait_for(lambda: _healthy(url), timeout_s=120.0), dp_server.log_tail()
+    assert child_pid(dp_server.pid, "kvflow-e1-sched") is not None  # the engine lived on
 
 
 def _wait_degraded(url: str) -> dict[str, Any]:

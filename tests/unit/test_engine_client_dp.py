@@ -11,9 +11,12 @@ import pytest
 
 from kvflow.errors import EngineDeadError, InvalidRequestError
 from kvflow.proto.addresses import ServiceAddresses
-from kvflow.proto.frontend import EngineDead, RequestOutputDelta
+from kvflow.proto.engine import AddRequest
+from kvflow.proto.frontend import EngineDead, FrontendOutputs, RequestOutputDelta
 from kvflow.proto.stats import SchedulerStats
+from kvflow.sampling_params import SamplingParams
 from kvflow.services.frontend.engine_client import EngineClient
+from kvflow.services.frontend.in_flight import SentRequest
 
 
 def _client(tmp_path: Path) -> EngineClient:
@@ -73,3 +76,69 @@ def test_a_stats_message_feeds_the_router(tmp_path: Path) -> None:
     client._handle(_stats(1, "b"), 1)
     assert client.router.score(0) == 12 and client.router.score(1) == 0
     assert client._route([1, 2, 3], None, None) == 1
+
+
+class _Inbox:
+    """Stands in for an engine's input socket."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def send(self, message: object) -> None:
+        self.sent.append(message)
+
+
+def _sending(client: EngineClient) -> list[_Inbox]:
+    inboxes = [_Inbox(), _Inbox()]
+    for link, inbox in zip(client.engines, inboxes):
+        link.input = inbox  # type: ignore[assignment]
+        link.sockets = [inbox]  # type: ignore[list-item]
+    return inboxes
+
+
+def _sent(
+    client: EngineClient, child_id: str, engine: int, *, pinned: bool = False, **params: object
+) -> asyncio.Queue[RequestOutputDelta]:
+    request = AddRequest(child_id, [5, 6, 7], SamplingParams(max_tokens=9, **params), 0.0)  # type: ignore[arg-type]
+    client._sent[child_id] = SentRequest(request, pinned=pinned)
+    return _in_flight(client, child_id, engine)
+
+
+def _delta(child_id: str, token_ids: list[int]) -> FrontendOutputs:
+    return FrontendOutputs([RequestOutputDelta(child_id, "x", token_ids)])
+
+
+def test_a_dead_engines_requests_move_with_their_tokens(tmp_path: Path) -> None:
+    client = _client(tmp_path)
+    inboxes = _sending(client)
+    client._handle(_stats(0, "a"), 0)
+    client._handle(_stats(1, "b"), 1)
+    queue = _sent(client, "r#0", 1, seed=3, prompt_logprobs=2)
+    pinned = _sent(client, "p#0", 1, pinned=True)
+    client._handle(_delta("r#0", [11, 12]), 1)
+    client._handle(_delta("r#0", [13]), 1)
+    queue.get_nowait(), queue.get_nowait()
+    client._handle(EngineDead("scheduler was killed by SIGKILL"), 1)
+    (moved,) = inboxes[0].sent
+    assert isinstance(moved, AddRequest) and moved.req_id == "r#0"
+    assert moved.prompt_token_ids == [5, 6, 7] and moved.output_token_ids == [11, 12, 13]
+    assert moved.sampling_params.seed == 3 and moved.sampling_params.max_tokens == 9
+    assert moved.sampling_params.prompt_logprobs is None  # delivered with the first delta
+    assert queue.empty() and client._owners["r#0"] == 0  # no error: it goes on elsewhere
+    error = pinned.get_nowait()  # data_parallel_rank named the dead engine
+    assert error.finish_reason == "error" and "(engine 1)" in (error.error or "")
+    client._handle(_delta("r#0", [99]), 1)  # a late delta of the engine it left
+    assert queue.empty()
+    client._handle(_delta("r#0", [14]), 0)
+    assert queue.get_nowait().token_ids == [14]
+
+
+def test_with_no_engine_left_the_requests_fail(tmp_path: Path) -> None:
+    client = _client(tmp_path)
+    inboxes = _sending(client)
+    client._handle(_stats(0, "a"), 0)
+    client._handle(_stats(1, "b"), 1)
+    client._handle(EngineDead("gone"), 0)
+    queue = _sent(client, "r#0", 1)
+    client._handle(EngineDead("also gone"), 1)
+    assert queue.get_nowait().finish_reason == "error" and inboxes[0].sent == []
