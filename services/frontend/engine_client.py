@@ -226,13 +226,7 @@ class EngineClient(EngineHealth, InFlightRequests):
         finally:
             if timer is not None:
                 timer.cancel()
-            for child_id in child_ids:
-                self._queues.pop(child_id, None)
-            if unfinished:
-                self.abort(sorted(unfinished))
-            for child_id in child_ids:
-                self._owners.pop(child_id, None)
-                self._sent.pop(child_id, None)
+            self.release(child_ids, unfinished)
 
     def _route(self, token_ids: list[int], cache_salt: str | None, rank: int | None) -> int:
         problems = self.engine_problems()

@@ -71,6 +71,17 @@ class InFlightRequests:
     def _route(self, token_ids: list[int], cache_salt: str | None, rank: int | None) -> int:
         raise NotImplementedError
 
+    def release(self, child_ids: list[str], unfinished: set[str]) -> None:
+        """Forget a request's children once its caller is done; the unfinished ones
+        (the caller left, or its deadline passed) are aborted on their engine."""
+        for child_id in child_ids:
+            self._queues.pop(child_id, None)
+        if unfinished:
+            self.abort(sorted(unfinished))
+        for child_id in child_ids:
+            self._owners.pop(child_id, None)
+            self._sent.pop(child_id, None)
+
     def abort(self, child_ids: list[str]) -> None:
         """Tell the engines holding these child requests to drop them (frees KV blocks)."""
         by_engine: dict[int, list[str]] = {}
