@@ -27,6 +27,9 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc
     error: str | None = None
     error_code: str | None = None  # TokenDelta.error_code, passed on
     error_param: str | None = None  # the request field at fault: a 400, not a 500
+    # Stamped by the frontend as the delta arrives (never sent): the engine whose
+    # detokenizer sent it, for the request-level metrics' `engine` label.
+    engine_index: int = -1
 
 
 class FrontendOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

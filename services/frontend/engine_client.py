@@ -260,7 +260,10 @@ class EngineClient(EngineHealth, InFlightRequests):
                         continue
                     if self._owners.get(delta.req_id) != engine:
                         continue  # late output of an engine this request left
-                    self._sent[delta.req_id].observe(delta)
+                    sent = self._sent.get(delta.req_id)
+                    if sent is not None:
+                        sent.observe(delta)
+                    delta.engine_index = engine
                     queue.put_nowait(delta)
             case SchedulerStats():
                 self._on_stats(message, engine)

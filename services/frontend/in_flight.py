@@ -71,6 +71,13 @@ class InFlightRequests:
     def _route(self, token_ids: list[int], cache_salt: str | None, rank: int | None) -> int:
         raise NotImplementedError
 
+    def engine_label(self, delta: RequestOutputDelta) -> str | None:
+        """The `engine` metrics label of the engine that sent `delta`; None with one
+        engine (its label is the frontend's configured one) or for a made-up delta."""
+        if len(self.engines) == 1 or delta.engine_index < 0:
+            return None
+        return str(delta.engine_index)
+
     def release(self, child_ids: list[str], unfinished: set[str]) -> None:
         """Forget a request's children once its caller is done; the unfinished ones
         (the caller left, or its deadline passed) are aborted on their engine."""

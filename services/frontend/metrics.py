@@ -70,7 +70,8 @@ _CUMULATIVE = {
 class FrontendMetrics:
     def __init__(self, model_name: str, max_model_len: int, default_engine: str = "0") -> None:
         self.model_name = model_name
-        # Request-level metrics carry no engine identity on the wire: they use this label.
+        # The engine label of request-level metrics with one engine (with several, the
+        # label of the engine that served the request: EngineClient.engine_label).
         self.default_engine = default_engine
         self.registry = CollectorRegistry(auto_describe=True)
         self._last_cumulative: dict[tuple[str, str], float] = {}
@@ -80,7 +81,8 @@ class FrontendMetrics:
         self._define_kv_transfer_metrics(labels)
         self.perf = PerfMetrics(self.registry, model_name)  # roofline, peaks, start-up
         self.requests = RequestMetrics(self.registry, labels, max_model_len)
-        self._series = RequestSeries(self.requests, model_name, default_engine)
+        self._series: dict[str, RequestSeries] = {}  # by engine label, bound on first use
+        self.request_series(None)  # the default engine's series exist from the start
         self.http_requests = Counter(
             "kvflow:http_requests",
             "Number of HTTP requests by route, method and status code.",
@@ -285,8 +287,16 @@ class FrontendMetrics:
     def count_rejected(self, reason: str) -> None:
         self.requests_rejected.labels(self.model_name, reason).inc()
 
+    def request_series(self, engine: str | None) -> RequestSeries:
+        """The request-level series of one engine label (None: the default one)."""
+        label = self.default_engine if engine is None else engine
+        series = self._series.get(label)
+        if series is None:
+            series = self._series[label] = RequestSeries(self.requests, self.model_name, label)
+        return series
+
     def track_request(self, arrival_time: float) -> RequestTracker:
-        return RequestTracker(self._series, arrival_time)
+        return RequestTracker(self.request_series, arrival_time)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

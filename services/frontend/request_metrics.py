@@ -123,8 +123,11 @@ class RequestTracker:
     A sample the engine failed (finish reason "error") is not a finished request.
     """
 
-    def __init__(self, series: RequestSeries, arrival_time: float) -> None:
-        self.series = series
+    def __init__(
+        self, series_of: Callable[[str | None], RequestSeries], arrival_time: float
+    ) -> None:
+        self.series_of = series_of  # engine label (None: the default one) -> its series
+        self.series = series_of(None)
         self.arrival_time = arrival_time
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -133,9 +136,13 @@ class RequestTracker:
         self.queued_time = self.scheduled_time = self.engine_first_token_time = 0.0
         self.done = False
 
-    def observe(self, delta: RequestOutputDelta, now: float) -> None:
+    def observe(self, delta: RequestOutputDelta, now: float, engine: str | None = None) -> None:
+        """`engine`: the label of the engine that sent the delta (None: the default);
+        a request re-routed after its engine died counts under the one that ends it."""
         if self.done:
             return
+        if engine is not None:
+            self.series = self.series_of(engine)
         if delta.token_ids:
             if self.first_token_at is None:
                 self.first_token_at = now

@@ -209,7 +209,8 @@ class ServingContext:
             async with aclosing(merge_streams(streams)) as merged:
                 async for prompt_index, delta in merged:
                     choice = prompt_index * n + sample_index(delta.req_id)
-                    trackers[choice].observe(delta, time.time())
+                    engine = self.engine.engine_label(delta)
+                    trackers[choice].observe(delta, time.time(), engine)
                     if delta.finish_reason == "error":
                         failed = True
                         raise engine_error(delta)

@@ -97,6 +97,9 @@ def test_64_concurrent_streams_equal_one_engine(dp_server: Server, tiny_model_di
     assert len(set(offline)) > 32  # each stream got its own tokens, not a neighbour's
     routed = _by_engine(dp_server.base_url, "kvflow:router_requests_total")
     assert routed["0"] > 0 and routed["1"] > 0, routed  # both engines served
+    # Request-level series carry the engine that served the request.
+    served = _by_engine(dp_server.base_url, "kvflow:request_success_total")
+    assert served == routed, (served, routed)
 
 
 def test_offline_llm_refuses_data_parallelism(tiny_model_dir: Path) -> None:

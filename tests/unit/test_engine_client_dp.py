@@ -142,3 +142,23 @@ def test_with_no_engine_left_the_requests_fail(tmp_path: Path) -> None:
     queue = _sent(client, "r#0", 1)
     client._handle(EngineDead("also gone"), 1)
     assert queue.get_nowait().finish_reason == "error" and inboxes[0].sent == []
+
+
+def test_request_series_carry_the_engine_that_sent_the_delta(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from kvflow.services.frontend.metrics import FrontendMetrics
+
+    client = _client(tmp_path)
+    metrics = FrontendMetrics("m", 64)
+    inboxes = _sending(client)
+    client._handle(_stats(0, "a"), 0)
+    client._handle(_stats(1, "b"), 1)
+    queue = _sent(client, "r#0", 1)
+    client._handle(FrontendOutputs([RequestOutputDelta("r#0", "x", [3], "length")]), 1)
+    tracker = metrics.track_request(time.time())
+    delta = queue.get_nowait()
+    tracker.observe(delta, time.time(), client.engine_label(delta))
+    text = generate_latest(metrics.registry).decode()
+    line = 'kvflow:request_success_total{engine="1",finished_reason="length",model_name="m"} 1.0'
+    assert line in text and inboxes[0].sent == []
