@@ -12,6 +12,7 @@ closed with it, so it lives on the server's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import logging
@@ -19,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -36,6 +38,7 @@ from kvflow.services.frontend.engine_view import EngineView
 from kvflow.services.frontend.errors import APIError, error_response
 from kvflow.services.frontend.health import degraded_health
 from kvflow.services.frontend.metrics import CONTENT_TYPE, FrontendMetrics
+from kvflow.services.frontend.metrics_fanin import PUBLISH_S, SharedProcessMetrics
 from kvflow.services.frontend.openapi import openapi_document
 from kvflow.services.frontend.reasoning import AUTO, auto_reasoning_parser
 from kvflow.services.frontend.responses import VersionResponse
@@ -71,7 +74,9 @@ def build_app(
         config.served_model_name, config.max_model_len, config.engine_label
     )
     engine_client.add_stats_listener(metrics.observe_scheduler_stats)
-    routing = RoutingMetrics(metrics.registry, config.served_model_name, len(engine_client.engines))
+    routing = RoutingMetrics(
+        metrics.process_registry, config.served_model_name, len(engine_client.engines)
+    )
     engine_client.add_route_listener(routing.observe)
     view = EngineView()
     engine_client.add_stats_listener(view.observe)
@@ -82,13 +87,21 @@ def build_app(
     ctx = ServingContext(config, engine_client, tokenizer, metrics)
     web_ui = WebUI(view)
 
+    shared = None
+    if config.metrics_dir is not None:  # one of several API servers on the port
+        shared = metrics.share(Path(config.metrics_dir), config.frontend_id)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if not engine_client.started:
             await engine_client.start()
+        publisher = asyncio.create_task(_publish(shared)) if shared is not None else None
         try:
             yield
         finally:
+            if publisher is not None and shared is not None:
+                publisher.cancel()
+                shared.withdraw()
             await engine_client.close()
 
     app = Starlette(
@@ -100,6 +113,13 @@ def build_app(
     app.state.serving = ctx
     app.state.web_ui = web_ui  # main.py ends its stats streams at shutdown
     return app
+
+
+async def _publish(shared: SharedProcessMetrics) -> None:
+    """Keep this API server's share fresh for scrapes that reach a sibling."""
+    while True:
+        shared.publish()
+        await asyncio.sleep(PUBLISH_S)
 
 
 class _Endpoints:

@@ -78,6 +78,9 @@ class FrontendConfig:
     stats_timeout_s: float = 10.0  # no SchedulerStats for this long: unhealthy
     shutdown_grace_s: float = 5.0  # after SIGTERM, streams may run this long, then error
     engine_label: str = "0"  # `engine` label of request-level metrics
+    # Several API servers on one port: where each publishes its request-level metrics,
+    # so that a scrape of any of them returns the sum (metrics_fanin.py). None: alone.
+    metrics_dir: str | None = None
     # /v1/responses kept for previous_response_id and GET (LRU; 0: none; response_store.py)
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     # Each engine's --max-waiting-requests (None: no limit): a request with more

@@ -16,11 +16,14 @@ A private CollectorRegistry keeps several apps in one process (tests) apart.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvflow.proto.kv_transfer import KVTransferStats
 from kvflow.proto.stats import GrammarStats, SchedulerStats
+from kvflow.services.frontend.metrics_fanin import SharedProcessMetrics
 from kvflow.services.frontend.perf_metrics import PerfMetrics
 from kvflow.services.frontend.request_metrics import RequestMetrics, RequestSeries, RequestTracker
 
@@ -73,21 +76,25 @@ class FrontendMetrics:
         # The engine label of request-level metrics with one engine (with several, the
         # label of the engine that served the request: EngineClient.engine_label).
         self.default_engine = default_engine
+        # Engine-level families (from the engines' stats: alike in every API server) and
+        # this process's own (its requests): summed over API servers when shared.
         self.registry = CollectorRegistry(auto_describe=True)
+        self.process_registry = CollectorRegistry(auto_describe=True)
+        self.shared: SharedProcessMetrics | None = None
         self._last_cumulative: dict[tuple[str, str], float] = {}
         labels = ["model_name", "engine"]
         self._define_engine_metrics(labels)
         self._define_grammar_metrics(labels)
         self._define_kv_transfer_metrics(labels)
         self.perf = PerfMetrics(self.registry, model_name)  # roofline, peaks, start-up
-        self.requests = RequestMetrics(self.registry, labels, max_model_len)
+        self.requests = RequestMetrics(self.process_registry, labels, max_model_len)
         self._series: dict[str, RequestSeries] = {}  # by engine label, bound on first use
         self.request_series(None)  # the default engine's series exist from the start
         self.http_requests = Counter(
             "kvflow:http_requests",
             "Number of HTTP requests by route, method and status code.",
             ["route", "method", "status"],
-            registry=self.registry,
+            registry=self.process_registry,
         )
         # Created at 0 for every reason: a dashboard shows 0, not "No data".
         self.requests_rejected = Counter(
@@ -95,7 +102,7 @@ class FrontendMetrics:
             "Requests refused or ended for load or time: queue_full (HTTP 429), "
             "queue_timeout (503), timeout (the request's own, 408).",
             ["model_name", "reason"],
-            registry=self.registry,
+            registry=self.process_registry,
         )
         for reason in REJECTION_REASONS:
             self.requests_rejected.labels(model_name, reason)
@@ -103,7 +110,7 @@ class FrontendMetrics:
             "kvflow:http_request_duration_seconds",
             "Duration of HTTP requests in seconds (whole stream for SSE responses).",
             ["route", "method"],
-            registry=self.registry,
+            registry=self.process_registry,
         )
 
     def _define_engine_metrics(self, labels: list[str]) -> None:
@@ -298,5 +305,14 @@ class FrontendMetrics:
     def track_request(self, arrival_time: float) -> RequestTracker:
         return RequestTracker(self.request_series, arrival_time)
 
+    def share(self, directory: Path, frontend_id: str) -> SharedProcessMetrics:
+        """Publish this process's families for its sibling API servers and answer
+        scrapes with the sum over all of them (metrics_fanin.py)."""
+        self.shared = SharedProcessMetrics(directory, frontend_id, self.process_registry)
+        return self.shared
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        engine = generate_latest(self.registry)
+        if self.shared is not None:
+            return engine + self.shared.render()
+        return engine + generate_latest(self.process_registry)

@@ -23,6 +23,7 @@ back into routing. Every engine must be ready before the frontend opens its port
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import shutil
@@ -248,6 +249,10 @@ def _run_frontend(
     )
 
     frontend = make_frontend_config(config, model_dir, options)
+    metrics_dir = None
+    if options.api_server_count > 1:  # a scrape sums the request-level metrics of all
+        metrics_dir = Path(tempfile.mkdtemp(prefix="kvflow-metrics-"))
+        frontend = dataclasses.replace(frontend, metrics_dir=str(metrics_dir))
     routing = RoutingConfig(policy=config.parallel.load_balance, block_size=config.cache.block_size)
     addresses = [group.addresses for group in groups]
     extra = start_api_servers(options.api_server_count - 1, frontend, addresses, model_dir, routing)
@@ -265,6 +270,8 @@ def _run_frontend(
         )
     finally:
         stop_api_servers(extra, options.shutdown_timeout_s)
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     logger.info("frontend stopped")
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -252,21 +253,27 @@ def test_two_api_servers_share_the_port(
             body = {"model": MODEL_NAME, "prompt": _prompt(i), "max_tokens": 2}
             response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
             assert response.status_code == 200, response.text
-        # Each frontend counts what it routed (the two counts add up to 24). A count
-        # strictly between 0 and 24, from whichever frontend a scrape reaches, means
-        # both routed some; two different counts must add up to 24 (equal halves show
-        # one value: 12 and 12).
-        seen: set[float] = set()
 
-        def both_routed() -> bool:
-            seen.add(_by_engine(server.base_url, "kvflow:router_requests_total")["0"])
-            return any(0 < count < 24 for count in seen)
+        # Each frontend counts what it routed, and publishes its share for the other:
+        # a scrape, whichever process the kernel picks, shows the sum (24) every time.
+        def summed() -> bool:
+            return _by_engine(server.base_url, "kvflow:router_requests_total")["0"] == 24
 
-        assert wait_for(both_routed, timeout_s=30.0, interval_s=0.0), seen
-        assert len(seen) == 1 or (len(seen) == 2 and sum(seen) == 24), seen
+        assert wait_for(summed, timeout_s=30.0)
+        assert all(summed() for _ in range(10))
+        # ... and both routed some (their published shares).
+        (shares,) = [d for d in Path(tempfile.gettempdir()).glob("kvflow-metrics-*")]
+        routed = [_routed_in_share(path) for path in sorted(shares.glob("*.json"))]
+        assert len(routed) == 2 and all(r > 0 for r in routed) and sum(routed) == 24, routed
     finally:
         code, survivors = stop_server(server)
     assert survivors == [] and code == 0, server.log_tail()
+
+
+def _routed_in_share(path: Path) -> float:
+    families = json.loads(path.read_text())
+    (family,) = [f for f in families if f["name"] == "kvflow:router_requests"]
+    return sum(v for name, _, v in family["samples"] if name.endswith("_total"))
 
 
 def test_standalone_roles_of_two_engines_behind_one_frontend(

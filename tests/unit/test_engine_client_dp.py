@@ -145,8 +145,6 @@ def test_with_no_engine_left_the_requests_fail(tmp_path: Path) -> None:
 
 
 def test_request_series_carry_the_engine_that_sent_the_delta(tmp_path: Path) -> None:
-    from prometheus_client import generate_latest
-
     from kvflow.services.frontend.metrics import FrontendMetrics
 
     client = _client(tmp_path)
@@ -159,6 +157,6 @@ def test_request_series_carry_the_engine_that_sent_the_delta(tmp_path: Path) -> 
     tracker = metrics.track_request(time.time())
     delta = queue.get_nowait()
     tracker.observe(delta, time.time(), client.engine_label(delta))
-    text = generate_latest(metrics.registry).decode()
+    text = metrics.render().decode()
     line = 'kvflow:request_success_total{engine="1",finished_reason="length",model_name="m"} 1.0'
     assert line in text and inboxes[0].sent == []

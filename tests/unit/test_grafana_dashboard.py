@@ -32,7 +32,8 @@ def exported_families() -> dict[str, tuple[str, ...]]:
     metrics = FrontendMetrics("model", max_model_len=2048)
     return {
         family.name: tuple(family.name + suffix for suffix in SUFFIXES[family.type])
-        for family in metrics.registry.collect()
+        for registry in (metrics.registry, metrics.process_registry)
+        for family in registry.collect()
     }
 
 
