@@ -79,7 +79,7 @@ def route_grouped(
             group_scores = grouped.amax(dim=-1)
         kept = torch.topk(group_scores, spec.topk_groups, dim=-1).indices  # [T, topk_groups]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-        choice = grouped.masked_fill(~keep[:, :, None], -torch.inf).view(num_tokens, -1)
+        choice = grouped.masked_fill(~keep[:, :, None], -torch.inf).view(num_tokens, num_experts)
     ids = torch.topk(choice, top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if renormalize:
