@@ -70,9 +70,9 @@ def latent_attention(
     plan = plans.plan_for(metadata, kv_cache, q_nope.shape[0])
     width = latent.shape[-1]
     slots = kv_cache[0].view(-1, width) if plan.has_cache else None
-    if slots is not None:
-        rows = latent[:, 0] if plan.store_rows is None else latent[plan.store_rows, 0]
-        slots.index_copy_(0, plan.store_slots, rows)
+    if slots is not None:  # padding rows (slot -1) dropped first
+        stored = latent[:, 0] if plan.store_rows is None else latent[plan.store_rows, 0]
+        slots.index_copy_(0, plan.store_slots, stored)
     nope = q_nope.shape[-1]
     out = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], kv_b.shape[1] - nope)
     decode = plan.decode

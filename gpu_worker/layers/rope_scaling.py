@@ -100,7 +100,9 @@ def _yarn_inv_freq(
     if attention_factor is None:
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
         attention_factor = (
-            yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+            yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+            if m and m_all
+            else yarn_mscale(factor)
         )
 
     def correction_dim(rotations: float) -> float:

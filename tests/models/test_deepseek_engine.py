@@ -20,13 +20,21 @@ ENGINE_MLA = {**MLA, "num_hidden_layers": 3}
 
 CONFIGS = {
     "v2": lambda vocab: DeepseekV2Config(
-        **{**ENGINE_MLA, "vocab_size": vocab}, q_lora_rank=None,
-        topk_method="group_limited_greedy", n_group=4, topk_group=2,
-    ),  # fmt: skip
+        **{**ENGINE_MLA, "vocab_size": vocab},
+        q_lora_rank=None,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+    ),
     "v3": lambda vocab: DeepseekV3Config(
-        **{**ENGINE_MLA, "vocab_size": vocab}, q_lora_rank=24, n_group=4, topk_group=2,
-        norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters=YARN,
-    ),  # fmt: skip
+        **{**ENGINE_MLA, "vocab_size": vocab},
+        q_lora_rank=24,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_parameters=YARN,
+    ),
 }
 
 

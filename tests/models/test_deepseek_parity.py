@@ -46,17 +46,32 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         **MLA, q_lora_rank=None, topk_method="greedy", tie_word_embeddings=True
     ),
     "v2-grouped": lambda: DeepseekV2Config(
-        **MLA, q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-        routed_scaling_factor=1.5, tie_word_embeddings=False,
-    ),  # fmt: skip
-    "v3": lambda: DeepseekV3Config(
-        **MLA, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
-        routed_scaling_factor=2.5, rope_parameters=YARN, tie_word_embeddings=False,
-    ),  # fmt: skip
-    "v3-no-interleave": lambda: DeepseekV3Config(
-        **MLA, q_lora_rank=24, n_group=1, topk_group=1, rope_interleave=False,
+        **MLA,
+        q_lora_rank=24,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
         tie_word_embeddings=False,
-    ),  # fmt: skip
+    ),
+    "v3": lambda: DeepseekV3Config(
+        **MLA,
+        q_lora_rank=24,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_parameters=YARN,
+        tie_word_embeddings=False,
+    ),
+    "v3-no-interleave": lambda: DeepseekV3Config(
+        **MLA,
+        q_lora_rank=24,
+        n_group=1,
+        topk_group=1,
+        rope_interleave=False,
+        tie_word_embeddings=False,
+    ),
 }
 
 

@@ -39,7 +39,11 @@ def full_kv_bytes_per_token(config: object, elem: int) -> int:
     [
         # V3 (and V2, 60 layers): 576 values a layer against 128 heads x (192 + 128)
         (DeepseekV3Config(), 61 * 576 * 2, 61 * 128 * 320 * 2),  # 70,272 vs 4,997,120 B
-        (DeepseekV2Config(num_hidden_layers=60, num_attention_heads=128), 60 * 576 * 2, 60 * 128 * 320 * 2),
+        (
+            DeepseekV2Config(num_hidden_layers=60, num_attention_heads=128),
+            60 * 576 * 2,
+            60 * 128 * 320 * 2,
+        ),
         (DeepseekV2Config(**V2_LITE), 27 * 576 * 2, 27 * 16 * 320 * 2),  # 31,104 vs 276,480 B
     ],
 )
@@ -58,7 +62,7 @@ def test_the_latent_cache_holds_one_row_a_token_and_layer(
 
 
 def test_an_8bit_latent_cache_is_refused_at_start() -> None:
-    with pytest.raises(ConfigError, match="latent attention.*--kv-cache-dtype auto"):
+    with pytest.raises(ConfigError, match=r"latent attention.*--kv-cache-dtype auto"):
         KVCacheSpec.from_hf_config(DeepseekV3Config(), 16, torch.int8)
 
 
