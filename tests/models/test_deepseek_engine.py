@@ -15,6 +15,7 @@ from test_dense_families_engine import MAX_TOKENS, hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config, DeepseekV3Config
 
 from kvflow import LLM, SamplingParams
+from kvflow.errors import ConfigError
 
 ENGINE_MLA = {**MLA, "num_hidden_layers": 3}
 
@@ -67,4 +68,11 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(
     assert llm.engine.kv_cache.prefix_cache_hits > 0
     assert llm.engine.scheduler.num_preemptions > 0
     llm.engine.kv_cache.check_integrity()
-    assert llm.engine.runner.kv_spec.planes == 1  # the latent layout
+    runner = llm.engine.runner
+    assert runner.kv_spec.planes == 1  # the latent layout
+    assert runner.decode_graphs is None  # the torch MLA decode path plans on the host
+
+
+def test_an_8bit_kv_cache_is_refused_at_start(tiny_model_dir: Any) -> None:
+    with pytest.raises(ConfigError, match="latent attention"):
+        LLM(str(tiny_model_dir("deepseekv3")), device="cpu", kv_cache_dtype="int8", num_blocks=8)
