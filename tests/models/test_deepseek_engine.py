@@ -76,3 +76,46 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(
 def test_an_8bit_kv_cache_is_refused_at_start(tiny_model_dir: Any) -> None:
     with pytest.raises(ConfigError, match="latent attention"):
         LLM(str(tiny_model_dir("deepseekv3")), device="cpu", kv_cache_dtype="int8", num_blocks=8)
+
+
+@pytest.mark.slow
+def test_latent_blocks_go_from_a_prefill_to_a_decode_instance(
+    tiny_model_dir: Any, tmp_path: Path
+) -> None:
+    """P/D over shared storage: the consumer loads the producer's latent blocks (saved
+    layer by layer) and decodes what a colocated engine decodes."""
+    path = str(tiny_model_dir("deepseekv2"))
+    prompts = [list(range(100, 119)), [7, 8, 9]]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    options: dict[str, Any] = dict(dtype="float32", device="cpu", num_blocks=32, block_size=4)
+
+    def kv(role: str) -> dict[str, Any]:
+        return {
+            "kv_role": role,
+            "kv_connector": "shared-storage",
+            "kv_connector_extra_config": {"storage_path": str(tmp_path)},
+        }
+
+    colocated_llm = LLM(path, **options)
+    colocated_tokens = _count_computed(colocated_llm)
+    colocated = [o.token_ids for o in colocated_llm.generate(prompts, greedy)]
+    producer = LLM(path, kv_transfer_config=kv("kv_producer"), **options)
+    producer.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
+    assert list(tmp_path.rglob("*.kv"))
+    consumer = LLM(path, kv_transfer_config=kv("kv_consumer"), **options)
+    consumer_tokens = _count_computed(consumer)
+    assert [o.token_ids for o in consumer.generate(prompts, greedy)] == colocated
+    assert sum(consumer_tokens) < sum(colocated_tokens)  # the loaded prompt blocks
+
+
+def _count_computed(llm: LLM) -> list[int]:
+    """Tokens each executed step computes (wraps the runner)."""
+    runner, counts = llm.engine.runner, []
+    execute = runner.execute
+
+    def counting(plan: Any) -> Any:
+        counts.append(plan.total_num_scheduled_tokens)
+        return execute(plan)
+
+    runner.execute = counting  # type: ignore[method-assign]
+    return counts
