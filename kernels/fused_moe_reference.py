@@ -41,6 +41,52 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     return Routing(weights, ids)
 
 
+class GroupedTopK(NamedTuple):
+    """DeepSeek's routing: experts fall in `num_groups` equal groups, a token keeps its
+    `topk_groups` best groups and picks its top-k experts among theirs.
+
+        V2  softmax scores, a group scored by its best expert ("max")
+        V3  sigmoid scores + e_score_correction_bias for the choice only, a group scored
+            by the sum of its 2 best experts ("top2"); the weights are the bias-free scores
+    Both scale the final weights by `routed_scaling_factor`."""
+
+    scoring: str  # "softmax" or "sigmoid"
+    group_score: str  # "max" or "top2"
+    num_groups: int = 1  # 1: plain top-k over every expert (V2's "greedy")
+    topk_groups: int = 1
+    scaling: float = 1.0
+
+
+def route_grouped(
+    logits: torch.Tensor,  # [T, E] float32
+    top_k: int,
+    renormalize: bool,
+    spec: GroupedTopK,
+    correction_bias: torch.Tensor | None = None,  # [E] float32 (V3)
+) -> Routing:
+    """GroupedTopK's routing (its docstring); shapes fixed by (T, E, k) as route's."""
+    if spec.scoring == "sigmoid":
+        scores = logits.float().sigmoid()
+    else:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    choice = scores if correction_bias is None else scores + correction_bias
+    if spec.num_groups > 1:
+        num_tokens, num_experts = choice.shape
+        grouped = choice.view(num_tokens, spec.num_groups, num_experts // spec.num_groups)
+        if spec.group_score == "top2":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.amax(dim=-1)
+        kept = torch.topk(group_scores, spec.topk_groups, dim=-1).indices  # [T, topk_groups]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = grouped.masked_fill(~keep[:, :, None], -torch.inf).view(num_tokens, num_experts)
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(weights * spec.scaling, ids)
+
+
 class Grouping(NamedTuple):
     order: torch.Tensor  # [T*k] int64: the flat (token, slot) pair of each sorted row
     rows: torch.Tensor  # [T*k] int64: the token of each sorted row

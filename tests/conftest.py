@@ -131,6 +131,35 @@ def _tiny_moe_config(arch: str, vocab_size: int) -> Any:
             vocab_size=vocab_size, num_local_experts=4, num_experts_per_tok=2,
             tie_word_embeddings=False, **TINY_COMMON,
         )  # fmt: skip
+    return _tiny_deepseek_config(arch, vocab_size)
+
+
+def _tiny_deepseek_config(arch: str, vocab_size: int) -> Any:
+    """DeepSeek's latent attention (a 24-wide latent + 8 rope dims) and routing (4 experts
+    in 2 groups, a shared one, a dense first layer): V2 without a q bottleneck and with
+    group-limited softmax routing, V3 with both, sigmoid routing and YaRN."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    common = {**TINY_COMMON, "num_key_value_heads": TINY_COMMON["num_attention_heads"]}
+    mla = dict(
+        vocab_size=vocab_size, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        tie_word_embeddings=False, **common,
+    )  # fmt: skip
+    if arch == "deepseekv2":
+        return DeepseekV2Config(
+            q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+            **mla,
+        )  # fmt: skip
+    if arch == "deepseekv3":
+        yarn = {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+            "mscale_all_dim": 0.8, "original_max_position_embeddings": 128,
+        }  # fmt: skip
+        return DeepseekV3Config(
+            q_lora_rank=16, routed_scaling_factor=2.5, rope_parameters=yarn, **mla
+        )
     raise ValueError(arch)
 
 

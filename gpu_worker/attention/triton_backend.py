@@ -12,6 +12,13 @@ computed (passed as `fresh_kv`), as the torch backend does; decodes, chunks over
 prefix and prefix-cache hits read the dequantized cache. Scratch and head sizes come from
 the query (a quantized row is head_dim + 4 wide: see `kv_codec.head_dim_of`).
 
+Multi-head latent attention (DeepSeek, `forward_latent`) runs on the same two kernels:
+its cache has one plane of latent rows (kv_cache.py), which a stride-0 view presents as
+both K and V planes, so the paged kernel runs it as multi-query attention of the
+absorbed queries (attention/mla_torch.py) over whole rows; the output's first
+kv_lora_rank dims are the attended latent (the rest, the rope part's, is dropped).
+Every request takes the absorbed form here, prefills included.
+
 Split-KV (flash-decoding) partials need an fp32 scratch buffer. The backend keeps one and
 grows it when a step needs more; to capture CUDA graphs, construct the backend with a
 fixed `num_splits` (the grid must not change between replays) and call `reserve_scratch`
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from kvflow.gpu_worker.attention.mla_torch import absorb_query, expand_output, latent_attention
 from kvflow.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
 from kvflow.kernels.launch_utils import num_sms
@@ -78,6 +86,39 @@ class TritonAttentionBackend:
                 query, key, value, kv_cache, metadata, scale, sliding_window, softcap
             )
         store_kv(key, value, kv_cache, metadata.slot_mapping)
+        return self._attend(query, key, value, kv_cache, metadata, scale, sliding_window)
+
+    def forward_latent(
+        self,
+        q_nope: torch.Tensor,  # [num_tokens, num_heads, N]
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, R], rotated
+        latent: torch.Tensor,  # [num_tokens, 1, r + R]
+        kv_b: torch.Tensor,  # [num_heads, N + V, r]
+        kv_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, r + R]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, V]
+        """Multi-head latent attention (module docstring): store, then one launch."""
+        if kv_cache.numel() == 0:
+            plans = self._no_cache_fallback
+            return latent_attention(plans, q_nope, q_pe, latent, kv_b, kv_cache, metadata, scale)
+        planes = kv_cache.expand(2, -1, -1, -1, -1)  # K and V: the same rows, no copy
+        store_kv(latent, latent, planes, metadata.slot_mapping)  # both writes land alike
+        query = absorb_query(q_nope, q_pe, kv_b)  # [num_tokens, num_heads, r + R]
+        out = self._attend(query, latent, latent, planes, metadata, scale, None)
+        return expand_output(out[..., : kv_b.shape[2]], kv_b, q_nope.shape[-1])
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """The paged kernel's launch over this step's stored K/V."""
         num_tokens, num_heads, head_dim = query.shape
         num_splits = self.num_splits
         if num_splits is None:

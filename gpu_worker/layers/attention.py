@@ -15,6 +15,8 @@ from kvflow.gpu_worker.attn_metadata import get_forward_context
 
 
 class Attention(nn.Module):
+    kv_planes = 2  # K and V (an MLA layer caches 1 latent plane: layers/mla.py)
+
     def __init__(
         self,
         num_heads: int,

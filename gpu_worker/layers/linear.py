@@ -144,6 +144,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         return q_size + kv_size, kv_size, start
 
 
+class ReplicatedLinear(ColumnParallelLinear):
+    """y = x W^T + b with the whole W on every rank: a small projection whose whole output
+    every rank needs (DeepSeek's low-rank q_a_proj and kv_a_proj_with_mqa). A column-
+    parallel layer of one shard that each rank holds in full, so that it loads, packs
+    and quantizes as the others do."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        # Sized as tp "shards" of output_size: each rank's local width is the whole.
+        super().__init__(input_size, [output_size * get_tp_group().size], bias)
+
+    def shard_range(self, shard_id: Any) -> tuple[int, int, int]:
+        return 0, self.local_sizes[0], 0
+
+
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_r W_r^T) + b with W's columns (input features) split across ranks."""
 

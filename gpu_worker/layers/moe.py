@@ -2,6 +2,7 @@
 gate|up -> SiLU*up -> down runs on its tokens in one fused call.
 
     x [T, H] ─router─▶ logits [T, E] ─softmax, top-k─▶ weights, ids [T, k]
+                                      (or DeepSeek's grouped top-k, `GroupedTopK`)
              ─group_by_expert─▶ rows, offsets ─fused experts─▶ y [T*k, H]
              ─combine (weighted sum per token)─▶ [T, H] ─all-reduce over TP ranks─▶
 
@@ -37,12 +38,14 @@ from kvflow.gpu_worker.layers.linear import copy_checked, copy_checked_loader, n
 from kvflow.gpu_worker.parallel_state import divide, get_tp_group
 from kvflow.kernels.cpu import fused_moe as cpu_fused_moe
 from kvflow.kernels.fused_moe_reference import (
+    GroupedTopK,
     Grouping,
     Routing,
     combine,
     fused_experts_reference,
     group_by_expert,
     route,
+    route_grouped,
 )
 
 
@@ -59,13 +62,34 @@ class ExpertNames(NamedTuple):
 
 
 class Router(nn.Module):
-    """logits = x W^T, W [E, H] replicated on every rank (`gate` in the checkpoints)."""
+    """logits = x W^T, W [E, H] replicated on every rank (`gate` in the checkpoints).
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    `float32`: W is kept and the logits computed in float32 whatever the model dtype,
+    with the [E] `e_score_correction_bias` if `correction_bias` (DeepSeek's router, which
+    its checkpoints and transformers keep in float32: a near-tie between experts must
+    not be decided by bfloat16 rounding)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        float32: bool = False,
+        correction_bias: bool = False,
+    ) -> None:
         super().__init__()
+        self.float32 = float32
         self.weight = new_parameter((num_experts, hidden_size), copy_checked_loader)
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if float32:
+            self.weight.data = self.weight.data.float()
+        if correction_bias:
+            bias = new_parameter((num_experts,), copy_checked_loader)
+            bias.data = bias.data.float()
+            self.e_score_correction_bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32:
+            return F.linear(x.float(), self.weight)
         return F.linear(x, self.weight)
 
 
@@ -125,7 +149,9 @@ class FusedExperts(nn.Module):
 
 class FusedMoE(nn.Module):
     """Router + fused experts, [T, H] -> [T, H] summed over the tensor-parallel ranks.
-    `renormalize`: rescale the top-k weights to sum to 1 (Qwen's norm_topk_prob)."""
+    `renormalize`: rescale the top-k weights to sum to 1 (Qwen's norm_topk_prob).
+    `grouped`: DeepSeek's routing (GroupedTopK) instead of softmax + top-k; its router
+    runs in float32, with the sigmoid scoring's correction bias."""
 
     def __init__(
         self,
@@ -135,16 +161,25 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         names: ExpertNames,
+        grouped: GroupedTopK | None = None,
     ) -> None:
         super().__init__()
         self.tp = get_tp_group()
-        self.top_k, self.renormalize = top_k, renormalize
-        self.gate = Router(hidden_size, num_experts)
+        self.top_k, self.renormalize, self.grouped = top_k, renormalize, grouped
+        biased = grouped is not None and grouped.scoring == "sigmoid"
+        self.gate = Router(hidden_size, num_experts, grouped is not None, biased)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, names)
+
+    def route(self, x: torch.Tensor) -> Routing:
+        logits = self.gate(x)
+        if self.grouped is None:
+            return route(logits, self.top_k, self.renormalize)
+        bias = self.gate.e_score_correction_bias
+        return route_grouped(logits, self.top_k, self.renormalize, self.grouped, bias)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the all-reduce."""
-        routing = route(self.gate(x), self.top_k, self.renormalize)
+        routing = self.route(x)
         grouping = group_by_expert(routing.ids, self.experts.num_experts)
         return self.experts(x, routing, grouping)
 

@@ -73,6 +73,21 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `scale` times."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def softmax_mscale(params: dict[str, Any]) -> float:
+    """DeepSeek's factor on the attention softmax scale: with a scaled rope and
+    `mscale_all_dim`, mscale(factor, mscale_all_dim)^2 (the cos/sin tables carry
+    mscale / mscale_all_dim, `compute_inv_freq`'s attention scaling, on top)."""
+    m_all = params.get("mscale_all_dim")
+    if rope_type_of(params) == "default" or not m_all:
+        return 1.0
+    return yarn_mscale(params["factor"], m_all) ** 2
+
+
 def _yarn_inv_freq(
     dim: int, params: dict[str, Any], max_position: int
 ) -> tuple[torch.Tensor, float]:
@@ -81,14 +96,13 @@ def _yarn_inv_freq(
     original = params["original_max_position_embeddings"]
     factor = params.get("factor") or max_position / original
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
         attention_factor = (
-            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+            yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+            if m and m_all
+            else yarn_mscale(factor)
         )
 
     def correction_dim(rotations: float) -> float:

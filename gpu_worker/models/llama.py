@@ -146,7 +146,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: Any, spec: DecoderSpec, layer: int, backend: AttentionBackend):
         super().__init__()
-        self.self_attn = LlamaAttention(config, spec, layer, backend)
+        self.self_attn: nn.Module = (  # a family's own: DeepSeek's latent attention
+            LlamaAttention(config, spec, layer, backend)
+            if spec.attention is None
+            else spec.attention(config, layer, backend)
+        )
         self.mlp = LlamaMLP(config, spec) if spec.mlp is None else spec.mlp(config, layer)
         self.block, self.residual_scale = spec.block, spec.residual_scale
 

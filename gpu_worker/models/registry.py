@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from kvflow.errors import UnsupportedModelError
+from kvflow.gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvflow.gpu_worker.models.gemma2 import Gemma2ForCausalLM
 from kvflow.gpu_worker.models.gemma3 import Gemma3ForCausalLM
 from kvflow.gpu_worker.models.granite import GraniteForCausalLM
@@ -37,6 +38,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

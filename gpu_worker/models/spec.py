@@ -48,6 +48,9 @@ class DecoderSpec:
     rope_layers: tuple[str | None, ...] = ()
     # A family's MLP of layer i, (config, i) -> module (a mixture of experts); None: LlamaMLP
     mlp: Callable[[Any, int], nn.Module] | None = None
+    # A family's attention of layer i, (config, i, backend) -> module with LlamaAttention's
+    # forward(hidden, ropes, rows) (DeepSeek's latent attention); None: LlamaAttention
+    attention: Callable[[Any, int, Any], nn.Module] | None = None
 
     @staticmethod
     def sliding_windows_of(config: Any) -> tuple[int | None, ...]:

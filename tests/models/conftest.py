@@ -30,7 +30,8 @@ class PagedRunner:
         self.max_blocks = num_blocks
         param = next(model.parameters())
         for layer in model.attention_layers():  # type: ignore[operator]
-            shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+            planes = layer.kv_planes  # K and V, or one MLA latent row
+            shape = (planes, num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
             layer.kv_cache = torch.full(shape, float("nan"), dtype=param.dtype)
 
     def _slots(self, request: str, count: int) -> list[int]:

@@ -2,7 +2,8 @@
 
 The paged cache is one view per layer, `[2, num_blocks, block_size, kv_heads, width]`
 (kv_cache.py; width = head_dim, or head_dim + 4 for the 8-bit rows of a quantized
-cache). A block travels as `[num_layers, 2, block_size, kv_heads, width]`
+cache; an MLA latent cache has 1 plane where K/V have 2). A block travels as
+`[num_layers, planes, block_size, kv_heads, width]`
 with a msgspec header naming dtype and shape, so the receiver checks the layout
 before it writes a byte (a mismatch is an error, never a silent reinterpretation)::
 

@@ -33,9 +33,11 @@ class KVLoadError(RuntimeError):
 
 class KVConnectorWorker(abc.ABC):
     def __init__(self, caches: list[torch.Tensor]) -> None:
-        self.caches = caches  # one view per layer: [2, num_blocks, block_size, heads, dim]
+        # One view per layer: [planes, num_blocks, block_size, heads, dim]; planes is 2
+        # (K, V), or 1 for an MLA latent cache (gpu_worker/kv_cache.py).
+        self.caches = caches
         first = caches[0]
-        self.block_shape = [len(caches), 2, *first.shape[2:]]
+        self.block_shape = [len(caches), first.shape[0], *first.shape[2:]]
         self.dtype = first.dtype
         self.stats = KVTransferStepStats()
         # False: copy every layer after the forward (the benchmark's "before").

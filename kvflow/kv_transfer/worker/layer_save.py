@@ -52,14 +52,14 @@ class LayerCopier:
 
 class LayerSave:
     """One step's blocks, copied out layer by layer into `blocks`
-    `[n, num_layers, 2, block_size, kv_heads, head_dim]` (each block contiguous: the
+    `[n, num_layers, planes, block_size, kv_heads, head_dim]` (each block contiguous: the
     layout block_io.py sends and stores)."""
 
     def __init__(self, copier: LayerCopier, block_ids: list[int]) -> None:
         self.copier = copier
         first = copier.caches[0]
         self.on_device = first.device.type != "cpu"
-        shape = [len(block_ids), len(copier.caches), 2, *first.shape[2:]]
+        shape = [len(block_ids), len(copier.caches), first.shape[0], *first.shape[2:]]
         self.blocks = torch.empty(shape, dtype=first.dtype, device=first.device)
         self._index = torch.tensor(block_ids, device=first.device)
         self._copies: dict[int, Future[None] | None] = {}  # layer -> its copy (None: done)
