@@ -27,6 +27,7 @@ import msgspec
 
 from kvflow.errors import InvalidRequestError
 from kvflow.sampling_params import StructuredOutputsParams
+from kvflow.structured_outputs import check_grammar
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -107,7 +108,15 @@ def tool_use(tools: list[ToolSpec] | None, choice: ToolChoice | None, parallel: 
 
 
 def guide(use: ToolUse) -> StructuredOutputsParams | None:
-    """The constraint that makes the output a valid call (None: the model decides)."""
+    """The constraint that makes the output a valid call (None: the model decides);
+    a `parameters` schema no call can satisfy is a 400 naming `tools`."""
+    constraint = _call_constraint(use)
+    if constraint is not None:
+        check_grammar(constraint, "tools")
+    return constraint
+
+
+def _call_constraint(use: ToolUse) -> StructuredOutputsParams | None:
     if use.mode == "named":
         assert use.function is not None
         return StructuredOutputsParams(json=use.parameters(use.function))

@@ -114,3 +114,20 @@ def test_templates_without_tools_get_the_tools_prompt() -> None:
     assert shown == conversation and template_tools and len(template_tools) == 2
     none = tool_use(TOOLS, "none", True)
     assert with_tools(conversation, none, None) == (conversation, None)
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "properties": 5},  # a map field that is not an object
+        {"$ref": "#/$defs/loop", "$defs": {"loop": {"$ref": "#/$defs/loop"}}},  # no text fits
+    ],
+)
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "bad"}}])
+def test_a_tool_schema_no_call_can_satisfy_is_a_400(parameters: Any, choice: Any) -> None:
+    bad = {"type": "function", "function": {"name": "bad", "parameters": parameters}}
+    with pytest.raises(InvalidRequestError) as info:
+        request(tools=[bad], tool_choice=choice).to_sampling_params()
+    assert info.value.param == "tools"
+    auto = request(tools=[bad], tool_choice="auto").to_sampling_params()  # not guided: fine
+    assert auto.structured_outputs is None
