@@ -68,14 +68,16 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # key and value may be views of the fused qkv output (row stride of all heads):
         # both kernels take each tensor's own strides, so nothing is copied here.
         # The paged kernel has no logit soft-capping: capped layers (Gemma 2) take the
-        # torch backend, which has it (on the same CUDA tensors, eager steps).
+        # torch backend, which has it (on the same CUDA tensors, eager steps). Attention
+        # sinks (gpt-oss) it has: they start each row's online softmax.
         if kv_cache.numel() == 0 or softcap is not None:
             return self._no_cache_fallback.forward(
-                query, key, value, kv_cache, metadata, scale, sliding_window, softcap
+                query, key, value, kv_cache, metadata, scale, sliding_window, softcap, sinks
             )
         store_kv(key, value, kv_cache, metadata.slot_mapping)
         num_tokens, num_heads, head_dim = query.shape
@@ -92,5 +94,5 @@ class TritonAttentionBackend:
             query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
             metadata.block_tables, scale, sliding_window,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
-            num_splits=num_splits, scratch=scratch, fresh_kv=(key, value),
+            num_splits=num_splits, scratch=scratch, fresh_kv=(key, value), sinks=sinks,
         )  # fmt: skip
