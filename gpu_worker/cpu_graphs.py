@@ -48,8 +48,10 @@ def make_cpu_decode_graphs(
     backend = layers[0].backend
     if not isinstance(backend, TorchAttentionBackend) or not backend.has_decode_kernel:
         return None
-    if any(layer.softcap is not None for layer in layers):
-        return None  # soft-capped layers (Gemma 2) take the torch decode path: it plans on the host
+    if any(layer.softcap is not None or layer.sinks is not None for layer in layers):
+        # Soft-capped (Gemma 2) and sink (gpt-oss) layers take the torch decode path,
+        # which plans on the host.
+        return None
     return CpuDecodeGraphs(
         model, backend, layers[0].kv_cache, max_num_seqs, max_model_len, block_size
     )
