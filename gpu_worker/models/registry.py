@@ -9,6 +9,7 @@ from torch import nn
 from kvflow.errors import UnsupportedModelError
 from kvflow.gpu_worker.models.gemma2 import Gemma2ForCausalLM
 from kvflow.gpu_worker.models.gemma3 import Gemma3ForCausalLM
+from kvflow.gpu_worker.models.gpt_oss import GptOssForCausalLM
 from kvflow.gpu_worker.models.granite import GraniteForCausalLM
 from kvflow.gpu_worker.models.llama import (
     LlamaForCausalLM,
@@ -37,6 +38,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 
