@@ -23,7 +23,24 @@ import torch
 from kvflow.errors import UnsupportedModelError
 
 # The 16 e2m1 codes: sign bit 3, then 2 exponent bits and 1 mantissa bit.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 SUPPORTED = (None, "mxfp4")
 _HALVES = ("_blocks", "_scales")
 
@@ -47,7 +64,9 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks/scales are uint8, got {blocks.dtype}/{scales.dtype}")
     if blocks.dim() != 4 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)}")
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)}"
+        )
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
     experts, rows, groups, _ = blocks.shape
     out = torch.empty(experts, rows, groups * 32, dtype=dtype)

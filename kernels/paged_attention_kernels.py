@@ -232,8 +232,7 @@ def _paged_attention_kernel(
     stride_at, stride_ah, stride_as,  # acc_ptr (token, head, split)
     stride_mt, stride_mh,  # max_ptr and sum_ptr (token, head)
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,  # kv_cache_ptr
-    stride_bt,  # block_tables_ptr (request)
-    head_dim,
+    stride_bt, head_dim,  # block_tables_ptr (request); the real head size
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, FRESH_KV: tl.constexpr,
@@ -247,8 +246,7 @@ def _paged_attention_kernel(
     )
     if q_tile * BLOCK_Q >= q_len:
         return
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    kv_head, split = tl.program_id(1), tl.program_id(2)
     tok, head_in_group, mask_m, q_pos, lo, hi = _tile_rows(
         q_tile, q_len, ctx_len, sliding_window, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, GROUP=GROUP
     )
@@ -261,10 +259,9 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_off, mask=mask_md, other=0.0).to(tl.float32).to(DOT_DTYPE)
     acc, l_i, m_i = _attend_tile(
         q, q_pos, q_start, req, kv_head, ctx_len, lo, hi, split, sinks_ptr, head, mask_m,
-        key_ptr, value_ptr,
-        kv_cache_ptr, block_tables_ptr, qk_scale, sliding_window, stride_kt, stride_kh,
-        stride_vt, stride_vh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt,
-        offs_d, mask_d, head_dim,
+        key_ptr, value_ptr, kv_cache_ptr, block_tables_ptr, qk_scale, sliding_window,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_c_kv, stride_c_block, stride_c_slot,
+        stride_c_head, stride_bt, offs_d, mask_d, head_dim,
         NUM_SPLITS=NUM_SPLITS, BLOCK_M=BLOCK_M, HEAD_DIM_P=HEAD_DIM_P, BLOCK_SIZE=BLOCK_SIZE,
         TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, FRESH_KV=FRESH_KV, KV_CODEC=KV_CODEC,
         DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION, HAS_SINKS=HAS_SINKS,

@@ -135,9 +135,7 @@ class FusedExperts(nn.Module):
         shape13, shape2 = (self.num_local, 2 * self.inter), (self.num_local, hidden_size)
         self.w13_bias = new_parameter(shape13, self.bias_loader, ids13)
         self.w2_bias = new_parameter(shape2, self.bias_loader, ids2)
-        self.all_names |= {
-            names.bias_of(e, p) for e in range(self.num_experts) for p in names[1:]
-        }
+        self.all_names |= {names.bias_of(e, p) for e in range(self.num_experts) for p in names[1:]}
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
         local, part = self.shards[shard_id]
@@ -150,7 +148,9 @@ class FusedExperts(nn.Module):
     def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
         local, part = self.bias_shards[shard_id]
         if part == 2:  # down [H]: whole, where this rank adds it (module docstring)
-            copy_checked(param.data[local], loaded if self.adds_down_bias else torch.zeros_like(loaded))
+            copy_checked(
+                param.data[local], loaded if self.adds_down_bias else torch.zeros_like(loaded)
+            )
             return
         rows = loaded.narrow(0, self.inter_start, self.inter)  # gate or up [I]
         copy_checked(param.data[local].narrow(0, part * self.inter, self.inter), rows)

@@ -25,7 +25,6 @@ are read (gpu_worker/mxfp4.py).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,12 +110,14 @@ class GptOssForCausalLM(MoeForCausalLM):
         for whole, values in self._mxfp4.take(name, tensor, torch.get_default_dtype()):
             yield from self._expert_pieces(whole, values)
 
-    def _expert_pieces(
-        self, name: str, tensor: torch.Tensor
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _expert_pieces(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         prefix, _, kind = name.rpartition(".")
         config = self.config
-        experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
+        experts, hidden, inter = (
+            config.num_local_experts,
+            config.hidden_size,
+            config.intermediate_size,
+        )
         shapes = {
             "gate_up_proj": (experts, hidden, 2 * inter),
             "gate_up_proj_bias": (experts, 2 * inter),

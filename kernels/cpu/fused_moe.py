@@ -32,6 +32,9 @@ class ExpertOptions(NamedTuple):
     clamped: ClampedSwiGLU | None = None
 
 
+NO_OPTIONS = ExpertOptions()  # silu(gate) * up, no biases
+
+
 @functools.cache
 def _library(march: str = "native") -> ctypes.CDLL | None:
     arguments = [*[POINTER] * 10, *[INT64] * 7, POINTER, POINTER, INT64, *[ctypes.c_float] * 2]
@@ -71,7 +74,7 @@ def fused_experts(
     w13: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
     w2: torch.Tensor,  # [E, H, I]
     march: str = "native",
-    options: ExpertOptions = ExpertOptions(),
+    options: ExpertOptions = NO_OPTIONS,
 ) -> torch.Tensor:  # [N, H]: rows outside [offsets[0], offsets[E]) are zero
     """`fused_experts_reference`: each sorted row's expert output."""
     y = torch.zeros(rows.shape[0], x.shape[1], dtype=x.dtype)
@@ -87,7 +90,7 @@ def fused_moe(
     w13: torch.Tensor,  # [E, 2I, H]
     w2: torch.Tensor,  # [E, H, I]
     march: str = "native",
-    options: ExpertOptions = ExpertOptions(),
+    options: ExpertOptions = NO_OPTIONS,
 ) -> torch.Tensor:  # [T, H]
     """`combine(fused_experts_reference(...), grouping, routing)`: the tokens' weighted
     sums of their experts' outputs (those among `offsets`' experts), in one call."""

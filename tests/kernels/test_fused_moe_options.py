@@ -58,7 +58,9 @@ def test_reference_matches_transformers_gpt_oss_experts() -> None:
         num_experts_per_tok=top_k, swiglu_limit=CLAMPED.limit,
     )  # fmt: skip
     hf = GptOssExperts(config)
-    x, (w13, w2, b13, b2), routing, grouping = _case(9, hidden, inter, experts, top_k, torch.float32, 1)
+    x, (w13, w2, b13, b2), routing, grouping = _case(
+        9, hidden, inter, experts, top_k, torch.float32, 1
+    )
     x = x.contiguous()
     # The checkpoint's layout: gate_up_proj [E, H, 2I] with gate, up in alternate columns.
     interleaved = torch.stack((w13[:, :inter], w13[:, inter:]), dim=2).reshape(experts, -1, hidden)
