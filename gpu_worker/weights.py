@@ -100,8 +100,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if param is None:
             raise UnsupportedModelError(f"checkpoint tensor {name!r} matches no model parameter")
         loader = getattr(param, "weight_loader", copy_checked_loader)
-        with torch.no_grad():
-            loader(param, tensor, shard_id)
+        try:
+            with torch.no_grad():
+                loader(param, tensor, shard_id)
+        except ValueError as error:  # a shape that does not fit: name the tensor
+            raise UnsupportedModelError(f"checkpoint tensor {name!r}: {error}") from error
         loaded.add((target, shard_id))
     missing = [
         name
