@@ -196,8 +196,6 @@ def fused_experts(
     dot = dot_dtype(_grouped_gemm_kernel, x.dtype)
     swiglu = clamped or ClampedSwiGLU()  # its numbers unused unless CLAMPED
     common = dict(
-        alpha=swiglu.alpha,
-        limit=swiglu.limit,
         CLAMPED=clamped is not None,
         DOT_DTYPE=dot,
         PRECISION=dot_precision(dot),
@@ -208,10 +206,12 @@ def fused_experts(
     rows = rows.contiguous()
     _grouped_gemm_kernel[(expert.shape[0], triton.cdiv(inter, BLOCK_N))](
         act, x, rows, w13, offsets, w13 if b13 is None else b13, expert, row, num_experts,
-        inter, hidden, x.stride(0), GLU=True, HAS_BIAS=b13 is not None, **common,
+        inter, hidden, x.stride(0), swiglu.alpha, swiglu.limit, GLU=True,
+        HAS_BIAS=b13 is not None, **common,
     )  # fmt: skip
     _grouped_gemm_kernel[(expert.shape[0], triton.cdiv(hidden, BLOCK_N))](
         y, act, rows, w2, offsets, w2 if b2 is None else b2, expert, row, num_experts, hidden,
-        inter, act.stride(0), GLU=False, HAS_BIAS=b2 is not None, **common,
+        inter, act.stride(0), swiglu.alpha, swiglu.limit, GLU=False,
+        HAS_BIAS=b2 is not None, **common,
     )  # fmt: skip
     return y

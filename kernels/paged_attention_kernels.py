@@ -53,7 +53,7 @@ from kvflow.kernels.kv_codec_triton import FLOAT
 from kvflow.kernels.launch_utils import round_to
 from kvflow.kernels.paged_attention_loop import attend_range
 
-LOG2E = 1.4426950408889634  # the kernels' logits are in the log2 domain
+LOG2E = tl.constexpr(1.4426950408889634)  # the kernels' logits are in the log2 domain
 
 
 @triton.jit
