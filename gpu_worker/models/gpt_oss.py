@@ -79,6 +79,7 @@ class GptOssForCausalLM(MoeForCausalLM):
 
         check_quantization(config)
         self._mxfp4 = Mxfp4Pairs()  # halves of MXFP4 tensors waiting for their partner
+        self._dtype = torch.get_default_dtype()  # the model's (built under it): dequantize to it
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
@@ -107,7 +108,7 @@ class GptOssForCausalLM(MoeForCausalLM):
         if ".mlp.experts." not in name:
             yield name, tensor
             return
-        for whole, values in self._mxfp4.take(name, tensor, torch.get_default_dtype()):
+        for whole, values in self._mxfp4.take(name, tensor, self._dtype):
             yield from self._expert_pieces(whole, values)
 
     def _expert_pieces(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

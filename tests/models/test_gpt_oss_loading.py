@@ -137,6 +137,9 @@ def test_an_mxfp4_checkpoint_loads_as_its_dequantized_weights(
     )  # fmt: skip
     for a, b in zip(plain.parameters(), mxfp4.parameters(), strict=True):
         assert torch.equal(a, b)
+    in_bf16 = load_model(tmp_path / "mxfp4", torch.bfloat16, torch.device("cpu"), "torch")
+    for a, b in zip(plain.parameters(), in_bf16.parameters(), strict=True):
+        assert b.dtype == torch.bfloat16 and torch.equal(a.to(torch.bfloat16), b)
     expected = _logits(plain, prefill_logits)
     assert expected.std() > 0.5
     torch.testing.assert_close(_logits(mxfp4, prefill_logits), expected, rtol=0, atol=0)
