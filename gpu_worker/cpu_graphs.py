@@ -48,9 +48,12 @@ def make_cpu_decode_graphs(
     backend = layers[0].backend
     if not isinstance(backend, TorchAttentionBackend) or not backend.has_decode_kernel:
         return None
-    if any(layer.softcap is not None or layer.kv_planes == 1 for layer in layers):
-        # Soft-capped layers (Gemma 2) and latent attention (DeepSeek) take the torch
-        # decode path, which plans on the host.
+    if any(
+        layer.softcap is not None or layer.sinks is not None or layer.kv_planes == 1
+        for layer in layers
+    ):
+        # Soft-capped (Gemma 2), sink (gpt-oss) and latent-attention (DeepSeek) layers
+        # take the torch decode path, which plans on the host.
         return None
     return CpuDecodeGraphs(
         model, backend, layers[0].kv_cache, max_num_seqs, max_model_len, block_size

@@ -16,6 +16,10 @@ runs every expert:
 
 Every step here has a shape fixed by (T, k, E), never by the routing: no `.item()`, no
 `nonzero`, so a recorded CPU decode graph (gpu_worker/op_tape.py) replays it.
+
+Options (gpt-oss): biases on the experts' projections (b13 [E, 2I] like w13's rows, b2
+[E, H]), the clamped SwiGLU in place of silu(gate) * up (`ClampedSwiGLU`), and routing
+by a softmax over the top-k logits only (`route_topk_softmax`).
 """
 
 from __future__ import annotations
@@ -87,6 +91,32 @@ def route_grouped(
     return Routing(weights * spec.scaling, ids)
 
 
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> Routing:
+    """The `top_k` largest logits, then a softmax over those alone (gpt-oss): the weights
+    sum to 1. logits [T, E] -> weights, ids [T, k]."""
+    top, ids = torch.topk(logits, top_k, dim=-1)
+    return Routing(torch.softmax(top, dim=-1, dtype=torch.float32), ids)
+
+
+class ClampedSwiGLU(NamedTuple):
+    """gpt-oss's expert activation: with gate clamped to (-inf, limit] and up to
+    [-limit, limit], act = (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+def expert_activation(
+    gate: torch.Tensor, up: torch.Tensor, clamped: ClampedSwiGLU | None = None
+) -> torch.Tensor:
+    """silu(gate) * up, or the clamped SwiGLU; in the inputs' dtype, op by op."""
+    if clamped is None:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=clamped.limit)
+    up = up.clamp(min=-clamped.limit, max=clamped.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * clamped.alpha))
+
+
 class Grouping(NamedTuple):
     order: torch.Tensor  # [T*k] int64: the flat (token, slot) pair of each sorted row
     rows: torch.Tensor  # [T*k] int64: the token of each sorted row
@@ -112,16 +142,23 @@ def fused_experts_reference(
     offsets: torch.Tensor,  # [E+1] int64: the experts' sorted rows (absolute indices)
     w13: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
     w2: torch.Tensor,  # [E, H, I]
+    *,
+    b13: torch.Tensor | None = None,  # [E, 2I]: gate biases, then up biases
+    b2: torch.Tensor | None = None,  # [E, H]
+    clamped: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:  # [N, H]: rows outside [offsets[0], offsets[E]) are zero
-    """silu(x w_gate^T) * (x w_up^T) w_down^T per expert on its rows, in x's dtype."""
+    """silu(x w_gate^T) * (x w_up^T) w_down^T per expert on its rows, in x's dtype
+    (with the biases and activation given: see the module docstring)."""
     y = x.new_zeros(rows.shape[0], x.shape[1])
     # int() of each (not tolist()): a CPU graph's recording sees the data-dependent read
     # and runs the step eagerly rather than freezing this routing into its tape.
     bounds = [int(bound) for bound in offsets]
     for e in range(w13.shape[0]):
         start, end = bounds[e], bounds[e + 1]
-        gate, up = F.linear(x[rows[start:end]], w13[e]).chunk(2, dim=-1)
-        y[start:end] = F.linear(F.silu(gate) * up, w2[e])
+        bias13 = None if b13 is None else b13[e]
+        gate, up = F.linear(x[rows[start:end]], w13[e], bias13).chunk(2, dim=-1)
+        act = expert_activation(gate, up, clamped)
+        y[start:end] = F.linear(act, w2[e], None if b2 is None else b2[e])
     return y
 
 

@@ -21,6 +21,9 @@ return at once.
 Rounding as the reference's: the gate and up products, silu, their product and y each
 rounded to the dtype (kernels/launch_utils.py: `round_to`, and fp32 dot operands under
 the interpreter).
+
+Options (gpt-oss), as the reference's: biases b13 [E, 2I] and b2 [E, H] added to the
+fp32 sums before their rounding, and the clamped SwiGLU (CLAMPED) in place of silu * up.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvflow.kernels.fused_moe_reference import ClampedSwiGLU
 from kvflow.kernels.launch_utils import (
     FLOAT_DTYPES,
     check_device,
@@ -41,12 +45,20 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 
 
 @triton.jit
-def _silu_mul(gate_acc, up_acc, dtype: tl.constexpr):
-    """SiLU(gate) * up of [BLOCK_M, BLOCK_N] fp32 accumulators, each rounded to the
-    output dtype where the unfused layer would round (the reference's order)."""
+def _activation(gate_acc, up_acc, alpha, limit, dtype: tl.constexpr, CLAMPED: tl.constexpr):
+    """SiLU(gate) * up, or the clamped SwiGLU, of [BLOCK_M, BLOCK_N] fp32 accumulators,
+    each op rounded to the output dtype where the unfused ops would round (the reference's
+    order)."""
     gate = round_to(gate_acc, dtype)
-    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype)
-    return silu * round_to(up_acc, dtype)
+    up = round_to(up_acc, dtype)
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        scaled = round_to(gate * alpha, dtype)
+        glu = round_to(gate * round_to(1.0 / (1.0 + tl.exp(-scaled)), dtype), dtype)
+        return round_to(up + 1.0, dtype) * glu
+    else:
+        return round_to(gate / (1.0 + tl.exp(-gate)), dtype) * up
 
 
 @triton.jit
@@ -87,13 +99,18 @@ def _grouped_gemm_kernel(
     rows_ptr,  # [N] int64: token of each sorted row (GLU only)
     w_ptr,  # [E, 2 * out_cols, K] (GLU: gate rows, then up rows) or [E, out_cols, K]
     offsets_ptr,  # [E + 1] int64: each expert's sorted rows
+    bias_ptr,  # [E, 2 * out_cols] (GLU) or [E, out_cols] (HAS_BIAS)
     block_expert_ptr,  # [num_blocks] int64: the expert of each row block (>= E: none)
     block_row_ptr,  # [num_blocks] int64: its first sorted row
     num_experts,
     out_cols,
     K,
     stride_a,
+    alpha,
+    limit,
     GLU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -121,8 +138,14 @@ def _grouped_gemm_kernel(
         a_ptr, a_rows, row_mask, stride_a, w_expert, cols, col_mask, out_cols, K,
         GLU, DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
+    if HAS_BIAS:
+        bias = bias_ptr + expert.to(tl.int64) * w_rows + cols  # [BLOCK_N]
+        acc += tl.load(bias, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            up_bias = tl.load(bias + out_cols, mask=col_mask, other=0.0).to(tl.float32)
+            acc_up += up_bias[None, :]
     if GLU:
-        acc = _silu_mul(acc, acc_up, dtype)
+        acc = _activation(acc, acc_up, alpha, limit, dtype, CLAMPED)
     out = round_to(acc, dtype)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_cols + cols[None, :]
     tl.store(out_ptrs, out.to(dtype), mask=row_mask[:, None] & col_mask[None, :])
@@ -148,6 +171,10 @@ def fused_experts(
     offsets: torch.Tensor,  # [E + 1] int64
     w13: torch.Tensor,  # [E, 2I, H] contiguous
     w2: torch.Tensor,  # [E, H, I] contiguous
+    *,
+    b13: torch.Tensor | None = None,  # [E, 2I] contiguous, x's dtype
+    b2: torch.Tensor | None = None,  # [E, H] contiguous
+    clamped: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:  # [N, H]: rows outside [offsets[0], offsets[E]) are zero
     num_experts, double, hidden = w13.shape
     inter = double // 2
@@ -156,6 +183,10 @@ def fused_experts(
     assert w13.is_contiguous() and w2.is_contiguous() and w2.shape == (num_experts, hidden, inter)
     assert offsets.shape == (num_experts + 1,) and rows.dtype == offsets.dtype == torch.int64
     check_device(_grouped_gemm_kernel, x, rows, offsets, w13, w2)
+    for bias, shape in ((b13, (num_experts, double)), (b2, (num_experts, hidden))):
+        if bias is not None:
+            assert bias.shape == shape and bias.dtype == x.dtype and bias.is_contiguous()
+            check_device(_grouped_gemm_kernel, x, bias)
     num_rows = rows.shape[0]
     y = torch.zeros(num_rows, hidden, dtype=x.dtype, device=x.device)
     if num_rows == 0 or num_experts == 0:
@@ -163,7 +194,9 @@ def fused_experts(
     act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     expert, row = _block_plan(offsets, num_rows)
     dot = dot_dtype(_grouped_gemm_kernel, x.dtype)
+    swiglu = clamped or ClampedSwiGLU()  # its numbers unused unless CLAMPED
     common = dict(
+        CLAMPED=clamped is not None,
         DOT_DTYPE=dot,
         PRECISION=dot_precision(dot),
         BLOCK_M=BLOCK_M,
@@ -172,11 +205,13 @@ def fused_experts(
     )
     rows = rows.contiguous()
     _grouped_gemm_kernel[(expert.shape[0], triton.cdiv(inter, BLOCK_N))](
-        act, x, rows, w13, offsets, expert, row, num_experts, inter, hidden, x.stride(0),
-        GLU=True, **common,
+        act, x, rows, w13, offsets, w13 if b13 is None else b13, expert, row, num_experts,
+        inter, hidden, x.stride(0), swiglu.alpha, swiglu.limit, GLU=True,
+        HAS_BIAS=b13 is not None, **common,
     )  # fmt: skip
     _grouped_gemm_kernel[(expert.shape[0], triton.cdiv(hidden, BLOCK_N))](
-        y, act, rows, w2, offsets, expert, row, num_experts, hidden, inter, act.stride(0),
-        GLU=False, **common,
+        y, act, rows, w2, offsets, w2 if b2 is None else b2, expert, row, num_experts, hidden,
+        inter, act.stride(0), swiglu.alpha, swiglu.limit, GLU=False,
+        HAS_BIAS=b2 is not None, **common,
     )  # fmt: skip
     return y

@@ -6,7 +6,9 @@ context; query i (absolute position p = seq_len - q_len + i) attends causally to
 positions 0..p, and with a sliding window W only to those with p - key < W. Query head h
 reads KV head h // (num_heads // num_kv_heads). Rows of padding tokens (past
 query_start_loc[-1]) are zero in a freshly allocated output. A quantized cache
-(kernels/kv_codec.py, any model dtype) is read as its dequantized values.
+(kernels/kv_codec.py, any model dtype) is read as its dequantized values. With `sinks`
+[num_heads] (gpt-oss), query head h's softmax denominator also holds exp(sinks[h]), a
+logit with no value (gpu_worker/attention/softcap.py states it in torch ops).
 
 How the kernels map programs to requests and tiles: `paged_attention_kernels.py`.
 """
@@ -100,8 +102,12 @@ def _check_inputs(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     fresh_kv: FreshKV | None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     num_heads, head_dim = query.shape[1:]
+    if sinks is not None:
+        assert sinks.shape == (num_heads,) and sinks.is_floating_point(), sinks.shape
+        check_device(_paged_attention_kernel, query, sinks)
     assert query.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
     assert kv_codec.head_dim_of(kv_cache) == head_dim, (kv_cache.shape, query.shape)
     assert num_heads % kv_cache.shape[3] == 0, (num_heads, kv_cache.shape)
@@ -139,6 +145,7 @@ def _launch(
     num_splits: int,
     scratch: SplitKVScratch | None,
     fresh_kv: FreshKV | None,
+    sinks: torch.Tensor | None,
 ) -> None:
     """One launch of the attention kernel: writes `out` (1 split) or `scratch` partials."""
     num_tokens, _, head_dim = query.shape
@@ -157,7 +164,7 @@ def _launch(
         return
     _paged_attention_kernel[grid](
         out, acc, max_logit, sum_exp, query, key, value, kernel_view(kv_cache),
-        query_start_loc, seq_lens, block_tables, num_reqs,
+        query_start_loc, seq_lens, block_tables, query if sinks is None else sinks, num_reqs,
         scale * math.log2(math.e),
         _NO_WINDOW if sliding_window is None else sliding_window,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
@@ -172,7 +179,7 @@ def _launch(
         BLOCK_SIZE=kv_cache.shape[2], TILE_N=tiling.tile_n,
         USE_WINDOW=sliding_window is not None, FRESH_KV=use_fresh,
         KV_CODEC=codec_id(kv_cache.dtype),
-        DOT_DTYPE=operand, DOT_PRECISION=dot_precision(operand),
+        DOT_DTYPE=operand, DOT_PRECISION=dot_precision(operand), HAS_SINKS=sinks is not None,
     )  # fmt: skip
 
 
@@ -189,14 +196,16 @@ def unified_paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     tile_n: int = 32,
     fresh_kv: FreshKV | None = None,  # this step's (key, value) [num_tokens, kv_heads, head_dim]
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention for a mixed batch in one launch; each program owns a query tile."""
-    _check_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables, fresh_kv)
+    _check_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables, fresh_kv, sinks)
     out = torch.zeros(query.shape, dtype=query.dtype, device=query.device) if out is None else out
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
     tiling = _tiling(query.shape[1], kv_cache.shape[3], max_query_len, tile_n)
     _launch(out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-            sliding_window, tiling, num_splits=1, scratch=None, fresh_kv=fresh_kv)  # fmt: skip
+            sliding_window, tiling, num_splits=1, scratch=None, fresh_kv=fresh_kv,
+            sinks=sinks)  # fmt: skip
     return out
 
 
@@ -215,11 +224,12 @@ def split_kv_paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     tile_n: int = 32,
     fresh_kv: FreshKV | None = None,  # this step's (key, value) [num_tokens, kv_heads, head_dim]
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Flash-decoding: stage 1 spreads each tile's keys over `num_splits` programs writing
     fp32 partials to `scratch`; stage 2 merges them. Pass a preallocated `scratch` and a
     fixed `num_splits` to make the pair capturable in a CUDA graph."""
-    _check_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables, fresh_kv)
+    _check_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables, fresh_kv, sinks)
     num_tokens, num_heads, head_dim = query.shape
     assert num_splits >= 1, num_splits
     if scratch is None:
@@ -232,7 +242,7 @@ def split_kv_paged_attention(
     tiling = _tiling(num_heads, kv_cache.shape[3], max_query_len, tile_n)
     _launch(out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale,
             sliding_window, tiling, num_splits=num_splits, scratch=scratch,
-            fresh_kv=fresh_kv)  # fmt: skip
+            fresh_kv=fresh_kv, sinks=sinks)  # fmt: skip
     if num_tokens == 0:
         return out
     # Compiled: one head per program (its partials fit in registers). Interpreted: all
@@ -279,6 +289,7 @@ def paged_attention(
     scratch: SplitKVScratch | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     fresh_kv: FreshKV | None = None,  # this step's (key, value) [num_tokens, kv_heads, head_dim]
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Unified or split-KV attention, chosen from host-side sizes (no device sync).
 
@@ -293,11 +304,11 @@ def paged_attention(
     common = (query, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window)
     if num_splits == 1:
         return unified_paged_attention(
-            *common, max_query_len=max_query_len, out=out, fresh_kv=fresh_kv
+            *common, max_query_len=max_query_len, out=out, fresh_kv=fresh_kv, sinks=sinks
         )
     return split_kv_paged_attention(
         *common, max_query_len=max_query_len, num_splits=num_splits, scratch=scratch, out=out,
-        fresh_kv=fresh_kv,
+        fresh_kv=fresh_kv, sinks=sinks,
     )  # fmt: skip
 
 
@@ -315,6 +326,7 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     fresh_kv: FreshKV | None = None,  # this step's (key, value) [num_tokens, kv_heads, head_dim]
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Reference (the spec): per request, gather its context (dequantized, for a quantized
     cache; `fresh_kv`'s rows for a request with no cached prefix, if given) and run masked
@@ -338,6 +350,11 @@ def paged_attention_ref(
         if sliding_window is not None:
             allowed &= delta < sliding_window
         scores = torch.einsum("qhd,khd->hqk", query[q0:q1].float(), k) * scale
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill(~allowed, float("-inf"))  # [H, q_len, seq_len]
+        if sinks is not None:  # one more column in the softmax, then dropped
+            sink = sinks.float()[:, None, None].expand(-1, q1 - q0, 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

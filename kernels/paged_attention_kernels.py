@@ -37,6 +37,11 @@ With FRESH_KV, a request with no cached prefix reads this step's own K/V rows (f
 unquantized) instead of the cache: the same inner loop, its keys addressed row after row.
 K and V come with their own strides: they are views of the fused qkv projection, or a
 contiguous copy (rotary's or a norm's output), in any mix.
+
+With HAS_SINKS (gpt-oss), query head h's softmax denominator also holds exp(sinks[h]), a
+logit with no value. The sink starts the online softmax of each row as a key already
+seen (max = the sink, sum = 1, acc = 0); with split-KV only split 0 starts from it, the
+others from nothing, and the merge weighs them as usual.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ import triton.language as tl
 from kvflow.kernels.kv_codec_triton import FLOAT
 from kvflow.kernels.launch_utils import round_to
 from kvflow.kernels.paged_attention_loop import attend_range
+
+LOG2E = tl.constexpr(1.4426950408889634)  # the kernels' logits are in the log2 domain
 
 
 @triton.jit
@@ -114,6 +121,9 @@ def _attend_tile(
     q,  # [BLOCK_M, HEAD_DIM_P] in DOT_DTYPE
     q_pos,  # [BLOCK_M] int32, absolute position of each row's query token
     q_start, req, kv_head, ctx_len, lo, hi, split,
+    sinks_ptr,  # [num_heads] (HAS_SINKS)
+    head,  # [BLOCK_M] query head of each row
+    mask_m,  # [BLOCK_M] real rows
     key_ptr,  # [num_tokens, num_kv_heads, head_dim] this step's keys   (FRESH_KV)
     value_ptr,  # [num_tokens, num_kv_heads, head_dim] and values          (FRESH_KV)
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim (+ 4 if quantized)]
@@ -127,7 +137,7 @@ def _attend_tile(
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     FRESH_KV: tl.constexpr, KV_CODEC: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """(acc, l_i, m_i) of this tile over split `split` of its key range [lo, hi)."""
     # Split s takes a whole number of key tiles; trailing splits may get none and then
@@ -138,6 +148,10 @@ def _attend_tile(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if HAS_SINKS:  # split 0 starts from the sink: a key seen, weight 1, no value
+        sink = tl.load(sinks_ptr + head, mask=mask_m, other=0.0).to(tl.float32) * LOG2E
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     fresh = False
     if FRESH_KV:
         fresh = ctx_len == 0
@@ -209,6 +223,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
     block_tables_ptr,  # [num_reqs, max_blocks] int32
+    sinks_ptr,  # [num_heads] (HAS_SINKS)
     num_reqs, qk_scale, sliding_window,
     stride_qt, stride_qh,  # q_ptr (token, head)
     stride_kt, stride_kh,  # key_ptr (token, head)
@@ -217,12 +232,12 @@ def _paged_attention_kernel(
     stride_at, stride_ah, stride_as,  # acc_ptr (token, head, split)
     stride_mt, stride_mh,  # max_ptr and sum_ptr (token, head)
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,  # kv_cache_ptr
-    stride_bt,  # block_tables_ptr (request)
-    head_dim,
+    stride_bt, head_dim,  # block_tables_ptr (request); the real head size
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr, FRESH_KV: tl.constexpr,
     KV_CODEC: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """Grid (query tiles, num_kv_heads, NUM_SPLITS). One split writes the output itself;
     several write fp32 partials for `_split_kv_merge_kernel`."""
@@ -231,8 +246,7 @@ def _paged_attention_kernel(
     )
     if q_tile * BLOCK_Q >= q_len:
         return
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    kv_head, split = tl.program_id(1), tl.program_id(2)
     tok, head_in_group, mask_m, q_pos, lo, hi = _tile_rows(
         q_tile, q_len, ctx_len, sliding_window, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, GROUP=GROUP
     )
@@ -244,13 +258,13 @@ def _paged_attention_kernel(
     q_off = rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=mask_md, other=0.0).to(tl.float32).to(DOT_DTYPE)
     acc, l_i, m_i = _attend_tile(
-        q, q_pos, q_start, req, kv_head, ctx_len, lo, hi, split, key_ptr, value_ptr,
-        kv_cache_ptr, block_tables_ptr, qk_scale, sliding_window, stride_kt, stride_kh,
-        stride_vt, stride_vh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt,
-        offs_d, mask_d, head_dim,
+        q, q_pos, q_start, req, kv_head, ctx_len, lo, hi, split, sinks_ptr, head, mask_m,
+        key_ptr, value_ptr, kv_cache_ptr, block_tables_ptr, qk_scale, sliding_window,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_c_kv, stride_c_block, stride_c_slot,
+        stride_c_head, stride_bt, offs_d, mask_d, head_dim,
         NUM_SPLITS=NUM_SPLITS, BLOCK_M=BLOCK_M, HEAD_DIM_P=HEAD_DIM_P, BLOCK_SIZE=BLOCK_SIZE,
         TILE_N=TILE_N, USE_WINDOW=USE_WINDOW, FRESH_KV=FRESH_KV, KV_CODEC=KV_CODEC,
-        DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+        DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION, HAS_SINKS=HAS_SINKS,
     )  # fmt: skip
     _store_tile(
         acc, l_i, m_i, out_ptr, acc_ptr, max_ptr, sum_ptr, rows, head, split, mask_m,

@@ -113,6 +113,7 @@ def _tiny_dense_config(arch: str, vocab_size: int) -> Any:
 
 def _tiny_moe_config(arch: str, vocab_size: int) -> Any:
     """The mixture-of-experts families: 4 experts (top 2); Qwen3-MoE with a dense layer."""
+    import transformers
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -130,6 +131,11 @@ def _tiny_moe_config(arch: str, vocab_size: int) -> Any:
         return MixtralConfig(
             vocab_size=vocab_size, num_local_experts=4, num_experts_per_tok=2,
             tie_word_embeddings=False, **TINY_COMMON,
+        )  # fmt: skip
+    if arch == "gptoss":  # alternating window (shorter than the test prompts), YaRN
+        return transformers.GptOssConfig(
+            vocab_size=vocab_size, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=8, tie_word_embeddings=False, **{**TINY_COMMON, "intermediate_size": 32},
         )  # fmt: skip
     return _tiny_deepseek_config(arch, vocab_size)
 

@@ -27,6 +27,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store key/value at metadata.slot_mapping (slot -1: not stored), then causal
         attention of each request's query tokens over its whole paged context.
@@ -34,6 +35,8 @@ class AttentionBackend(Protocol):
         `sliding_window = W` lets the query at position p see keys at positions
         p - W < k <= p (W keys, itself included), as HF's sliding-window mask does.
         `softcap = c` caps each scaled logit s as c * tanh(s / c) before the softmax.
+        `sinks` adds exp(sinks[h]) to the softmax denominator of query head h (a logit
+        with no value: the keys' weights sum to less than 1; softcap.py).
         Rows of padding tokens (past query_start_loc[-1]) are zeros.
         """
         ...

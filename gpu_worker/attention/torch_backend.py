@@ -19,8 +19,8 @@ torch decode path above stays the reference it is tested against. Likewise, with
 prefill kernel (kernels/cpu/prefill_attention.cpp) a prefill with no cached prefix and no
 sliding window runs natively where the kernel supports the shape; every other prefill
 (cached prefix, window, other head_dim or CPU) keeps SDPA. A layer with logit
-soft-capping (Gemma 2) never takes the native kernels, which have no such option: its
-decodes and prefills take the torch path, in softcap.py's plain ops.
+soft-capping (Gemma 2) or attention sinks (gpt-oss) never takes the native kernels, which
+have neither option: its decodes and prefills take the torch path, in softcap.py's ops.
 
 A quantized cache (`--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`, kernels/kv_codec.py) holds
 rows of head_dim 8-bit codes and a float32 scale. Where no native kernel takes them, the
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvflow.gpu_worker.attention.softcap import attend
+from kvflow.gpu_worker.attention.softcap import LogitOptions, attend
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
 from kvflow.kernels import kv_codec
 from kvflow.kernels.cpu import elementwise
@@ -264,6 +264,7 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan = self.plan_for(metadata, kv_cache, query.shape[0])
         cache = kv_cache if plan.codec is None else kv_cache.view(torch.uint8)
@@ -275,7 +276,9 @@ class TorchAttentionBackend:
         decode, kernel = plan.decode, self._decode_kernel
         if plan.kernel_takes_query is None:  # once per step, not per layer
             plan.kernel_takes_query = kernel is not None and kernel.supports(query, kv_cache)
-        native = kernel is not None and plan.kernel_takes_query and softcap is None
+        options = LogitOptions(sliding_window, softcap, sinks)
+        plain = softcap is None and sinks is None  # what the native kernels compute
+        native = kernel is not None and plan.kernel_takes_query and plain
         if decode is not None and kernel is not None and native:
             md = plan.metadata
             kernel(
@@ -283,14 +286,12 @@ class TorchAttentionBackend:
                 decode.token_rows, out, scale, sliding_window, indices_checked=True,
             )  # fmt: skip
         elif decode is not None:
-            _decode_attention(
-                query, cache, decode, out, scale, (sliding_window, softcap), plan.codec
-            )
-        prefill_kernel = self._prefill_kernel if softcap is None else None
+            _decode_attention(query, cache, decode, out, scale, options, plan.codec)
+        prefill_kernel = self._prefill_kernel if plain else None
         for prefill in plan.prefills:
             _prefill_attention(
-                query, key, value, cache, prefill, out, scale, (sliding_window, softcap),
-                prefill_kernel, plan.codec,
+                query, key, value, cache, prefill, out, scale, options, prefill_kernel,
+                plan.codec,
             )  # fmt: skip
         return out
 
@@ -327,18 +328,19 @@ def _decode_attention(
     batch: _DecodeBatch,
     out: torch.Tensor,
     scale: float,
-    window_softcap: tuple[int | None, float | None],
+    options: LogitOptions,
     codec: torch.dtype | None = None,
 ) -> None:
-    window, softcap = window_softcap
     k, v = batch.gather(kv_cache)  # [B, KH, L, D] each ([B, KH, L, D + 4] rows if quantized)
     if codec is not None:
         k, v = (_dequantize(rows, codec, query.dtype) for rows in (k, v))
     num_heads, kv_heads, head_dim = query.shape[1], k.shape[1], k.shape[3]
     # GQA: the G = H / KH query heads of a KV head become G query rows of that head.
     q = query[batch.rows].view(batch.num_decodes, kv_heads, num_heads // kv_heads, head_dim)
+    sinks = None if options.sinks is None else options.sinks.view(kv_heads, -1, 1)
+    mask = batch.mask(options.window, query.dtype)
     attended = attend(
-        q, k, v, batch.mask(window, query.dtype), is_causal=False, scale=scale, softcap=softcap
+        q, k, v, mask, is_causal=False, scale=scale, softcap=options.softcap, sinks=sinks
     )  # [B, KH, G, D]
     out[batch.rows] = attended.reshape(batch.num_decodes, num_heads, head_dim)
 
@@ -351,13 +353,12 @@ def _prefill_attention(
     prefill: _Prefill,
     out: torch.Tensor,
     scale: float,
-    window_softcap: tuple[int | None, float | None],
+    options: LogitOptions,
     kernel: PrefillAttention | None = None,
     codec: torch.dtype | None = None,
 ) -> None:
-    window, softcap = window_softcap
     rows = slice(prefill.start, prefill.end)
-    mask = prefill.mask(window, query.device)
+    mask = prefill.mask(options.window, query.device)
     if mask is None and kernel is not None:
         # No cached prefix and no window cutting in: plain causal attention over the
         # step's own rows, which the native kernel computes (SDPA stays the reference).
@@ -381,8 +382,9 @@ def _prefill_attention(
         mask,
         is_causal=mask is None,
         scale=scale,
-        softcap=softcap,
+        softcap=options.softcap,
         enable_gqa=query.shape[1] != k.shape[1],
+        sinks=None if options.sinks is None else options.sinks.view(-1, 1, 1),
     )  # [1, H, q_len, D]
     out[rows] = attended[0].transpose(0, 1)
 

@@ -76,17 +76,19 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # key and value may be views of the fused qkv output (row stride of all heads):
         # both kernels take each tensor's own strides, so nothing is copied here.
         # The paged kernel has no logit soft-capping: capped layers (Gemma 2) take the
-        # torch backend, which has it (on the same CUDA tensors, eager steps).
+        # torch backend, which has it (on the same CUDA tensors, eager steps). Attention
+        # sinks (gpt-oss) it has: they start each row's online softmax.
         if kv_cache.numel() == 0 or softcap is not None:
             return self._no_cache_fallback.forward(
-                query, key, value, kv_cache, metadata, scale, sliding_window, softcap
+                query, key, value, kv_cache, metadata, scale, sliding_window, softcap, sinks
             )
         store_kv(key, value, kv_cache, metadata.slot_mapping)
-        return self._attend(query, key, value, kv_cache, metadata, scale, sliding_window)
+        return self._attend(query, key, value, kv_cache, metadata, scale, sliding_window, sinks)
 
     def forward_latent(
         self,
@@ -105,7 +107,7 @@ class TritonAttentionBackend:
         planes = kv_cache.expand(2, -1, -1, -1, -1)  # K and V: the same rows, no copy
         store_kv(latent, latent, planes, metadata.slot_mapping)  # both writes land alike
         query = absorb_query(q_nope, q_pe, kv_b)  # [num_tokens, num_heads, r + R]
-        out = self._attend(query, latent, latent, planes, metadata, scale, None)
+        out = self._attend(query, latent, latent, planes, metadata, scale, None, None)
         return expand_output(out[..., : kv_b.shape[2]], kv_b, q_nope.shape[-1])
 
     def _attend(
@@ -117,6 +119,7 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """The paged kernel's launch over this step's stored K/V."""
         num_tokens, num_heads, head_dim = query.shape
@@ -133,5 +136,5 @@ class TritonAttentionBackend:
             query, kv_cache, metadata.query_start_loc, metadata.seq_lens,
             metadata.block_tables, scale, sliding_window,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
-            num_splits=num_splits, scratch=scratch, fresh_kv=(key, value),
+            num_splits=num_splits, scratch=scratch, fresh_kv=(key, value), sinks=sinks,
         )  # fmt: skip

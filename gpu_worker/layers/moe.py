@@ -24,6 +24,12 @@ Checkpoint tensors: expert e's `<prefix>.<e>.<gate|up|down>.weight` (the family 
 the prefix and the three projections: Qwen's gate_proj/up_proj/down_proj, Mixtral's
 w1/w3/w2). That full name is the shard id on the stacked parameter, so a checkpoint
 that lacks an expert's tensor fails at load naming it (weights.load_weights).
+
+Options (gpt-oss), each off by default: a bias on the router; routing by a softmax over
+the top-k logits alone (`topk_softmax`); biases on the experts' projections (w13_bias
+[E_local, 2 I_local], w2_bias [E_local, H]; under the tensor-parallel split rank 0 holds
+the down biases and the others zeros, so the all-reduce adds them once); and the clamped
+SwiGLU in place of silu(gate) * up (kernels/fused_moe_reference.py states them all).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from kvflow.gpu_worker.layers.linear import copy_checked, copy_checked_loader, n
 from kvflow.gpu_worker.parallel_state import divide, get_tp_group
 from kvflow.kernels.cpu import fused_moe as cpu_fused_moe
 from kvflow.kernels.fused_moe_reference import (
+    ClampedSwiGLU,
     GroupedTopK,
     Grouping,
     Routing,
@@ -46,6 +53,7 @@ from kvflow.kernels.fused_moe_reference import (
     group_by_expert,
     route,
     route_grouped,
+    route_topk_softmax,
 )
 
 
@@ -60,37 +68,42 @@ class ExpertNames(NamedTuple):
     def of(self, expert: int, proj: str) -> str:
         return f"{self.prefix}.{expert}.{proj}.weight"
 
+    def bias_of(self, expert: int, proj: str) -> str:
+        return f"{self.prefix}.{expert}.{proj}.bias"
+
 
 class Router(nn.Module):
-    """logits = x W^T, W [E, H] replicated on every rank (`gate` in the checkpoints).
+    """logits = x W^T (+ b), W [E, H] replicated on every rank (`gate` in the checkpoints).
 
-    `float32`: W is kept and the logits computed in float32 whatever the model dtype,
-    with the [E] `e_score_correction_bias` if `correction_bias` (DeepSeek's router, which
-    its checkpoints and transformers keep in float32: a near-tie between experts must
-    not be decided by bfloat16 rounding)."""
+    `bias`: a router bias (gpt-oss). `float32`: W is kept and the logits computed in
+    float32 whatever the model dtype, with the [E] `e_score_correction_bias` if
+    `correction_bias` (DeepSeek's router, which its checkpoints and transformers keep in
+    float32: a near-tie between experts must not be decided by bfloat16 rounding)."""
 
     def __init__(
         self,
         hidden_size: int,
         num_experts: int,
+        bias: bool = False,
         float32: bool = False,
         correction_bias: bool = False,
     ) -> None:
         super().__init__()
         self.float32 = float32
         self.weight = new_parameter((num_experts, hidden_size), copy_checked_loader)
+        self.bias = new_parameter((num_experts,), copy_checked_loader) if bias else None
         self.e_score_correction_bias: nn.Parameter | None = None
         if float32:
             self.weight.data = self.weight.data.float()
         if correction_bias:
-            bias = new_parameter((num_experts,), copy_checked_loader)
-            bias.data = bias.data.float()
-            self.e_score_correction_bias = bias
+            scores_bias = new_parameter((num_experts,), copy_checked_loader)
+            scores_bias.data = scores_bias.data.float()
+            self.e_score_correction_bias = scores_bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float32:
             return F.linear(x.float(), self.weight)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class FusedExperts(nn.Module):
@@ -98,11 +111,19 @@ class FusedExperts(nn.Module):
     [E_local, H, I_local]; see the module docstring for the split."""
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, names: ExpertNames
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        names: ExpertNames,
+        bias: bool = False,
+        clamped: ClampedSwiGLU | None = None,
     ) -> None:
         super().__init__()
         tp = get_tp_group()
-        self.num_experts = num_experts
+        self.num_experts, self.clamped = num_experts, clamped
+        # The down biases are added once over the ranks: by rank 0 under the TP split.
+        self.adds_down_bias = tp.expert_parallel or tp.rank == 0
         if tp.expert_parallel:
             self.num_local = divide(num_experts, tp.size)
             self.first_expert = tp.rank * self.num_local
@@ -124,6 +145,22 @@ class FusedExperts(nn.Module):
         self.w2_weight = new_parameter(shape2, self.weight_loader, w2_ids)
         # Every expert's checkpoint names, this rank's or not (expert parallel skips them).
         self.all_names = {names.of(e, p) for e in range(num_experts) for p in names[1:]}
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        self.bias_shards: dict[str, tuple[int, int]] = {}  # as `shards`, of the biases
+        if bias:
+            self._add_biases(names, hidden_size)
+
+    def _add_biases(self, names: ExpertNames, hidden_size: int) -> None:
+        for local in range(self.num_local):
+            for part, proj in enumerate((names.gate, names.up, names.down)):
+                self.bias_shards[names.bias_of(self.first_expert + local, proj)] = (local, part)
+        ids13 = [name for name, (_, part) in self.bias_shards.items() if part < 2]
+        ids2 = [name for name, (_, part) in self.bias_shards.items() if part == 2]
+        shape13, shape2 = (self.num_local, 2 * self.inter), (self.num_local, hidden_size)
+        self.w13_bias = new_parameter(shape13, self.bias_loader, ids13)
+        self.w2_bias = new_parameter(shape2, self.bias_loader, ids2)
+        self.all_names |= {names.bias_of(e, p) for e in range(self.num_experts) for p in names[1:]}
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
         local, part = self.shards[shard_id]
@@ -133,17 +170,29 @@ class FusedExperts(nn.Module):
         rows = loaded.narrow(0, self.inter_start, self.inter)  # gate or up [I, H]
         copy_checked(param.data[local].narrow(0, part * self.inter, self.inter), rows)
 
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+        local, part = self.bias_shards[shard_id]
+        if part == 2:  # down [H]: whole, where this rank adds it (module docstring)
+            copy_checked(
+                param.data[local], loaded if self.adds_down_bias else torch.zeros_like(loaded)
+            )
+            return
+        rows = loaded.narrow(0, self.inter_start, self.inter)  # gate or up [I]
+        copy_checked(param.data[local].narrow(0, part * self.inter, self.inter), rows)
+
     def forward(self, x: torch.Tensor, routing: Routing, grouping: Grouping) -> torch.Tensor:
         """x [T, H] routed -> this rank's experts' weighted outputs per token [T, H]."""
         local = grouping.offsets[self.first_expert : self.first_expert + self.num_local + 1]
         w13, w2 = self.w13_weight, self.w2_weight
+        options = cpu_fused_moe.ExpertOptions(self.w13_bias, self.w2_bias, self.clamped)
         if x.is_cuda:
             from kvflow.kernels.fused_moe_triton import fused_experts  # never imported on CPU
 
-            return combine(fused_experts(x, grouping.rows, local, w13, w2), grouping, routing)
+            y = fused_experts(x, grouping.rows, local, w13, w2, **options._asdict())
+            return combine(y, grouping, routing)
         if cpu_fused_moe.applies(x, w13, w2) and cpu_fused_moe.available():
-            return cpu_fused_moe.fused_moe(x, grouping, routing, local, w13, w2)
-        y = fused_experts_reference(x, grouping.rows, local, w13, w2)
+            return cpu_fused_moe.fused_moe(x, grouping, routing, local, w13, w2, options=options)
+        y = fused_experts_reference(x, grouping.rows, local, w13, w2, **options._asdict())
         return combine(y, grouping, routing)
 
 
@@ -151,7 +200,8 @@ class FusedMoE(nn.Module):
     """Router + fused experts, [T, H] -> [T, H] summed over the tensor-parallel ranks.
     `renormalize`: rescale the top-k weights to sum to 1 (Qwen's norm_topk_prob).
     `grouped`: DeepSeek's routing (GroupedTopK) instead of softmax + top-k; its router
-    runs in float32, with the sigmoid scoring's correction bias."""
+    runs in float32, with the sigmoid scoring's correction bias. The gpt-oss options
+    (module docstring): `router_bias`, `topk_softmax`, `expert_bias`, `clamped`."""
 
     def __init__(
         self,
@@ -162,16 +212,26 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         names: ExpertNames,
         grouped: GroupedTopK | None = None,
+        *,
+        router_bias: bool = False,
+        topk_softmax: bool = False,
+        expert_bias: bool = False,
+        clamped: ClampedSwiGLU | None = None,
     ) -> None:
         super().__init__()
         self.tp = get_tp_group()
         self.top_k, self.renormalize, self.grouped = top_k, renormalize, grouped
+        self.topk_softmax = topk_softmax
         biased = grouped is not None and grouped.scoring == "sigmoid"
-        self.gate = Router(hidden_size, num_experts, grouped is not None, biased)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, names)
+        self.gate = Router(hidden_size, num_experts, router_bias, grouped is not None, biased)
+        self.experts = FusedExperts(
+            num_experts, hidden_size, intermediate_size, names, expert_bias, clamped
+        )
 
     def route(self, x: torch.Tensor) -> Routing:
         logits = self.gate(x)
+        if self.topk_softmax:
+            return route_topk_softmax(logits, self.top_k)
         if self.grouped is None:
             return route(logits, self.top_k, self.renormalize)
         bias = self.gate.e_score_correction_bias

@@ -79,6 +79,7 @@ class LlamaAttention(nn.Module):
             backend,
             sliding_window=spec.sliding_windows[layer],
             softcap=spec.attn_softcap,
+            sinks=spec.attn_sinks,
         )
 
     def forward(

@@ -57,7 +57,11 @@ class MoeForCausalLM(LlamaForCausalLM):
                 for name, (_, part) in module.shards.items():
                     param = "w2_weight" if part == 2 else "w13_weight"
                     self.expert_targets[name] = f"{module_name}.{param}"
-                self.other_experts |= module.all_names - module.shards.keys()
+                for name, (_, part) in module.bias_shards.items():
+                    param = "w2_bias" if part == 2 else "w13_bias"
+                    self.expert_targets[name] = f"{module_name}.{param}"
+                mine = module.shards.keys() | module.bias_shards.keys()
+                self.other_experts |= module.all_names - mine
 
     def checkpoint_target(self, name: str) -> tuple[str, Any]:
         """(parameter name, shard id) of checkpoint tensor `name` (weights.load_weights)."""

@@ -10,6 +10,7 @@ from kvflow.errors import UnsupportedModelError
 from kvflow.gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvflow.gpu_worker.models.gemma2 import Gemma2ForCausalLM
 from kvflow.gpu_worker.models.gemma3 import Gemma3ForCausalLM
+from kvflow.gpu_worker.models.gpt_oss import GptOssForCausalLM
 from kvflow.gpu_worker.models.granite import GraniteForCausalLM
 from kvflow.gpu_worker.models.llama import (
     LlamaForCausalLM,
@@ -40,6 +41,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -8,8 +8,8 @@ Every family runs the one decoder of llama.py; the spec switches its options:
 
 plus per-layer sliding windows and RoPE tables (None: a layer without RoPE, SmolLM3),
 q/k norms per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2), the
-attention scale and logit soft-cap, Gemma's (1 + w) norms and embedding scale, and
-Granite's embedding, residual and logit multipliers.
+attention scale, logit soft-cap and sinks (gpt-oss), Gemma's (1 + w) norms and embedding
+scale, and Granite's embedding, residual and logit multipliers.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class DecoderSpec:
     activation: str = "silu"  # the MLP's gate activation
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None  # Gemma 2: attention logits capped
+    attn_sinks: bool = False  # gpt-oss: a learned sink logit per head (layers/attention.py)
     final_softcap: float | None = None  # Gemma 2: final logits capped
     embedding_scale: float = 1.0  # Gemma: sqrt(hidden), Granite: embedding_multiplier
     residual_scale: float = 1.0  # Granite: residual_multiplier on each block's output

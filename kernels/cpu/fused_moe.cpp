@@ -21,6 +21,11 @@
 // Rounding follows the reference (F.linear, F.silu, *): the gate and up products, silu,
 // the product and the output are each rounded to the dtype (no-ops in float32).
 //
+// Options (gpt-oss): biases b13 [E, 2I] (gate's, then up's) and b2 [E, H], added to the
+// float32 sums before their rounding, and the clamped SwiGLU in place of silu * up:
+//   gate = min(gate, limit), up = clamp(up, -limit, limit),
+//   act = (up + 1) * (gate * sigmoid(alpha * gate)), each op rounded as torch rounds it.
+//
 // Vectors are GCC/Clang vector extensions of 16 floats: one zmm register with -march
 // that has AVX-512, two ymm with AVX2, four xmm on plain x86-64: the same code on every
 // ISA; vdpbf16ps only where the build has AVX512_BF16. Built by native_build.py.
@@ -165,6 +170,31 @@ struct Shape {
     int64_t experts, hidden, inter, x_stride;
 };
 
+struct Options {
+    const void* b13;  // [E, 2I] or null
+    const void* b2;   // [E, H] or null
+    bool clamped;     // the clamped SwiGLU (else silu(gate) * up)
+    float alpha, limit;
+};
+
+template <typename T>
+inline float bias_at(const void* bias, int64_t i) {
+    return bias == nullptr ? 0.0f : load(static_cast<const T*>(bias)[i]);
+}
+
+// The expert activation of one (gate, up) pair of float32 sums (biases added).
+template <typename T>
+inline float activation(float g, float u, const Options& o) {
+    float gate = rounded<T>(g);
+    const float up = rounded<T>(u);
+    if (!o.clamped) return rounded<T>(gate / (1.0f + std::exp(-gate))) * up;
+    gate = std::min(gate, o.limit);
+    const float clamped_up = std::min(std::max(up, -o.limit), o.limit);
+    const float scaled = rounded<T>(gate * o.alpha);
+    const float glu = rounded<T>(gate * rounded<T>(1.0f / (1.0f + std::exp(-scaled))));
+    return rounded<T>(clamped_up + 1.0f) * glu;
+}
+
 struct Combine {
     const int64_t* inverse;  // [T * k]: sorted row of each (token, slot) pair
     const float* weights;    // [T * k]: its routing weight
@@ -205,7 +235,7 @@ void combine_token(const T* y, T* out, int64_t t, int64_t lo, int64_t hi, const 
 // One task's gate|up: act[r, j] for its rows and columns, TILE x TILE at a time.
 template <typename T>
 void gate_up_task(const T* x, const int64_t* rows, const T* w13, T* act, const Task& task,
-                  const Shape& s) {
+                  const Shape& s, const Options& o) {
     const int64_t H = s.hidden, I = s.inter;
     const T* w = w13 + task.expert * 2 * I * H;
     for (int64_t r0 = 0; r0 < task.rows; r0 += TILE) {
@@ -219,19 +249,21 @@ void gate_up_task(const T* x, const int64_t* rows, const T* w13, T* act, const T
             float g[TILE][TILE], u[TILE][TILE];
             dots(a, m, gw, n, H, g);
             dots(a, m, uw, n, H, u);
-            for (int r = 0; r < m; ++r)
-                for (int c = 0; c < n; ++c) {
-                    const float gate = rounded<T>(g[r][c]);
-                    const float silu = rounded<T>(gate / (1.0f + std::exp(-gate)));
-                    store(act + (task.row0 + r0 + r) * I + j0 + c, silu * rounded<T>(u[r][c]));
-                }
+            for (int c = 0; c < n; ++c) {
+                const int64_t b = task.expert * 2 * I + j0 + c;
+                const float gate_bias = bias_at<T>(o.b13, b), up_bias = bias_at<T>(o.b13, b + I);
+                for (int r = 0; r < m; ++r)
+                    store(act + (task.row0 + r0 + r) * I + j0 + c,
+                          activation<T>(g[r][c] + gate_bias, u[r][c] + up_bias, o));
+            }
         }
     }
 }
 
 // One task's down: y[r, c] for its rows and columns.
 template <typename T>
-void down_task(const T* act, const T* w2, T* y, const Task& task, const Shape& s) {
+void down_task(const T* act, const T* w2, T* y, const Task& task, const Shape& s,
+               const Options& o) {
     const int64_t H = s.hidden, I = s.inter;
     const T* w = w2 + task.expert * H * I;
     for (int64_t r0 = 0; r0 < task.rows; r0 += TILE) {
@@ -244,8 +276,11 @@ void down_task(const T* act, const T* w2, T* y, const Task& task, const Shape& s
             for (int c = 0; c < n; ++c) b[c] = w + (c0 + c) * I;
             float out[TILE][TILE];
             dots(a, m, b, n, I, out);
-            for (int r = 0; r < m; ++r)
-                for (int c = 0; c < n; ++c) store(y + (task.row0 + r0 + r) * H + c0 + c, out[r][c]);
+            for (int c = 0; c < n; ++c) {
+                const float bias = bias_at<T>(o.b2, task.expert * H + c0 + c);
+                for (int r = 0; r < m; ++r)
+                    store(y + (task.row0 + r0 + r) * H + c0 + c, out[r][c] + bias);
+            }
         }
     }
 }
@@ -253,7 +288,7 @@ void down_task(const T* act, const T* w2, T* y, const Task& task, const Shape& s
 template <typename T>
 void fused_moe(const void* x, const int64_t* rows, const int64_t* offsets, const void* w13,
                const void* w2, void* act, void* y, void* out, const Combine& c,
-               const Shape& s) {
+               const Shape& s, const Options& o) {
     const std::vector<Task> first = tasks(offsets, s.experts, s.inter);
     const std::vector<Task> second = tasks(offsets, s.experts, s.hidden);
 #pragma omp parallel  // one team for both phases; the first `for`'s barrier parts them
@@ -261,11 +296,11 @@ void fused_moe(const void* x, const int64_t* rows, const int64_t* offsets, const
 #pragma omp for schedule(dynamic)
         for (size_t t = 0; t < first.size(); ++t)
             gate_up_task(static_cast<const T*>(x), rows, static_cast<const T*>(w13),
-                         static_cast<T*>(act), first[t], s);
+                         static_cast<T*>(act), first[t], s, o);
 #pragma omp for schedule(dynamic)
         for (size_t t = 0; t < second.size(); ++t)
             down_task(static_cast<const T*>(act), static_cast<const T*>(w2), static_cast<T*>(y),
-                      second[t], s);
+                      second[t], s, o);
         if (out != nullptr) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < c.tokens; ++t)
@@ -283,20 +318,23 @@ extern "C" {
 // sorted-row indices, non-decreasing), w13 [E, 2I, H], w2 [E, H, I], act [N, I] scratch,
 // y [N, H]: the rows [offsets[0], offsets[E]) are written, the others left as they are.
 // With `out` [tokens, H] (else null): phase 3 from inverse [tokens * top_k] int64 and
-// weights [tokens * top_k] float32. dtype 0 = float32, 1 = bfloat16. Returns 0; 1 for an
-// unknown dtype, 2 for top_k > 64.
+// weights [tokens * top_k] float32. b13 [E, 2I] and b2 [E, H] (x's dtype) or null;
+// clamped != 0: the clamped SwiGLU with alpha and limit. dtype 0 = float32, 1 = bfloat16.
+// Returns 0; 1 for an unknown dtype, 2 for top_k > 64.
 int kvflow_fused_moe(const void* x, const int64_t* rows, const int64_t* offsets,
                      const void* w13, const void* w2, void* act, void* y,
                      const int64_t* inverse, const float* weights, void* out, int64_t experts,
                      int64_t hidden, int64_t inter, int64_t x_stride, int64_t tokens,
-                     int64_t top_k, int64_t dtype) {
+                     int64_t top_k, int64_t dtype, const void* b13, const void* b2,
+                     int64_t clamped, float alpha, float limit) {
     const Shape s{experts, hidden, inter, x_stride};
     const Combine c{inverse, weights, tokens, top_k};
+    const Options o{b13, b2, clamped != 0, alpha, limit};
     if (out != nullptr && top_k > MAX_TOP_K) return 2;
     if (dtype == 0) {
-        fused_moe<float>(x, rows, offsets, w13, w2, act, y, out, c, s);
+        fused_moe<float>(x, rows, offsets, w13, w2, act, y, out, c, s, o);
     } else if (dtype == 1) {
-        fused_moe<Bf16>(x, rows, offsets, w13, w2, act, y, out, c, s);
+        fused_moe<Bf16>(x, rows, offsets, w13, w2, act, y, out, c, s, o);
     } else {
         return 1;
     }

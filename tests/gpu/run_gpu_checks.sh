@@ -125,5 +125,6 @@ run_step kernels_compiled 150 "${PYTEST[@]}" -m "not slow" --junitxml="$RAW/kern
     tests/kernels/test_paged_attention.py tests/kernels/test_store_kv.py \
     tests/kernels/test_triton_backend.py tests/kernels/test_engine_triton.py \
     tests/kernels/test_rotary.py tests/kernels/test_rms_norm.py \
-    tests/kernels/test_activation.py tests/kernels/test_grammar_bitmask.py
+    tests/kernels/test_activation.py tests/kernels/test_grammar_bitmask.py \
+    tests/kernels/test_attention_sinks.py tests/kernels/test_fused_moe_options.py
 finish 0

@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 
 from kvflow.kernels import (
     activation,
+    fused_moe_triton,
     grammar_bitmask,
     kv_codec,
     paged_attention,
@@ -67,7 +68,8 @@ def _patch(target: GPUTarget, done: list[str]) -> None:
                (rotary, "_rotary_kernel"), (activation, "_silu_and_mul_kernel"),
                (grammar_bitmask, "_apply_bitmask_kernel"),
                (paged_attention, "_paged_attention_kernel"),
-               (paged_attention, "_split_kv_merge_kernel")]  # fmt: skip
+               (paged_attention, "_split_kv_merge_kernel"),
+               (fused_moe_triton, "_grouped_gemm_kernel")]  # fmt: skip
     for module, name in kernels:
         setattr(module, name, _CompileOnLaunch(getattr(module, name), target, done))
         module.check_device = lambda *args: None  # CPU tensors stand in for CUDA ones
@@ -90,7 +92,26 @@ def _launch_all() -> None:
             torch.zeros(2, 5, dtype=i32), 0.1)  # fmt: skip
     paged_attention.unified_paged_attention(*step, max_query_len=512)
     paged_attention.split_kv_paged_attention(*step, 64, max_query_len=1, num_splits=8)
+    sinks = torch.zeros(32, dtype=bf16)  # gpt-oss: a sink per query head
+    paged_attention.unified_paged_attention(*step, max_query_len=512, sinks=sinks)
+    paged_attention.split_kv_paged_attention(*step, max_query_len=1, num_splits=8, sinks=sinks)
     _launch_quantized(q, k)
+    _launch_fused_experts()
+
+
+def _launch_fused_experts() -> None:
+    """The grouped GEMMs plain (Qwen, Mixtral) and with gpt-oss's biases and clamped SwiGLU."""
+    bf16, i64 = torch.bfloat16, torch.int64
+    x, rows, offsets = (
+        torch.zeros(8, 256, dtype=bf16),
+        torch.zeros(16, dtype=i64),
+        torch.zeros(5, dtype=i64),
+    )
+    w13, w2 = torch.zeros(4, 128, 256, dtype=bf16), torch.zeros(4, 256, 64, dtype=bf16)
+    fused_moe_triton.fused_experts(x, rows, offsets, w13, w2)
+    b13, b2 = torch.zeros(4, 128, dtype=bf16), torch.zeros(4, 256, dtype=bf16)
+    clamped = fused_moe_triton.ClampedSwiGLU(1.702, 7.0)
+    fused_moe_triton.fused_experts(x, rows, offsets, w13, w2, b13=b13, b2=b2, clamped=clamped)
 
 
 def _launch_quantized(q: torch.Tensor, k: torch.Tensor) -> None:
