@@ -4,13 +4,11 @@ series over all of them and shows the engine-level series once (promtool-checked
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_perf_metrics import promtool_check
 
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.stats import SchedulerStats
@@ -81,20 +79,4 @@ def test_a_dead_api_servers_share_is_dropped(tmp_path: Path) -> None:
 
 
 def test_promtool_accepts_the_summed_scrape(tmp_path: Path) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("KVFLOW_REQUIRE_PROMTOOL") == "1":
-            pytest.fail("promtool is required but not installed (Debian package 'prometheus')")
-        pytest.skip("promtool not installed (Debian package 'prometheus')")
-    text = three_api_servers(tmp_path)[0].render().decode()
-    result = subprocess.run(
-        [promtool, "check", "metrics"], input=text, capture_output=True, text=True
-    )
-    problems = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
-    unexpected = [
-        p
-        for p in problems
-        if not p.endswith("metric names should not contain ':'")
-        and not p.startswith("kvflow:iteration_tokens_total ")
-    ]
-    assert unexpected == [] and result.returncode in (0, 3), result
+    promtool_check(three_api_servers(tmp_path)[0].render().decode())
