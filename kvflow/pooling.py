@@ -26,7 +26,7 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -73,9 +73,9 @@ class PoolerConfig:
             return value
         options = json_options(value, cls, "pooler_config", required=())
         pooling_type = options.get("pooling_type")
-        if isinstance(pooling_type, str):
+        if isinstance(pooling_type, str):  # checked in __post_init__
             pooling_type = pooling_type.upper()
-        return cls(pooling_type=pooling_type, normalize=options.get("normalize"))
+        return cls(pooling_type=cast(PoolingType, pooling_type), normalize=options.get("normalize"))
 
 
 def parse_pooler_config(text: str) -> PoolerConfig:
