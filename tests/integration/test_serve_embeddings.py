@@ -193,5 +193,7 @@ def test_run_batch_answers_embeddings_lines(st_model_dir: Path, tmp_path: Path) 
     for item, vector in zip(body["data"], expected):
         assert np.allclose(item["embedding"], vector, atol=1e-6)
     assert records[1]["error"]["code"] == 400 and "pooling" in records[1]["error"]["message"]
-    decoded = np.frombuffer(base64.b64decode(records[2]["response"]["body"]["data"][0]["embedding"]), "<f4")
+    decoded = np.frombuffer(
+        base64.b64decode(records[2]["response"]["body"]["data"][0]["embedding"]), "<f4"
+    )
     assert np.allclose(decoded, expected[1], atol=1e-6)
