@@ -8,7 +8,7 @@ float32, for two families, through the real scheduler:
   CLS never read the cache (they need position 0 on) and still pool right;
 - preemption by recompute mid-prompt (16 KV blocks of 4 tokens for two 48-token
   prompts): what the worker accumulated for the victim is dropped;
-- steps in flight (async scheduling) for LAST and MEAN.
+- steps in flight (async scheduling) for LAST and MEAN; two tensor-parallel ranks (slow).
 """
 
 from __future__ import annotations
@@ -132,3 +132,18 @@ def test_context_limits_options_and_refusals(tiny_model_dir: Callable[[str], Pat
             generating.embed("x")
     finally:
         generating.close()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_pools_as_one_rank(tiny_model_dir: Callable[[str], Path]) -> None:
+    model_dir = str(tiny_model_dir("llama"))
+    options = {**ENGINE, "num_blocks": 64, "pooler_config": {"pooling_type": "MEAN"}}
+    prompts = _prompts(5, [21, 5], 1000)
+    vectors = []
+    for tp in (1, 2):
+        llm = LLM(model_dir, tensor_parallel_size=tp, **options)
+        try:
+            vectors.append([o.outputs.embedding for o in llm.embed(prompts)])
+        finally:
+            llm.close()
+    assert np.allclose(vectors[0], vectors[1], atol=1e-5)
