@@ -139,6 +139,7 @@ def test_pooling_route_in_vllms_shape(server: Server, client: Any) -> None:
     [
         ("/v1/completions", {"prompt": "hi"}, "pooling runner"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "pooling"),
+        ("/v1/responses", {"input": "hi"}, "pooling runner"),
         ("/v1/embeddings", {"input": ""}, "input"),
         ("/v1/embeddings", {"input": []}, "input"),
         ("/v1/embeddings", {"input": [1, "a"]}, "not a mix"),
