@@ -133,13 +133,13 @@ def test_prefix_cache_is_read_by_last_pooling_only(pooling_type: str, reads_cach
     core = make_core(1, pooling_type)
     worker = FakePoolingWorker()
     prefix = list(range(10, 26))
-    add(core, "first", prefix + [3])
+    add(core, "first", [*prefix, 3])
     run(core, worker)
-    add(core, "second", prefix + [4, 5])
+    add(core, "second", [*prefix, 4, 5])
     second = run(core, worker)["second"]
     assert (second.num_cached_tokens > 0) == reads_cache
     # Every token not cached is computed exactly once.
-    assert _vector(second) == sum((prefix + [4, 5])[second.num_cached_tokens :])
+    assert _vector(second) == sum(([*prefix, 4, 5])[second.num_cached_tokens :])
 
 
 def test_pooled_bytes_cross_the_wire_as_raw_bytes() -> None:
