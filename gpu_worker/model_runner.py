@@ -8,7 +8,7 @@ process shell (and the offline engine) only feed it plans. A step::
     features.before_forward      (KV loads, draft-model proposals)
     batch.prepare_inputs
     forward_path                 eager, a decode graph, or a pipeline stage's part
-    compute_logits
+    compute_logits               (or features.pool: the pooling runner's vectors, pooler.py)
     features.on_logits           (grammar bitmask)
     sample or verify             (sample_step.py)
     features.after_step          (prompt logprobs, KV saves and stats, stage spans)
@@ -42,9 +42,10 @@ from kvflow.gpu_worker.draft_feature import DraftModelFeature
 from kvflow.gpu_worker.drafter import Drafter, make_drafter
 from kvflow.gpu_worker.forward_paths import ForwardPath, GraphForward, eager_forward
 from kvflow.gpu_worker.grammar_feature import GrammarFeature
-from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch
+from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
+from kvflow.gpu_worker.pooler import PoolingFeature
 from kvflow.gpu_worker.prompt_logprobs import PromptLogprobsFeature
 from kvflow.gpu_worker.sample_step import Verifier, sample_step
 from kvflow.gpu_worker.sampler import Sampler
@@ -54,6 +55,7 @@ from kvflow.kernels.cpu.native_build import load_all as load_native_kernels
 from kvflow.kv_transfer.worker.connector import KVConnectorWorker, make_connector_worker
 from kvflow.kv_transfer.worker.runner_feature import KVConnectorFeature
 from kvflow.kv_transfer_config import KVTransferConfig
+from kvflow.pooling import engine_pooling
 from kvflow.proto.step import StepPlan, StepResult
 from kvflow.speculative_config import SpeculativeConfig
 
@@ -136,12 +138,17 @@ class ModelRunner:
         self._draft = draft
         self._kv: KVConnectorFeature | None = None  # bound with the KV cache
         self._per_request = (GrammarFeature(), PromptLogprobsFeature(self.batch))
+        # The pooling runner (config.py keeps stages, drafts and KV transfer away).
+        pooling = engine_pooling(config.model.runner, config.model_dir, config.model.pooler_config)
+        self.pooler = None if pooling is None else PoolingFeature(pooling)
+        if self.pooler is not None:
+            self.forward_path = self.pooler.forward
         self._register()
 
     def _register(self) -> None:
         # Hooks run in this order: prompt logprobs while a KV save's copies still run,
         # KV loads before the drafts, the stage's spans last.
-        optional = (*self._per_request, self._kv, self._draft, self.stage)
+        optional = (*self._per_request, self._kv, self._draft, self.stage, self.pooler)
         features: list[StepFeature] = [f for f in optional if f is not None]
         self.features = StepFeatures(features)
 
@@ -198,8 +205,8 @@ class ModelRunner:
         capture took. CUDA: every size captured now, the model's and the draft model's
         (cuda_graphs.py; the Triton backend only). CPU: each size is recorded by the
         first decode step of that size (cpu_graphs.py). None with `enforce_eager`."""
-        if self.config.device.enforce_eager:
-            return 0.0
+        if self.config.device.enforce_eager or self.pooler is not None:
+            return 0.0  # (a pooling runner never decodes)
         if self.device.type == "cpu":  # one rank: gpu_worker/main.py makes ranks eager
             block_size = self.config.cache.block_size
             self.decode_graphs = make_cpu_decode_graphs(
@@ -257,7 +264,17 @@ class ModelRunner:
             hidden = self.forward_path(self.model, inputs, after_layer)
             if hidden is None:  # a pipeline stage handed its activations on
                 return StepResult(step_id=plan.step_id, req_ids=[], sampled_token_ids=[])
-            logits = self.model.compute_logits(hidden)  # [num_logits, V] fp32
+            if features.pool:  # the pooling runner: vectors, no logits, nothing sampled
+                result = features.pool[0](plan, inputs, hidden)
+            else:
+                result = self._sample(plan, inputs, self.model.compute_logits(hidden))
+        result.step_id = plan.step_id
+        result.execute_time_s = time.perf_counter() - start
+        return result
+
+    def _sample(self, plan: StepPlan, inputs: ModelInputs, logits: torch.Tensor) -> StepResult:
+        """Sample (or verify drafts) from `logits` [num_logits, V] fp32."""
+        features = self.features
         sampled = logits[: inputs.num_sample_rows]  # then the prompt-logprob rows
         for on_logits in features.on_logits:
             on_logits(plan, inputs, sampled)
@@ -267,8 +284,6 @@ class ModelRunner:
             result = sample_step(self.sampler, self.batch, inputs, sampled)
         for after_step in features.after_step:
             after_step(plan, inputs, logits, result)
-        result.step_id = plan.step_id
-        result.execute_time_s = time.perf_counter() - start
         return result
 
     def _idle_step(self, plan: StepPlan) -> StepResult:

@@ -6,6 +6,8 @@
         before_forward(plan)               KV loads; the draft model's proposals
         inputs = batch.prepare_inputs(plan)
         forward(inputs, layer_hook(plan))  a KV producer copies each layer out meanwhile
+        pool(plan, inputs, hidden) -> result              the pooling runner: replaces
+                                                          logits, sampling and after_step
         logits; on_logits(plan, inputs, sampled rows)     a grammar bitmask
         sample or verify
         after_step(plan, inputs, logits, result)          prompt logprobs, KV save + stats,
@@ -45,6 +47,11 @@ class StepFeature:
         """Called by each attention layer once its K/V are stored (None: not this step)."""
         return None
 
+    def pool(self, plan: StepPlan, inputs: ModelInputs, hidden: torch.Tensor) -> StepResult:
+        """The step's result from the forward's hidden states, in place of logits and
+        sampling (the pooling runner; at most one feature overrides it)."""
+        raise NotImplementedError  # never called: only overriding features are
+
     def on_logits(self, plan: StepPlan, inputs: ModelInputs, logits: torch.Tensor) -> None:
         """Edit the sampled rows' logits [Rs, V] in place before sampling."""
 
@@ -60,7 +67,9 @@ class StepFeature:
         """Every request is dropped (a new scheduler knows none of them)."""
 
 
-_HOOKS = ("on_plan", "before_forward", "layer_hook", "on_logits", "after_step", "on_idle", "clear")
+_HOOKS = (
+    "on_plan", "before_forward", "layer_hook", "pool", "on_logits", "after_step", "on_idle", "clear",
+)  # fmt: skip
 
 
 class StepFeatures:
@@ -72,6 +81,10 @@ class StepFeatures:
         self.on_plan: tuple[Callable[[StepPlan], None], ...] = hooks["on_plan"]
         self.before_forward: tuple[Callable[[StepPlan], None], ...] = hooks["before_forward"]
         self._layer_hooks: tuple[Callable[[StepPlan], AfterLayer | None], ...] = hooks["layer_hook"]
+        self.pool: tuple[Callable[[StepPlan, ModelInputs, torch.Tensor], StepResult], ...] = hooks[
+            "pool"
+        ]
+        assert len(self.pool) <= 1, "one feature at most replaces the sampling"
         self.on_logits: tuple[Callable[[StepPlan, ModelInputs, torch.Tensor], None], ...] = hooks[
             "on_logits"
         ]

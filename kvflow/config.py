@@ -21,6 +21,7 @@ from kvflow.device_resolution import (
 )
 from kvflow.errors import ConfigError
 from kvflow.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
+from kvflow.pooling import PoolerConfig, Runner, parse_pooler_config
 from kvflow.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -62,6 +63,20 @@ class ModelConfig:
     max_model_len: int | None = _opt(None, "context length cap (default: model's own)")
     served_model_name: str | None = _opt(None, "name reported by /v1/models")
     seed: int = _opt(0, "seed of the global sampler generator")
+    runner: Runner = _opt(
+        "generate",
+        "generate = text generation; pooling = an embedder: prompts are prefilled and "
+        "pooled into one vector each (/v1/embeddings, /pooling, LLM.embed)",
+    )
+    pooler_config: PoolerConfig | None = field(
+        default=None,
+        metadata={
+            "help": "the pooling runner's pooler as JSON, e.g. "
+            '\'{"pooling_type": "MEAN", "normalize": false}\' (types LAST, MEAN, CLS; '
+            "default: the model's sentence-transformers files, else LAST normalised)",
+            "parse": parse_pooler_config,
+        },
+    )
 
 
 _KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(KVCacheDType)
@@ -284,6 +299,8 @@ class EngineConfig:
                 "kv_transfer_config works with one engine of one rank for now "
                 "(tensor, pipeline and data parallel sizes 1); run one instance per engine"
             )
+        if self.model.runner == "pooling":
+            _check_pooling(self)
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -317,6 +334,9 @@ class EngineConfig:
         kv_transfer = by_section["kv_transfer"].get("kv_transfer_config")
         if kv_transfer is not None:  # JSON text or a dict (LLM(kv_transfer_config={...}))
             by_section["kv_transfer"]["kv_transfer_config"] = KVTransferConfig.parse(kv_transfer)
+        pooler = by_section["model"].get("pooler_config")
+        if pooler is not None:  # JSON text or a dict (LLM(pooler_config={...}))
+            by_section["model"]["pooler_config"] = PoolerConfig.parse(pooler)
         quantization = by_section["model"].get("quantization", "none")
         check_quantization(quantization, device, by_section["model"].get("dtype", "auto"))
         by_section["model"]["dtype"] = (
@@ -329,6 +349,18 @@ class EngineConfig:
         )
         by_section["cache"]["kv_cache_dtype"] = kv_cache_dtype
         return cls(**{name: _SECTION_TYPES[name](**kw) for name, kw in by_section.items()})
+
+
+def _check_pooling(config: EngineConfig) -> None:
+    """The pooling runner prefills only: what exists to decode has nothing to do there."""
+    if config.speculative.speculative_config is not None:
+        raise ConfigError("the pooling runner never decodes: speculative_config does not apply")
+    if config.kv_transfer.kv_transfer_config is not None:
+        raise ConfigError("the pooling runner never decodes: kv_transfer_config does not apply")
+    if config.parallel.pipeline_parallel_size > 1:
+        # The pooler reads the last stage's hidden states of every chunk; stages hand on
+        # only activations. Tensor and data parallelism pool as one rank does.
+        raise ConfigError("the pooling runner runs with pipeline_parallel_size 1")
 
 
 _SECTION_TYPES: dict[str, type] = {

@@ -70,3 +70,19 @@ def check_prompt(
             param="max_tokens",
         )
     return max_tokens
+
+
+def check_pooling_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """A pooling request's prompt: non-empty ids of the vocabulary, at most the context
+    (nothing is generated, so a prompt may fill it). InvalidRequestError / PromptTooLongError."""
+    if not token_ids:
+        raise InvalidRequestError("the input is empty", param="input")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"input token id {bad} is out of vocabulary", param="input")
+    if len(token_ids) > max_model_len:
+        raise PromptTooLongError(
+            f"the input has {len(token_ids)} tokens; this model's context is {max_model_len} "
+            "tokens (set truncate_prompt_tokens to keep the last ones)",
+            param="input",
+        )

@@ -58,3 +58,22 @@ class RequestOutput:
     @property
     def logprobs(self) -> SampleLogprobs | None:
         return self.outputs[0].logprobs
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # float32 values; unit length when the model normalises
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt (vLLM's shape)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

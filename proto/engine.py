@@ -54,6 +54,7 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # kvflow.errors.REJECTIONS' codes ("queue_full" -> 429, "queue_timeout" -> 503).
     error_code: str | None = None
     error_param: str | None = None  # set when the request itself was at fault (a 400)
+    pooled: bytes = b""  # the pooling runner's vector (StepResult.pooled), with the final delta
 
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -94,6 +94,9 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, 
     # Pipeline parallelism: [stage, start, end] (wall clock, s) of each stage's compute
     # of this step, gathered stage to stage beside the hidden state (step traces).
     stage_spans: list[list[float]] = []
+    # The pooling runner: each request's pooled hidden state, aligned with req_ids (its
+    # sampled_token_ids entry is empty), float32 little-endian [hidden_size] as raw bytes.
+    pooled: list[bytes] = []
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):

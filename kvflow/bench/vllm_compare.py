@@ -21,6 +21,7 @@ from typing import Any
 from kvflow.errors import ConfigError
 
 PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
+EMBED_PEER_SCRIPT = Path(__file__).with_name("vllm_embed_peer.py")  # `kvflow bench embed`
 DEFAULT_PYTHON = Path("~/.cache/kvflow-peers/venv-vllm/bin/python")
 TIMEOUT_S = 3600.0
 RESULT_MARK = "kvflow-peer-result: "  # vllm_peer.py's result line (vLLM logs to stdout too)
@@ -50,12 +51,14 @@ def peer_env(device: str, num_threads: int | None) -> dict[str, str]:
     return env
 
 
-def run_vllm(python: Path, job: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    """Run the peer script; its result, or RuntimeError with the end of its output."""
+def run_vllm(
+    python: Path, job: dict[str, Any], env: dict[str, str], script: Path = PEER_SCRIPT
+) -> dict[str, Any]:
+    """Run a peer script; its result, or RuntimeError with the end of its output."""
     process = subprocess.run(
         # -P: the script's folder is not put on sys.path (its neighbours would shadow
         # modules of the same name, e.g. transformers importing `kernels`).
-        [str(python), "-P", str(PEER_SCRIPT)],
+        [str(python), "-P", str(script)],
         input=json.dumps(job),
         capture_output=True,
         text=True,

@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 _BENCHES = [
     ("throughput", "throughput", "offline throughput on random prompts", True),
     ("latency", "latency", "offline end-to-end latency of one batch", True),
+    ("embed", "embed", "offline embeddings/s of the pooling runner", True),
     ("host-time", "host_time", "worker host time per decode step", True),
     ("guided", "guided", "per-step cost of guided decoding (JSON schema)", True),
     ("serve", "serve", "load-test any OpenAI-compatible server", False),

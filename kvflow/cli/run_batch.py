@@ -1,7 +1,7 @@
 """`kvflow run-batch`: an OpenAI batch file (JSONL) answered offline by one engine.
 
-Input line:  {"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
-              "body": {...}}
+Input line:  {"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions"
+              | "/v1/embeddings" (an engine with --runner pooling), "body": {...}}
 Output line: {"id": "batch_req_...", "custom_id", "response": {"status_code", "request_id",
               "body": <the server's response>}, "error": null}
          or: {"id", "custom_id", "response": null, "error": {"code": <HTTP status>, "message"}}
@@ -24,7 +24,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import msgspec
 from tqdm import tqdm
@@ -32,9 +32,20 @@ from tqdm import tqdm
 from kvflow.cli.args import add_engine_args, engine_options
 
 if TYPE_CHECKING:
-    from kvflow.services.frontend.serving_common import ServedRequest, ServingContext
+    from starlette.responses import Response
 
-Prepare = Callable[["ServingContext", bytes, dict[str, str]], "tuple[ServedRequest, bool]"]
+    from kvflow.services.frontend.serving_common import ServingContext
+
+
+class Answerable(Protocol):
+    """A validated request of any endpoint: its id and its whole response."""
+
+    id: str
+
+    async def full(self) -> Response: ...
+
+
+Prepare = Callable[["ServingContext", bytes, dict[str, str]], "tuple[Answerable, bool]"]
 
 
 class BatchLine(msgspec.Struct):
@@ -162,6 +173,7 @@ async def _answer(ctx: ServingContext, raw_line: bytes) -> bytes:
 def _endpoint(line: BatchLine) -> Prepare:
     from kvflow.services.frontend.serving_chat import prepare_chat_completion
     from kvflow.services.frontend.serving_completions import prepare_completion
+    from kvflow.services.frontend.serving_embeddings import prepare_embedding
 
     if line.method.upper() != "POST":
         raise LineError(f"method must be POST, got {line.method!r}")
@@ -169,13 +181,11 @@ def _endpoint(line: BatchLine) -> Prepare:
         return prepare_completion
     if line.url == "/v1/chat/completions":
         return prepare_chat_completion
-    if line.url == "/v1/embeddings":
-        raise LineError(
-            "/v1/embeddings is not served: this engine has no pooling runner "
-            "(it runs generative models only)"
-        )
+    if line.url == "/v1/embeddings":  # answered by an engine with --runner pooling
+        return prepare_embedding
     raise LineError(
-        f"unknown url {line.url!r}: run-batch serves /v1/completions and /v1/chat/completions"
+        f"unknown url {line.url!r}: run-batch serves /v1/completions, /v1/chat/completions "
+        "and /v1/embeddings"
     )
 
 

@@ -28,6 +28,7 @@ from kvflow.metrics.roofline import ModelShape, RooflineMeter, StepCost
 from kvflow.model_limits import read_model_limits
 from kvflow.offline.request_outputs import RequestOutputs
 from kvflow.outputs import RequestOutput
+from kvflow.pooling import engine_pooling
 from kvflow.proto.engine import AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import StepResult
@@ -71,8 +72,15 @@ class LLMEngine:
         self.max_model_len = model_limits.max_model_len
         self.executor = self._start_executor()
         self.vocab_size = self.executor.vocab_size
+        self.pooling = engine_pooling(
+            config.model.runner, self.model_dir, config.model.pooler_config
+        )
         shape = EngineShape(
-            self.vocab_size, self.max_model_len, self.executor.num_blocks, self.eos_token_ids
+            self.vocab_size,
+            self.max_model_len,
+            self.executor.num_blocks,
+            self.eos_token_ids,
+            self.pooling,
         )
         self.core = build_engine_core(config, shape, lambda: self.tokenizer)
         self.streams = DetokenizerStreams(self.tokenizer)

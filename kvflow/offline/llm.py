@@ -9,11 +9,12 @@ from typing import Any
 from tqdm import tqdm
 
 from kvflow.config import EngineConfig
-from kvflow.errors import ConfigError
+from kvflow.errors import ConfigError, InvalidRequestError
 from kvflow.heap import heap_frozen_while, keep_freed_memory
 from kvflow.offline.engine import LLMEngine
-from kvflow.outputs import RequestOutput
-from kvflow.sampling_params import SamplingParams
+from kvflow.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from kvflow.pooling import PoolingParams, check_dimensions, embedding_vector
+from kvflow.sampling_params import SamplingParams, truncate_prompt, validate_sampling_params
 from kvflow.tokenizer import Conversation, apply_chat_template
 
 Prompt = str | list[int]
@@ -63,11 +64,21 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
+        if self.engine.pooling is not None:
+            raise InvalidRequestError(
+                "this engine runs the pooling runner: call embed(), or build the LLM "
+                "with runner='generate'",
+                param="runner",
+            )
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompt_list))
-        request_ids = []
+        return self._run(self._add_all(prompt_list, params_list), use_tqdm)
+
+    def _add_all(self, prompts: Sequence[Prompt], params_list: list[SamplingParams]) -> list[str]:
+        """Admit every prompt (all or none: a refused one aborts those before it)."""
+        request_ids: list[str] = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params in zip(prompts, params_list):
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, prompt, params)
                 request_ids.append(request_id)
@@ -75,7 +86,64 @@ class LLM:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
             raise
-        return self._run(request_ids, use_tqdm)
+        return request_ids
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order (an engine with runner="pooling")."""
+        spec = self.engine.pooling
+        if spec is None:
+            raise InvalidRequestError(
+                "embed() needs the pooling runner: LLM(model, runner='pooling')", param="runner"
+            )
+        dimensions = (pooling_params or PoolingParams()).dimensions
+        check_dimensions(spec, dimensions)
+        params = SamplingParams(max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
+        validate_sampling_params(params)
+        token_ids = [
+            truncate_prompt(self._token_ids(p), params, self.engine.max_model_len)
+            for p in _as_prompt_list(prompts)
+        ]
+        request_ids = self._add_all(token_ids, [params] * len(token_ids))
+        pooled = self._run_pooled(request_ids, use_tqdm)
+        return [
+            EmbeddingRequestOutput(
+                request_id,
+                EmbeddingOutput(embedding_vector(pooled[request_id], spec, dimensions).tolist()),
+                ids,
+            )
+            for request_id, ids in zip(request_ids, token_ids)
+        ]
+
+    def _token_ids(self, prompt: Prompt) -> list[int]:
+        return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+
+    def _run_pooled(self, request_ids: list[str], use_tqdm: bool) -> dict[str, bytes]:
+        """Step until every request is pooled; its vector by request id."""
+        pooled: dict[str, bytes] = {}
+        progress = tqdm(total=len(request_ids), desc="embedding", disable=not use_tqdm)
+        try:
+            with heap_frozen_while():
+                while self.engine.has_unfinished_requests():
+                    for delta in self.engine.step_deltas():
+                        if delta.finish_reason == "error":
+                            raise _failure(delta.error or "the engine failed", delta.error_param)
+                        if delta.finish_reason is not None:
+                            pooled[delta.req_id] = delta.pooled
+                            progress.update(1)
+        except BaseException:
+            if self.engine.has_unfinished_requests():
+                self.engine.recover_from_failed_step()
+            raise
+        finally:
+            progress.close()
+        return pooled
 
     def chat(
         self,
@@ -115,6 +183,11 @@ class LLM:
         finally:
             progress.close()
         return [finished[request_id] for request_id in request_ids]
+
+
+def _failure(message: str, param: str | None) -> Exception:
+    """A request the engine failed: its own fault (a field named), else the engine's."""
+    return InvalidRequestError(message, param=param) if param else RuntimeError(message)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -136,6 +136,7 @@ class DetokenizerStreams:
             error=delta.error,
             error_code=delta.error_code,
             error_param=delta.error_param,
+            pooled=delta.pooled,
         )
         if delta.logprobs:
             out.logprobs = delta.logprobs

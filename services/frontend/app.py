@@ -46,6 +46,7 @@ from kvflow.services.frontend.routing_metrics import RoutingMetrics
 from kvflow.services.frontend.serving_chat import create_chat_completion
 from kvflow.services.frontend.serving_common import ServingContext, json_response
 from kvflow.services.frontend.serving_completions import create_completion
+from kvflow.services.frontend.serving_embeddings import create_embedding, create_pooling
 from kvflow.services.frontend.serving_responses import ResponsesAPI
 from kvflow.services.frontend.serving_tokenize import detokenize, list_models, tokenize
 from kvflow.services.frontend.sse import read_body
@@ -138,6 +139,12 @@ class _Endpoints:
         body = await read_body(request, self.limit)
         return await create_chat_completion(self.ctx, request, body)
 
+    async def embeddings(self, request: Request) -> Response:
+        return await create_embedding(self.ctx, request, await read_body(request, self.limit))
+
+    async def pooling(self, request: Request) -> Response:
+        return await create_pooling(self.ctx, request, await read_body(request, self.limit))
+
     async def tokenize(self, request: Request) -> Response:
         return tokenize(self.ctx, await read_body(request, self.limit))
 
@@ -172,6 +179,8 @@ def _routes(ctx: ServingContext, web_ui: WebUI) -> list[Route]:
         ("POST", "/v1/chat/completions", e.chat),
         ("POST", "/v1/responses", e.responses.create),
         ("GET", "/v1/responses/{response_id}", e.responses.retrieve),
+        ("POST", "/v1/embeddings", e.embeddings),
+        ("POST", "/pooling", e.pooling),
         ("GET", "/v1/models", e.models),
         ("POST", "/tokenize", e.tokenize),
         ("POST", "/detokenize", e.detokenize),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.pooling import PoolingSpec
 from kvflow.services.frontend.reasoning import reasoning_parser
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -96,6 +97,9 @@ class FrontendConfig:
         return f"{scheme}://{host}:{self.port}"
 
     reasoning_parser: str | None = None  # chat's think-tag split (reasoning.py); None: off
+    # The pooling runner's pooler: /v1/embeddings and /pooling are served, generation is
+    # refused (runner_routes.py). None: a generating server.
+    pooling: PoolingSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.vocab_size < 1:

@@ -8,7 +8,12 @@ from typing import Any, get_args
 
 import msgspec
 
-from kvflow.services.frontend import protocol, responses, responses_protocol
+from kvflow.services.frontend import (
+    embeddings_protocol,
+    protocol,
+    responses,
+    responses_protocol,
+)
 from kvflow.services.frontend.errors import ErrorResponse
 from kvflow.services.frontend.responses_events import ResponseEvent
 from kvflow.version import __version__
@@ -25,6 +30,10 @@ _ROUTES: list[tuple[str, str, str, type | None, type | str]] = [
      responses_protocol.ResponsesRequest, responses_protocol.ResponseObject),
     ("get", "/v1/responses/{response_id}", "A stored response", None,
      responses_protocol.ResponseObject),
+    ("post", "/v1/embeddings", "Create embeddings (a server with --runner pooling)",
+     embeddings_protocol.EmbeddingRequest, embeddings_protocol.EmbeddingResponse),
+    ("post", "/pooling", "Pool inputs into vectors (a server with --runner pooling)",
+     embeddings_protocol.PoolingRequest, embeddings_protocol.PoolingResponse),
     ("get", "/v1/models", "List the served models", None, responses.ModelList),
     ("post", "/tokenize", "Tokenize a prompt or a conversation", protocol.TokenizeRequest,
      responses.TokenizeResponse),

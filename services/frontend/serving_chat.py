@@ -40,6 +40,7 @@ from kvflow.services.frontend.responses import (
     ChatTopLogprob,
     DeltaMessage,
 )
+from kvflow.services.frontend.runner_routes import check_generating
 from kvflow.services.frontend.serving_common import (
     ChoiceCounts,
     ServedRequest,
@@ -276,6 +277,7 @@ def prepare_chat_completion(
 ) -> tuple[ServedRequest, bool]:
     """A validated /v1/chat/completions body, ready to run, and whether it streams (call
     on the event loop); raises what becomes the error response. `kvflow run-batch` too."""
+    check_generating(ctx)
     request = decode_request(body, ChatCompletionRequest)
     ctx.check_model(request.model)
     deadlines = request_deadlines(request.timeout, headers, bool(request.stream))

@@ -29,6 +29,7 @@ from kvflow.services.frontend.responses import (
     CompletionLogprobs,
     CompletionResponse,
 )
+from kvflow.services.frontend.runner_routes import check_generating
 from kvflow.services.frontend.serving_common import (
     ChoiceCounts,
     PreparedPrompt,
@@ -227,6 +228,7 @@ def prepare_completion(
 ) -> tuple[ServedRequest, bool]:
     """A validated /v1/completions body, ready to run, and whether it streams (call on
     the event loop); raises what becomes the error response. `kvflow run-batch` too."""
+    check_generating(ctx)
     request = decode_request(body, CompletionRequest)
     ctx.check_model(request.model)
     deadlines = request_deadlines(request.timeout, headers, bool(request.stream))

@@ -58,6 +58,7 @@ from kvflow.services.frontend.responses_protocol import (
     TextConfig,
     TextFormat,
 )
+from kvflow.services.frontend.runner_routes import check_generating
 from kvflow.services.frontend.serving_common import (
     ChoiceCounts,
     ServedRequest,
@@ -248,6 +249,7 @@ class ResponsesAPI:
 
     async def create(self, raw: Request) -> Response:
         body = await read_body(raw, self.ctx.config.max_body_bytes)
+        check_generating(self.ctx)
         request = decode_request(body, ResponsesRequest)
         self.ctx.check_model(request.model)
         deadlines = request_deadlines(request.timeout, raw.headers, bool(request.stream))

@@ -324,6 +324,7 @@ def make_frontend_config(
     """The frontend's settings: its model facts are the ones the workers use."""
     from kvflow.gpu_worker.model_files import EMBEDDED_GGUF
     from kvflow.model_limits import read_model_limits
+    from kvflow.pooling import engine_pooling
     from kvflow.services.frontend.config import FrontendConfig
 
     limits = read_model_limits(model_dir, config.model.max_model_len)
@@ -340,4 +341,5 @@ def make_frontend_config(
         max_waiting_requests=config.scheduler.max_waiting_requests,
         tls=options.tls,
         reasoning_parser=options.reasoning_parser,
+        pooling=engine_pooling(config.model.runner, model_dir, config.model.pooler_config),
     )

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from kvflow.errors import InvalidRequestError, PromptTooLongError
-from kvflow.model_limits import check_prompt
+from kvflow.model_limits import check_pooling_prompt, check_prompt
 from kvflow.proto.engine import AddRequest
 from kvflow.sampling_params import SamplingParams, validate_sampling_params
 from kvflow.services.scheduler.request import Request
@@ -26,15 +26,22 @@ class EngineLimits:
     block_size: int
     num_blocks: int
     eos_token_ids: frozenset[int]
+    pooling: bool = False  # the pooling runner: prompts only (scheduler/pooling.py)
 
 
 def check_lengths(prompt_ids: list[int], params: SamplingParams, limits: EngineLimits) -> int:
-    """Validate prompt ids and lengths; returns the effective max_tokens."""
-    max_tokens = check_prompt(
-        prompt_ids, params.max_tokens, limits.max_model_len, limits.vocab_size
-    )
+    """Validate prompt ids and lengths; returns the effective max_tokens (1 for a
+    pooling request: its one "sample" is the pooled vector, and it takes no KV slot)."""
+    if limits.pooling:
+        check_pooling_prompt(prompt_ids, limits.max_model_len, limits.vocab_size)
+        max_tokens, num_slots = 1, len(prompt_ids)
+    else:
+        max_tokens = check_prompt(
+            prompt_ids, params.max_tokens, limits.max_model_len, limits.vocab_size
+        )
+        num_slots = len(prompt_ids) + max_tokens
     # A request that cannot fit the whole cache alone would be preempted forever.
-    needed_blocks = math.ceil((len(prompt_ids) + max_tokens) / limits.block_size)
+    needed_blocks = math.ceil(num_slots / limits.block_size)
     if needed_blocks > limits.num_blocks:
         raise PromptTooLongError(
             f"this request needs {needed_blocks} KV blocks but the cache holds "

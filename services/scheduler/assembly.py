@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kvflow.config import EngineConfig
 from kvflow.kv_transfer.scheduler.connector import make_connector_scheduler
 from kvflow.kv_transfer_config import engine_kv_namespace
+from kvflow.pooling import PoolingSpec
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
 from kvflow.services.scheduler.features import make_step_features
@@ -35,6 +36,7 @@ class EngineShape:
     max_model_len: int
     num_blocks: int
     eos_token_ids: frozenset[int]
+    pooling: PoolingSpec | None = None  # the pooling runner's pooler (None: generate)
 
 
 def build_engine_core(
@@ -49,6 +51,7 @@ def build_engine_core(
         block_size=block_size,
         num_blocks=shape.num_blocks,
         eos_token_ids=shape.eos_token_ids,
+        pooling=shape.pooling is not None,
     )
     kv_cache = KVCacheManager(shape.num_blocks, block_size, config.cache.enable_prefix_caching)
     return EngineCore(
@@ -76,5 +79,6 @@ def build_scheduler(
             config.kv_transfer.kv_load_failure_policy,
         ),
         pipeline_depth=config.parallel.pipeline_parallel_size,
+        pooling=shape.pooling,
     )
     return Scheduler(config.scheduler, kv_cache, shape.max_model_len, shape.vocab_size, features)

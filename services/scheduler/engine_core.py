@@ -338,4 +338,5 @@ def _only_live(result: StepResult, live: set[str]) -> StepResult:
         execute_time_s=result.execute_time_s,
         kv_transfer=result.kv_transfer,
         stage_spans=result.stage_spans,
+        pooled=[result.pooled[i] for i in keep] if result.pooled else [],
     )

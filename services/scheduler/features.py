@@ -1,8 +1,8 @@
 """Which step features a scheduler gets, from the engine configuration's pieces.
 
 Prompt logprobs are always on (a request asks for them); jump-forward when the
-scheduler config enables it; speculative decoding, KV transfer and pipeline
-micro-batches when the deployment has them. The order is the order of the hooks:
+scheduler config enables it; speculative decoding, KV transfer, pipeline
+micro-batches and pooling when the deployment has them. The order is the order of the hooks:
 micro-batches first (a busy request is held before a speculator counts a decode).
 """
 
@@ -11,9 +11,11 @@ from __future__ import annotations
 from kvflow.config import SchedulerConfig
 from kvflow.kv_transfer.scheduler.connector import KVConnectorScheduler
 from kvflow.kv_transfer.scheduler.step_feature import KVTransferFeature
+from kvflow.pooling import PoolingSpec
 from kvflow.services.scheduler.jump_forward import JumpForwardFeature
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.micro_batches import MicroBatchFeature
+from kvflow.services.scheduler.pooling import PoolingFeature
 from kvflow.services.scheduler.prompt_logprobs import PromptLogprobsFeature
 from kvflow.services.scheduler.spec_decode.speculator import Speculator
 from kvflow.services.scheduler.spec_decode.step_feature import SpecDecodeFeature
@@ -28,6 +30,7 @@ def make_step_features(
     speculator: Speculator | None = None,
     kv_connector: KVConnectorScheduler | None = None,
     pipeline_depth: int = 1,  # pipeline stages: micro_batches.py's rules when > 1
+    pooling: PoolingSpec | None = None,  # the pooling runner's pooler
 ) -> list[StepFeature]:
     features: list[StepFeature] = []
     if pipeline_depth > 1:
@@ -39,4 +42,6 @@ def make_step_features(
     if config.grammar_jump_forward:
         features.append(JumpForwardFeature(max_model_len))
     features.append(PromptLogprobsFeature())
+    if pooling is not None:
+        features.append(PoolingFeature(pooling))
     return features

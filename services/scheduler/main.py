@@ -40,6 +40,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvflow.config import EngineConfig
 from kvflow.errors import KvflowError
 from kvflow.metrics.roofline import ModelShape, RooflineMeter
+from kvflow.pooling import engine_pooling
 from kvflow.proto.addresses import ServiceAddresses, bind_address
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo, WorkerOutput
 from kvflow.proto.engine import AbortRequests, AddRequest
@@ -133,7 +134,10 @@ def _serve(
     info, early = started
     instruments.startup_phases.update(info.startup_phases)
     instruments.peak_flops, instruments.peak_bandwidth = info.peak_flops, info.peak_bandwidth
-    shape = EngineShape(info.vocab_size, info.max_model_len, info.num_blocks, eos_token_ids)
+    pooling = engine_pooling(config.model.runner, model_dir, config.model.pooler_config)
+    shape = EngineShape(
+        info.vocab_size, info.max_model_len, info.num_blocks, eos_token_ids, pooling
+    )
     core = build_engine_core(config, shape, lambda: load_tokenizer(model_dir))
     ranks = range(config.parallel.world_size)
     liveness = Liveness(heartbeat_timeout_s, dict.fromkeys(ranks, time.monotonic()))

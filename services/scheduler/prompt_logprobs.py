@@ -1,8 +1,8 @@
 """Prompt logprobs as a scheduler step feature: collected chunk by chunk as the prompt
 is computed, sent whole with the request's first token.
 
-Indexed by position, so a chunk recomputed after a preemption overwrites itself. The
-scheduler skips the prefix cache for these requests (every position needs its logits).
+Indexed by position, so a chunk recomputed after a preemption overwrites itself. These
+requests skip the prefix cache (every position needs its logits).
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from kvflow.services.scheduler.step_features import ResultEvents, StepFeature
 class PromptLogprobsFeature(StepFeature):
     def __init__(self) -> None:
         self._collected: dict[str, list[TokenLogprobs]] = {}
+
+    def reads_prefix_cache(self, request: Request) -> bool:
+        return request.sampling_params.prompt_logprobs is None
 
     def on_result(self, result: StepResult) -> ResultEvents | None:
         for req_id, chunk in result.prompt_logprobs.items():

@@ -8,8 +8,8 @@ prompts are split into chunks when they do not fit the budget. When the KV pool 
 full, the lowest-priority running request (the newest under FCFS) is preempted by
 recompute: its blocks are freed and it goes back to the waiting queue. The scheduler
 never touches block internals; `KVCacheManager` does. Speculative decoding, KV
-transfer, pipeline micro-batches, jump-forward and prompt logprobs are step features
-(step_features.py), registered at assembly (features.py); this loop calls their hooks.
+transfer, pipeline micro-batches, jump-forward, prompt logprobs and pooling are step
+features (step_features.py), registered at assembly (features.py); this loop calls them.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ class Scheduler:
                 return None
             return num_new, False
         computed = ComputedBlocks([], 0)
-        if request.sampling_params.prompt_logprobs is None:  # those need every position
+        if all(f.reads_prefix_cache(request) for f in self.features):
             computed = self.kv_cache.get_computed_blocks(request)
         externals = [f.admission(request, computed) for f in self.features]
         if None in externals:

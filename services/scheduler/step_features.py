@@ -8,7 +8,8 @@ overrides only the points it needs, and a scheduler without features pays one lo
 over an empty list per point::
 
     schedule()   begin_step ─▶ running: holds_back ─▶ plan_running ─▶ on_scheduled_running
-                             waiting: stops_admission ─▶ admission ─▶ on_allocated
+                             waiting: stops_admission ─▶ reads_prefix_cache ─▶ admission
+                                      ─▶ on_allocated
                  every scheduled request: on_scheduled ─▶ end_step (the plan's extras)
     results      on_result (the step's side outputs) ─▶ on_sampled (per request, before
                  its tokens) ─▶ on_tokens (all applied requests) ─▶ on_delta
@@ -112,6 +113,11 @@ class StepFeature:
     def stops_admission(self, request: Request) -> bool:
         """The next waiting request cannot start now; nobody behind it starts either."""
         return False
+
+    def reads_prefix_cache(self, request: Request) -> bool:
+        """Whether a waiting request may start from a prefix-cache hit (False: it needs
+        the model's outputs at every prompt position, so it computes them all)."""
+        return True
 
     def admission(self, request: Request, computed: ComputedBlocks) -> External | None:
         """KV a waiting request gets from outside (None: it cannot start now)."""

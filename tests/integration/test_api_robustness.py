@@ -5,7 +5,8 @@
   integrity check (run whenever the engine is idle) has passed, and fresh greedy
   requests return exactly the tokens they returned before the soak;
 - schemathesis over /openapi.json: more than 1,000 generated requests, valid and
-  invalid, and not one answered with a status >= 500.
+  invalid, and not one answered with a status >= 500; and over the pooling routes
+  (/v1/embeddings, /pooling) of a `--runner pooling` server the same.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 SOAK_STREAMS = 1000
 SOAK_CONCURRENCY = 64
-SCHEMA_CASES_PER_BODY_ROUTE = 255  # x 5 routes with a body, + the GET routes
+SCHEMA_CASES_PER_BODY_ROUTE = 255  # x 7 routes with a body, + the GET routes
 MAX_TOKENS_CAP = 2  # generated requests stay cheap (a null max_tokens fills the context)
 MAX_N_CAP = 2
 MAX_PROMPTS = 2
@@ -152,30 +153,36 @@ def _cheap(case: Any) -> Any:
     return case
 
 
-def test_schemathesis_finds_no_server_error(srv: Server) -> None:
+def _schemathesis(
+    server: Server, cases_per_body_route: int, cheap: Any, paths: set[str] | None = None
+) -> tuple[list[tuple[str, int]], list[str]]:
+    """(route, status) of every generated request to the server's routes (those of
+    `paths` only, if given), and a description of each answered with a 5xx."""
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    schema = schemathesis.openapi.from_url(srv.base_url + "/openapi.json")
+    schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
     modes = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
     seen: list[tuple[str, int]] = []
     errors: list[str] = []
     for result in schema.get_all_operations():
         operation = result.ok()
+        if paths is not None and operation.path not in paths:
+            continue
         has_body = bool(operation.body)
         strategy = st.one_of(*(operation.as_strategy(generation_mode=m) for m in modes))
 
         @settings(
-            max_examples=SCHEMA_CASES_PER_BODY_ROUTE if has_body else 5,
+            max_examples=cases_per_body_route if has_body else 5,
             deadline=None,
             database=None,
             derandomize=True,
             suppress_health_check=list(HealthCheck),
         )
-        @given(case=strategy.map(_cheap))
+        @given(case=strategy.map(cheap))
         def check(case: Any) -> None:
-            response = case.call(base_url=srv.base_url, timeout=120)
+            response = case.call(base_url=server.base_url, timeout=120)
             seen.append((case.operation.label, response.status_code))
             if response.status_code >= 500:
                 errors.append(
@@ -183,9 +190,45 @@ def test_schemathesis_finds_no_server_error(srv: Server) -> None:
                 )
 
         check()
+    return seen, errors
+
+
+def test_schemathesis_finds_no_server_error(srv: Server) -> None:
+    seen, errors = _schemathesis(srv, SCHEMA_CASES_PER_BODY_ROUTE, _cheap)
     routes = {label for label, _ in seen}
     assert len(seen) >= 1000 and len(routes) >= 8, (len(seen), routes)
     assert errors == [], "\n\n".join(errors[:5])
     statuses = {status for _, status in seen}
     assert 200 in statuses and 400 in statuses, statuses
     assert wait_for(lambda: engine_idle(srv), 30.0)
+
+
+POOLING_PATHS = {"/v1/embeddings", "/pooling"}
+
+
+def _cheap_inputs(case: Any) -> Any:
+    """At most MAX_PROMPTS inputs a request (each is an engine request)."""
+    body = case.body
+    if isinstance(body, dict) and isinstance(body.get("input"), list):
+        body["input"] = body["input"][:MAX_PROMPTS]
+    return case
+
+
+def test_schemathesis_pooling_routes_on_a_pooling_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The same, on `--runner pooling`: its routes run real engine requests."""
+    flags = ("--runner", "pooling", *ONE_THREAD)
+    server = start_server(tiny_model_dir, tmp_path_factory.mktemp("robust-pooling"), *flags)
+    try:
+        seen, errors = _schemathesis(
+            server, SCHEMA_CASES_PER_BODY_ROUTE, _cheap_inputs, POOLING_PATHS
+        )
+        assert {label.split(" ", 1)[1] for label, _ in seen} == POOLING_PATHS
+        assert errors == [], "\n\n".join(errors[:5])
+        statuses = {status for _, status in seen}
+        assert 200 in statuses and 400 in statuses, statuses
+        assert wait_for(lambda: engine_idle(server), 30.0)
+    finally:
+        code, survivors = stop_server(server)
+    assert code == 0 and survivors == [], server.log_tail()

@@ -108,7 +108,7 @@ def test_subprocess_answers_like_offline_llm_and_records_bad_lines(
             assert record["response"] is None
             assert record["error"]["code"] == 400, record
     errors = {r["custom_id"]: r["error"]["message"] for r in records if r["error"]}
-    assert "no pooling runner" in errors["embed"]
+    assert "--runner pooling" in errors["embed"]  # a generating engine refuses embeddings
     assert "'n'" in errors["bad-body"]  # the server's own message names the field
     assert "unknown url" in errors["bad-url"]
     assert "malformed" in errors[None]

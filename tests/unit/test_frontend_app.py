@@ -634,6 +634,9 @@ BAD_INPUTS = [
     ("/tokenize", {"prompt": "x", "messages": MESSAGES}, 400, "prompt"),
     ("/detokenize", {"tokens": [VOCAB_SIZE]}, 400, "tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
+    # a generating server: the pooling runner's routes say which server this is
+    ("/v1/embeddings", {"input": "x"}, 400, "model"),
+    ("/pooling", {"input": "x"}, 400, "model"),
 ]  # fmt: skip
 
 
@@ -701,6 +704,8 @@ def test_openapi_lists_routes_with_resolvable_schemas(h: Harness) -> None:
     for path in [
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/embeddings",
+        "/pooling",
         "/v1/models",
         "/tokenize",
         "/detokenize",
