@@ -7,7 +7,10 @@ instance costs time, never the answer, and no instance holds a block afterwards.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from serve_harness import (
 )
 
 from kvflow import LLM, SamplingParams
+from kvflow.cluster_secret import SECRET_FILE_ENV, ClusterSecret
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +174,7 @@ def test_fail_policy_answers_an_error_and_frees_the_blocks(
     try:
         nobody = f"tcp://127.0.0.1:{free_port()}"  # a producer that is not there
         body = {"model": MODEL_NAME, "prompt": LONG, "max_tokens": 4, "temperature": 0.0}
-        body["kv_transfer_params"] = {"remote_address": nobody}
+        body["kv_transfer_params"] = signed_kv_params(nobody)  # as the proxy would
         answer = httpx.post(decode.base_url + "/v1/completions", json=body, timeout=60.0)
         assert answer.status_code == 500, answer.text
         assert "could not be loaded" in answer.json()["error"]["message"]
@@ -188,3 +192,15 @@ def test_fail_policy_answers_an_error_and_frees_the_blocks(
         assert wait_for(settled, 5.0), metric_values(decode.base_url)
     finally:
         stop_server(decode)
+
+
+def signed_kv_params(remote_address: str) -> dict[str, Any]:
+    """kv_transfer_params as `kvflow proxy` signs them, under the tests' cluster secret."""
+    secret = ClusterSecret.read(os.environ[SECRET_FILE_ENV])
+    request_id, expires_at = uuid.uuid4().hex, time.time() + 60.0
+    return {
+        "remote_address": remote_address,
+        "request_id": request_id,
+        "expires_at": expires_at,
+        "signature": secret.sign_kv_params(remote_address, request_id, expires_at),
+    }
