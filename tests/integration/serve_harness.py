@@ -14,6 +14,7 @@ import ssl
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,6 +214,36 @@ def metric_values(base_url: str) -> dict[str, float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def signed_kv_params(remote_address: str, secret: Any = None) -> dict[str, Any]:
+    """kv_transfer_params as `kvflow proxy` signs them: under the tests' cluster secret
+    (tests/conftest.py), or under `secret` (a ClusterSecret)."""
+    from kvflow.cluster_secret import SECRET_FILE_ENV, ClusterSecret
+
+    secret = secret or ClusterSecret.read(os.environ[SECRET_FILE_ENV])
+    request_id, expires_at = uuid.uuid4().hex, round(time.time() + 60.0, 3)
+    return {
+        "remote_address": remote_address,
+        "request_id": request_id,
+        "expires_at": expires_at,
+        "signature": secret.sign_kv_params(remote_address, request_id, expires_at),
+    }
+
+
+def auth_failures(base_url: str) -> dict[str, float]:
+    """kvflow:cluster_auth_failures_total by the role that refused the peers (summed
+    over engines)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=5.0).text
+    by_role: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvflow:cluster_auth_failures_total":
+                role = sample.labels["role"]
+                by_role[role] = by_role.get(role, 0.0) + sample.value
+    return by_role
 
 
 def listening_addresses(port: int) -> set[str]:

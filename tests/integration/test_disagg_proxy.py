@@ -7,10 +7,7 @@ instance costs time, never the answer, and no instance holds a block afterwards.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,7 @@ from serve_harness import (
     Server,
     free_port,
     metric_values,
+    signed_kv_params,
     sse_events,
     start_server,
     stop_server,
@@ -30,7 +28,6 @@ from serve_harness import (
 )
 
 from kvflow import LLM, SamplingParams
-from kvflow.cluster_secret import SECRET_FILE_ENV, ClusterSecret
 
 pytestmark = pytest.mark.slow
 
@@ -192,15 +189,3 @@ def test_fail_policy_answers_an_error_and_frees_the_blocks(
         assert wait_for(settled, 5.0), metric_values(decode.base_url)
     finally:
         stop_server(decode)
-
-
-def signed_kv_params(remote_address: str) -> dict[str, Any]:
-    """kv_transfer_params as `kvflow proxy` signs them, under the tests' cluster secret."""
-    secret = ClusterSecret.read(os.environ[SECRET_FILE_ENV])
-    request_id, expires_at = uuid.uuid4().hex, time.time() + 60.0
-    return {
-        "remote_address": remote_address,
-        "request_id": request_id,
-        "expires_at": expires_at,
-        "signature": secret.sign_kv_params(remote_address, request_id, expires_at),
-    }

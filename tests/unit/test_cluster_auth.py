@@ -86,7 +86,7 @@ def test_keys_derive_from_the_secret_alone() -> None:
     assert curve_keys(one) == curve_keys(ClusterSettings(ClusterSecret(b"a" * 32)))
     other = curve_keys(ClusterSettings(ClusterSecret(b"b" * 32)))
     assert not set(curve_keys(one)) & set(other)
-    server_public, server_secret, client_public, client_secret = curve_keys(one)
+    server_public, server_secret, client_public, _ = curve_keys(one)
     assert zmq.curve_public(server_secret) == server_public != client_public
     with pytest.raises(ConfigError, match="at least"):
         ClusterSecret(b"short")
