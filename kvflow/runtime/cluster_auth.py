@@ -64,14 +64,6 @@ def cluster_settings() -> ClusterSettings:
     return _settings_for(os.environ.get(SECRET_FILE_ENV, ""), os.environ.get(INSECURE_ENV, ""))
 
 
-def require_tcp_allowed(what: str, address: str) -> None:
-    """Fail at start, not at the first connection: tcp:// needs the secret or the opt-out."""
-    if address.startswith("tcp://"):
-        reason = cluster_settings().tcp_refusal(what)
-        if reason is not None:
-            raise ConfigError(reason)
-
-
 class _Refusals:
     """Refused peers of this process, cumulative (a Prometheus counter's source). A
     refused peer retries (ZeroMQ reconnects), so the log says it once per interval."""
