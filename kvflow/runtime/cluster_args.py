@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
+import tempfile
 
 from kvflow.cluster_secret import INSECURE_ENV, SECRET_FILE_ENV, ClusterSettings
 from kvflow.errors import ConfigError
@@ -59,3 +61,16 @@ def exit_unless_tcp_allowed(links: dict[str, bool]) -> None:
         reason = settings.tcp_refusal(what) if uses_tcp else None
         if reason is not None:
             raise SystemExit(f"kvflow: {reason}")
+
+
+def ensure_local_secret() -> None:
+    """For a command that runs a whole cluster on this host by itself (the benchmarks):
+    a fresh secret in a private temporary directory unless one is set already. Its
+    processes inherit it through the environment; nothing outside them knows it."""
+    if os.environ.get(SECRET_FILE_ENV):
+        return
+    directory = tempfile.mkdtemp(prefix="kvflow-secret-")  # 0700
+    path = os.path.join(directory, "cluster_secret")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+        out.write(secrets.token_hex(32))
+    os.environ[SECRET_FILE_ENV] = path

@@ -38,6 +38,7 @@ import msgspec
 import torch
 import zmq
 
+from kvflow.errors import ConfigError
 from kvflow.kv_transfer.worker.block_io import layout_mismatch, scatter_blocks
 from kvflow.kv_transfer.worker.connector import KVConnectorWorker
 from kvflow.kv_transfer_config import KVTransferConfig
@@ -48,7 +49,7 @@ from kvflow.proto.kv_transfer import (
     KVPull,
     KVTransferStepStats,
 )
-from kvflow.runtime.cluster_auth import secure_socket
+from kvflow.runtime.cluster_auth import cluster_settings, secure_socket
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ class ZmqWorker(KVConnectorWorker):
         self, config: KVTransferConfig, caches: list[torch.Tensor], load_timeout_s: float
     ) -> None:
         super().__init__(caches)
+        refusal = cluster_settings().tcp_refusal("the zmq KV connector")
+        if refusal is not None:  # here, not in the server thread or at the first pull
+            raise ConfigError(refusal)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.load_timeout_s = load_timeout_s
         self._context: zmq.Context[Any] = zmq.Context.instance()
