@@ -242,5 +242,8 @@ def test_role_links_refused_at_start_without_a_secret(monkeypatch: pytest.Monkey
                 "5570",
             ]
         )
+    proxy = ["proxy", "--prefill", "http://p:8000", "--decode", "http://d:8000"]
+    with pytest.raises(SystemExit, match="needs the cluster secret"):  # it could not sign
+        main([*proxy, "--prefill-kv-address", "tcp://p:8200"])
     with pytest.raises(SystemExit, match="cannot read"):
         main(["serve", "--cluster-secret-file", "/nonexistent/secret"])
