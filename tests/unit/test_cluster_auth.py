@@ -247,3 +247,36 @@ def test_role_links_refused_at_start_without_a_secret(monkeypatch: pytest.Monkey
         main([*proxy, "--prefill-kv-address", "tcp://p:8200"])
     with pytest.raises(SystemExit, match="cannot read"):
         main(["serve", "--cluster-secret-file", "/nonexistent/secret"])
+
+
+def test_refusals_reach_the_frontends_metrics() -> None:
+    """This process's own (the data-parallel join runs in the frontend's process) and
+    each engine's, by the role that refused the peer, as counters that never go back."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvflow.proto.stats import SchedulerStats
+    from kvflow.services.frontend.metrics import FrontendMetrics
+
+    metrics = FrontendMetrics("m", 64)
+    stats = SchedulerStats(0.0, "1", 0, 0, 0.0, cluster_auth_failures={"scheduler": 3})
+    metrics.observe_scheduler_stats(stats)
+    stats.cluster_auth_failures = {"scheduler": 5, "detokenizer": 1}
+    metrics.observe_scheduler_stats(stats)
+    REFUSALS.add("a test's refusal")
+
+    def values() -> dict[tuple[str, str], float]:
+        text = metrics.render().decode()
+        return {
+            (s.labels["engine"], s.labels["role"]): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "kvflow:cluster_auth_failures_total"
+        }
+
+    assert values() == {
+        ("", "frontend"): REFUSALS.count,
+        ("1", "scheduler"): 5,
+        ("1", "detokenizer"): 1,
+    }
+    REFUSALS.add("another")
+    assert values()[("", "frontend")] == REFUSALS.count
