@@ -10,7 +10,7 @@ TORCH_CPU := torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve generate test test-compose lint typecheck bench clean
+.PHONY: install serve generate test test-compose cluster-secret lint typecheck bench clean
 
 install: $(STAMP)
 
@@ -45,6 +45,10 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(VENV)/bin/pytest -q --durations=15
+
+# The secret compose.yaml mounts into every role (kept if it exists; never committed).
+cluster-secret:
+	bash docker/make_cluster_secret.sh
 
 # Builds the images locally (no registry), brings compose.yaml up, queries it, tears down.
 test-compose: $(STAMP)

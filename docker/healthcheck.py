@@ -14,7 +14,8 @@
                                              connection to every remote PORT
 
 Exit status 0 = healthy, 1 = not (with the reason on stdout, which `docker inspect`
-shows). Only `stats` needs kvflow's environment (pyzmq, msgspec); the other checks use
+shows). Only `stats` needs kvflow's environment (pyzmq, msgspec, and the cluster secret
+the container's KVFLOW_CLUSTER_SECRET_FILE names); the other checks use
 the standard library, so the Prometheus image runs this file with Debian's python3.
 
 Why these checks: the scheduler publishes stats only once its workers have loaded the
@@ -63,12 +64,14 @@ def check_stats(address: str, timeout_s: float) -> str | None:
 
     from kvflow.proto.frontend import EngineDead
     from kvflow.proto.stats import SchedulerStats
+    from kvflow.runtime.cluster_auth import secure_socket
 
     context = zmq.Context()
     socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SUBSCRIBE, b"")
-    socket.connect(address)
+    # A member of the cluster: CURVE with the secret of KVFLOW_CLUSTER_SECRET_FILE.
+    socket.connect(secure_socket(socket, address, bind=False))
     try:
         if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
             return f"no scheduler stats on {address} within {timeout_s:g} s"

@@ -111,6 +111,7 @@ bash "$REPO/docker/build_images.sh"
 done_phase "wheelhouse + images"
 
 phase "compose stack tests"
+bash "$REPO/docker/make_cluster_secret.sh"  # compose.yaml mounts it into every role
 [[ -x "$PYTHON" ]] || { log "no $PYTHON: run \`make install\` first (or set KVFLOW_TEST_PYTHON)"; exit 1; }
 set +e
 KVFLOW_TEST_COMPOSE=1 KVFLOW_COMPOSE="$COMPOSE" "$PYTHON" -m pytest -q -s -p no:cacheprovider \

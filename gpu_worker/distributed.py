@@ -11,7 +11,10 @@ tensor-parallel group (`new_group`), and one more group of every rank carries th
 stage-to-stage sends (gpu_worker/stage_link.py), with the step timeout.
 
 The rendezvous is TCP (torch's TCPStore, served by rank 0 at the address), so the same
-code spans containers and hosts. Every collective of a step waits at most `timeout_s`,
+code spans containers and hosts. The store cannot be authenticated (any peer that
+reaches it can read and write keys), so rank 0 listens only on the address's own
+interface (the one its host name resolves to), never on every interface as torch's
+default would: keep that interface on the cluster's private network. Every collective of a step waits at most `timeout_s`,
 the rendezvous and the start-up agreement at most `startup_timeout_s` (ranks finish
 loading at their own pace): a rank that hangs turns into an error on its peers instead
 of a stalled engine. A rank that *dies* is noticed sooner: its peers' sockets close,
@@ -94,6 +97,31 @@ def rank_inits(
     ]
 
 
+def rendezvous_store(init: RankInit) -> dist.TCPStore:
+    """The group's TCPStore: rank 0 serves it on the init address's interface only (a
+    socket it binds itself, handed to torch), the others connect to it."""
+    host, port = init.init_method.removeprefix("tcp://").rsplit(":", 1)
+    host = host.strip("[]")
+    timeout = timedelta(seconds=init.startup_timeout_s)
+    if init.rank != 0:
+        return dist.TCPStore(host, int(port), init.world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, int(port)))  # a host name binds the address it resolves to
+    listener.listen(init.world_size * 4)
+    store = dist.TCPStore(
+        host,
+        int(port),
+        init.world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),  # the store owns the socket from here
+    )
+    return store
+
+
 def threads_per_rank(world_size: int, requested: int | None) -> int | None:
     """Torch CPU threads of one rank: `--num-threads` as given, else the cores this
     process may use split evenly, so that ranks on one host do not oversubscribe it."""
@@ -116,7 +144,7 @@ def rank_group(init: RankInit | None, device: str) -> Iterator[TPGroup]:
         torch.cuda.set_device(init.rank % torch.cuda.device_count())
     dist.init_process_group(
         backend,
-        init_method=init.init_method,
+        store=rendezvous_store(init),
         rank=init.rank,
         world_size=init.world_size,
         timeout=timedelta(seconds=init.startup_timeout_s),

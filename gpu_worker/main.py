@@ -36,6 +36,7 @@ from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
 from kvflow.proto.step import SchedulerHello, Shutdown, StepPlan, WorkerInput
+from kvflow.runtime.cluster_auth import REFUSALS
 from kvflow.runtime.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.runtime.sockets import TypedSocket
 
@@ -160,7 +161,8 @@ class _Heartbeat:
 
     def _run(self) -> None:
         while True:
-            self._socket.send(WorkerHeartbeat(self._rank, time.time(), self._incarnation))
+            beat = WorkerHeartbeat(self._rank, time.time(), self._incarnation, REFUSALS.count)
+            self._socket.send(beat)
             if self._stopped.wait(HEARTBEAT_INTERVAL_S):
                 break
         self._socket.close()

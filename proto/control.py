@@ -31,6 +31,15 @@ class WorkerHeartbeat(msgspec.Struct, tag=True, array_like=True):
     rank: int
     timestamp: float
     incarnation: str = ""  # random id of the worker process (a new one after a restart)
+    auth_failures: int = 0  # peers this process refused on its tcp links, cumulative
+
+
+class PeerRefusals(msgspec.Struct, tag=True, array_like=True):
+    """Detokenizer -> scheduler when its count changes: peers it refused on its tcp
+    links, cumulative (the scheduler's stats carry every role's count to /metrics)."""
+
+    role: str
+    count: int
 
 
 class WorkerInfo(msgspec.Struct, tag=True, array_like=True):

@@ -20,6 +20,12 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True):
 
     remote_address: str | None = None  # "tcp://host:port" of the zmq producer
     do_remote_decode: bool = False  # a proxy's prefill request: its KV is for elsewhere
+    # The proxy's signature over remote_address, request_id and expires_at (unix
+    # seconds): a consumer honours remote_address only when it matches
+    # (services/frontend/kv_params.py).
+    request_id: str | None = None
+    expires_at: float | None = None
+    signature: str | None = None
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -88,3 +88,6 @@ class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tr
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: list[int] = []
+    # Peers refused on this engine's tcp:// links, cumulative, by role (scheduler,
+    # worker, detokenizer): kvflow:cluster_auth_failures_total.
+    cluster_auth_failures: dict[str, int] = {}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,25 @@ if not torch.cuda.is_available():
 # On a GPU machine an engine takes --gpu-memory-utilization (0.9) of the device for its
 # KV cache, so a test holding two engines would run out of memory; tests use a small share.
 TEST_GPU_MEMORY_UTILIZATION = 0.05
+
+
+@pytest.fixture(autouse=True, scope="session")
+def cluster_secret_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every test runs as a secured cluster: one secret, in the environment that every
+    process a test starts inherits (tcp:// links need it; a test of the insecure or
+    secret-less paths changes the environment itself)."""
+    from kvflow.cluster_secret import SECRET_FILE_ENV
+
+    path = tmp_path_factory.mktemp("cluster") / "secret"
+    path.write_text(secrets.token_hex(32))
+    path.chmod(0o600)
+    previous = os.environ.get(SECRET_FILE_ENV)
+    os.environ[SECRET_FILE_ENV] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop(SECRET_FILE_ENV, None)
+    else:
+        os.environ[SECRET_FILE_ENV] = previous
 
 
 @pytest.fixture(autouse=True)

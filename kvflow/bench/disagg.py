@@ -34,6 +34,7 @@ from kvflow.bench.datasets import TokenSpace
 from kvflow.bench.instances import Instance
 from kvflow.bench.mixed_load import MixedLoad
 from kvflow.errors import ConfigError
+from kvflow.runtime.cluster_args import ensure_local_secret
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from kvflow.bench.startup import serve_flags
     from kvflow.cli.args import engine_options
 
+    ensure_local_secret()  # the instances and the proxy run on this host, over zmq
     options = engine_options(args)
     if "kv_transfer_config" in options:
         raise ConfigError("kvflow bench disagg sets --kv-transfer-config itself")

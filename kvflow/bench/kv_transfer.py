@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from kvflow.kv_transfer_config import KVTransferConfig
+from kvflow.runtime.cluster_args import ensure_local_secret
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from kvflow.gpu_worker.model_loader import load_hf_config
     from kvflow.proto.kv_transfer import KVBlockTransfer, KVConnectorMeta
 
+    ensure_local_secret()  # the two connectors talk CURVE over loopback tcp
     model_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     dtype = kv_storage_dtype(args.kv_cache_dtype, model_dtype)
     spec = KVCacheSpec.from_hf_config(

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from kvflow.cli.args import add_engine_args, engine_options
+from kvflow.runtime.cluster_args import apply_cluster_args
 from kvflow.sampling_params import SamplingParams
 
 
@@ -16,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if hasattr(args, "cluster_secret_file"):
+        apply_cluster_args(args)
     result = args.handler(args)
     return result if isinstance(result, int) else 0
 

@@ -20,6 +20,7 @@ from kvflow.cli.args import add_engine_args, engine_options
 from kvflow.cli.tls_args import add_tls_args, resolve_tls
 from kvflow.config import EngineConfig
 from kvflow.proto.addresses import ServiceAddresses
+from kvflow.runtime.cluster_args import add_cluster_args, exit_unless_tcp_allowed
 from kvflow.services.launch.children import RestartPolicy
 from kvflow.services.launch.dp_hosts import DataParallelHosts
 from kvflow.services.scheduler.recovery import WORKER_RECOVERY_TIMEOUT_S
@@ -45,6 +46,7 @@ def add_serve_parsers(subparsers: Any) -> None:
     _add_trace_arg(serve)
     _add_executor_args(serve)
     _add_hosts_args(serve)
+    add_cluster_args(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=_run_serve)
 
@@ -67,8 +69,9 @@ def add_serve_parsers(subparsers: Any) -> None:
                 "--distributed-init-method",
                 default=os.environ.get("KVFLOW_DIST_INIT_METHOD"),
                 help="tcp://host:port of rank 0's rendezvous, shared by the engine's "
-                "tensor x pipeline parallel ranks; rank 0 listens on every interface at that "
-                "port (env KVFLOW_DIST_INIT_METHOD)",
+                "tensor x pipeline parallel ranks; rank 0 listens on host's interface only "
+                "(torch's store has no authentication: keep it on a private network; env "
+                "KVFLOW_DIST_INIT_METHOD)",
             )
         if role == "scheduler":
             _add_trace_arg(parser)
@@ -81,6 +84,7 @@ def add_serve_parsers(subparsers: Any) -> None:
             parser.add_argument(
                 "--engine-id", default="0", help="this engine's data-parallel rank (metric label)"
             )
+        add_cluster_args(parser)
         add_engine_args(parser)
         parser.set_defaults(handler=handler)
 
@@ -202,12 +206,17 @@ def resolve_addresses(args: argparse.Namespace) -> ServiceAddresses:
         if getattr(args, f"addr_{channel}", None)
     }
     if base is not None:
-        return dataclasses.replace(base, **flags)
-    missing = [c for c in ServiceAddresses.channels() if c not in flags]
-    if missing:
-        names = ", ".join(f"--addr-{c.replace('_', '-')}" for c in missing)
-        raise SystemExit(f"kvflow: no address for {names} (flags, --ipc-dir or KVFLOW_ADDR_*)")
-    return ServiceAddresses(**flags)
+        addresses = dataclasses.replace(base, **flags)
+    else:
+        missing = [c for c in ServiceAddresses.channels() if c not in flags]
+        if missing:
+            names = ", ".join(f"--addr-{c.replace('_', '-')}" for c in missing)
+            raise SystemExit(f"kvflow: no address for {names} (flags, --ipc-dir or KVFLOW_ADDR_*)")
+        addresses = ServiceAddresses(**flags)
+    exit_unless_tcp_allowed(
+        {c: getattr(addresses, c).startswith("tcp://") for c in ServiceAddresses.channels()}
+    )
+    return addresses
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
@@ -238,9 +247,23 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
     return key.strip() if key is not None else None
 
 
+def check_cluster_links(args: argparse.Namespace, config: EngineConfig) -> None:
+    """tcp:// links of this deployment, checked before anything starts."""
+    kv = config.kv_transfer.kv_transfer_config
+    exit_unless_tcp_allowed(
+        {
+            "--distributed-executor-backend ray": args.distributed_executor_backend == "ray",
+            "--data-parallel-rpc-port": bool(args.headless or args.data_parallel_rpc_port),
+            "the zmq KV connector": kv is not None and kv.kv_connector == "zmq",
+        }
+    )
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from kvflow.services.launch.launcher import ServeOptions, serve
 
+    config = _config(args)
+    check_cluster_links(args, config)
     options = ServeOptions(
         host=args.host,
         port=args.port,
@@ -255,7 +278,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         tls=resolve_tls(args),
         reasoning_parser=resolve_reasoning_parser(args),
     )
-    return serve(_config(args), options)
+    return serve(config, options)
 
 
 def resolve_reasoning_parser(args: argparse.Namespace) -> str | None:

@@ -3,6 +3,8 @@
 No pickle, no reflective fallback: a frame that does not decode as the declared type
 raises `msgspec.ValidationError`/`DecodeError`, which the receiving service logs and
 drops (a malformed frame never kills a loop).
+
+Every socket gets the limits and, on tcp://, the CURVE keys of kvflow/runtime/cluster_auth.py.
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-RecvT = TypeVar("RecvT")
+from kvflow.runtime.cluster_auth import MAX_MESSAGE_BYTES, secure_socket
 
-# Sockets that must not lose messages when a peer is slow: never drop, never block forever.
-_HWM = 0  # 0 = unlimited queue (messages are small; a stuck peer is detected by health checks)
+RecvT = TypeVar("RecvT")
 
 
 class TypedSocket(Generic[RecvT]):
@@ -42,11 +43,11 @@ class TypedSocket(Generic[RecvT]):
         identity: bytes | None = None,
         subscribe: bytes | None = None,
         monitor_events: int = 0,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> TypedSocket[Any]:
         socket = context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SNDHWM, _HWM)
-        socket.setsockopt(zmq.RCVHWM, _HWM)
+        address = secure_socket(socket, address, bind=bind, max_message_bytes=max_message_bytes)
         if identity is not None:
             socket.setsockopt(zmq.IDENTITY, identity)
         if subscribe is not None:

@@ -21,9 +21,11 @@ import msgspec
 import zmq
 
 from kvflow.proto.addresses import ServiceAddresses, bind_address
+from kvflow.proto.control import PeerRefusals
 from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs
 from kvflow.proto.frontend import EngineDead, FrontendOutputs
 from kvflow.proto.step import SchedulerHello, Shutdown
+from kvflow.runtime.cluster_auth import REFUSALS
 from kvflow.runtime.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.runtime.sockets import TypedSocket
 from kvflow.services.detokenizer.streams import DetokenizerStreams, Routed
@@ -47,6 +49,7 @@ def run_detokenizer(
         logger.info("detokenizer ready")
         try:
             while not stop.is_set():
+                shell.report_refusals()
                 message = shell.receive(_POLL_MS)
                 if isinstance(message, Shutdown):
                     break
@@ -77,11 +80,19 @@ class _DetokenizerShell:
         # Sending to an unknown identity raises instead of dropping silently.
         self.frontends.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.scheduler = TypedSocket.open(context, zmq.PUSH, addresses.scheduler_input, bind=False)
+        self._refusals_reported = 0
 
     def close(self) -> None:
         self.inputs.close()
         close_flushing(self.frontends)
         close_flushing(self.scheduler)
+
+    def report_refusals(self) -> None:
+        """Tell the scheduler (whose stats reach /metrics) when peers were refused."""
+        count = REFUSALS.count
+        if count != self._refusals_reported:
+            self._refusals_reported = count
+            self.scheduler.send(PeerRefusals("detokenizer", count))
 
     def receive(self, timeout_ms: int) -> Any:
         try:

@@ -32,11 +32,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvflow.runtime.cluster_auth import cluster_settings
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient
 from kvflow.services.frontend.engine_view import EngineView
 from kvflow.services.frontend.errors import APIError, error_response
 from kvflow.services.frontend.health import degraded_health
+from kvflow.services.frontend.kv_params import KVParamsGate
 from kvflow.services.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from kvflow.services.frontend.metrics_fanin import PUBLISH_S, SharedProcessMetrics
 from kvflow.services.frontend.openapi import openapi_document
@@ -85,7 +87,8 @@ def build_app(
         chosen = auto_reasoning_parser(tokenizer)
         logger.info("--reasoning-parser auto: %s (from the chat template)", chosen or "none")
         config = dataclasses.replace(config, reasoning_parser=chosen)
-    ctx = ServingContext(config, engine_client, tokenizer, metrics)
+    kv_params = KVParamsGate(cluster_settings().secret, metrics.count_kv_params_rejected)
+    ctx = ServingContext(config, engine_client, tokenizer, metrics, kv_params)
     web_ui = WebUI(view)
 
     shared = None

@@ -23,6 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvflow.proto.kv_transfer import KVTransferStats
 from kvflow.proto.stats import GrammarStats, SchedulerStats
+from kvflow.runtime.cluster_auth import REFUSALS
 from kvflow.services.frontend.metrics_fanin import SharedProcessMetrics
 from kvflow.services.frontend.perf_metrics import PerfMetrics
 from kvflow.services.frontend.request_metrics import RequestMetrics, RequestSeries, RequestTracker
@@ -106,6 +107,7 @@ class FrontendMetrics:
         )
         for reason in REJECTION_REASONS:
             self.requests_rejected.labels(model_name, reason)
+        self._define_security_metrics()
         self.http_duration = Histogram(
             "kvflow:http_request_duration_seconds",
             "Duration of HTTP requests in seconds (whole stream for SSE responses).",
@@ -237,6 +239,37 @@ class FrontendMetrics:
             for value in seconds:
                 histogram.observe(value)
 
+    def _define_security_metrics(self) -> None:
+        # Both created at 0: an alert on "increase > 0" has a series from the start.
+        self.cluster_auth_failures = Counter(
+            "kvflow:cluster_auth_failures",
+            "Peers refused on the cluster's tcp:// ZeroMQ links (no CURVE, or not the "
+            "cluster's key), by process: this frontend's, or an engine's role.",
+            ["model_name", "engine", "role"],
+            registry=self.registry,
+        )
+        self.cluster_auth_failures.labels(self.model_name, "", "frontend")
+        self.kv_params_rejected = Counter(
+            "kvflow:kv_transfer_params_rejected",
+            "Requests refused (400) for kv_transfer_params the proxy did not sign.",
+            ["model_name"],
+            registry=self.process_registry,  # this API server's requests
+        )
+        self.kv_params_rejected.labels(self.model_name)
+
+    def count_kv_params_rejected(self) -> None:
+        self.kv_params_rejected.labels(self.model_name).inc()
+
+    def observe_own_auth_failures(self, count: int) -> None:
+        """This process's refusals so far (kvflow/runtime/cluster_auth.py), at scrape."""
+        increment = self._increment("", "auth_failures_frontend", count)
+        self.cluster_auth_failures.labels(self.model_name, "", "frontend").inc(increment)
+
+    def _observe_auth_failures(self, engine: str, by_role: dict[str, int]) -> None:
+        for role, count in by_role.items():
+            increment = self._increment(engine, f"auth_failures_{role}", count)
+            self.cluster_auth_failures.labels(self.model_name, engine, role).inc(increment)
+
     # ---- feeding ----------------------------------------------------------------------
 
     def observe_scheduler_stats(self, stats: SchedulerStats) -> None:
@@ -265,6 +298,7 @@ class FrontendMetrics:
             self._observe_grammar(labels, stats.engine, stats.grammar)
         if stats.kv_transfer is not None:
             self._observe_kv_transfer(labels, stats.engine, stats.kv_transfer)
+        self._observe_auth_failures(stats.engine, stats.cluster_auth_failures)
 
     def _observe_grammar(self, labels: tuple[str, str], engine: str, stats: GrammarStats) -> None:
         for seconds in stats.compile_seconds:
@@ -312,6 +346,7 @@ class FrontendMetrics:
         return self.shared
 
     def render(self) -> bytes:
+        self.observe_own_auth_failures(REFUSALS.count)
         engine = generate_latest(self.registry)
         if self.shared is not None:
             return engine + self.shared.render()

@@ -43,6 +43,7 @@ from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST
 from kvflow.services.frontend.in_flight import sample_index
+from kvflow.services.frontend.kv_params import KVParamsGate
 from kvflow.services.frontend.metrics import FrontendMetrics
 from kvflow.services.frontend.request_deadline import Deadline, RequestDeadlines
 from kvflow.services.frontend.responses import UsageInfo
@@ -84,6 +85,7 @@ class ServingContext:
     engine: EngineClient
     tokenizer: Any
     metrics: FrontendMetrics
+    kv_params: KVParamsGate  # only the proxy's kv_transfer_params pass
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
@@ -315,6 +317,7 @@ class ServedRequest(ABC):
         data_parallel_rank: int | None = None,
     ) -> None:
         ctx.check_queue_room(len(prompts), prompts[0].params.n, data_parallel_rank)
+        ctx.kv_params.check(prompts[0].params.kv_transfer_params)
         self.ctx = ctx
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(arrival_time)

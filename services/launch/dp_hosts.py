@@ -26,6 +26,7 @@ import zmq
 from kvflow.errors import ConfigError, KvflowError
 from kvflow.proto.addresses import ServiceAddresses, bind_address
 from kvflow.proto.data_parallel import DataParallelMessage, EngineJoin, EngineJoined
+from kvflow.runtime.cluster_auth import secure_socket
 from kvflow.runtime.lifecycle import StopFlag
 
 _POLL_MS = 200
@@ -99,7 +100,8 @@ def await_joins(
     joined: dict[int, RemoteEngine] = {}
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 1000)  # the last answer still leaves
-    router.bind(bind_address(hosts.join_address))
+    # CURVE: only a holder of the cluster secret gets to send an EngineJoin at all.
+    router.bind(secure_socket(router, bind_address(hosts.join_address), bind=True))
     decoder = msgspec.msgpack.Decoder(DataParallelMessage)
     deadline = time.monotonic() + timeout_s
     try:
@@ -150,7 +152,7 @@ def join(
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(hosts.join_address)
+    dealer.connect(secure_socket(dealer, hosts.join_address, bind=False))
     try:
         dealer.send(msgspec.msgpack.encode(EngineJoin(index, asdict(addresses), size)))
         if not dealer.poll(int(timeout_s * 1000), zmq.POLLIN):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,7 +26,9 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from kvflow.cluster_secret import INSECURE_ENV, SECRET_FILE_ENV
 from kvflow.config import EngineConfig
+from kvflow.runtime.cluster_auth import cluster_settings
 from kvflow.runtime.lifecycle import StopFlag
 from kvflow.services.launch.data_parallel import EngineGroup, Supervisor
 from kvflow.services.launch.dp_hosts import free_tcp_addresses
@@ -44,6 +47,10 @@ class EngineStart:
     host: str  # the node's address that other hosts reach it by
     startup_timeout_s: float
     shutdown_timeout_s: float
+    # The cluster secret's path, the same on every node (each node mounts the file;
+    # it never travels through Ray), and the insecure opt-out.
+    secret_file: str = ""
+    insecure: bool = False
 
 
 class EngineHost:
@@ -52,6 +59,10 @@ class EngineHost:
     def __init__(self, start: EngineStart) -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         config = msgspec.msgpack.decode(start.config, type=EngineConfig)
+        # The engine's processes inherit these (kvflow/runtime/cluster_auth.py).
+        os.environ[SECRET_FILE_ENV] = start.secret_file
+        os.environ[INSECURE_ENV] = "1" if start.insecure else ""
+        cluster_settings()  # a node without the file fails here, naming it
         self._options = ServeOptions(
             startup_timeout_s=start.startup_timeout_s,
             shutdown_timeout_s=start.shutdown_timeout_s,

@@ -15,12 +15,15 @@ the nodes of a running Ray cluster, one frontend here.
 
 Ray only places and watches the engines: requests and tokens flow over ZeroMQ. Ray's
 own control plane pickles (a Ray cluster's ports belong on a trusted network, as Ray's
-documentation says); kvflow's sockets still carry only msgspec messages.
+documentation says); kvflow's sockets still carry only msgspec messages, over CURVE:
+every node mounts the cluster secret at the same path (--cluster-secret-file), which the
+actors are told (the path only: the secret never travels through Ray).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 import threading
@@ -30,9 +33,11 @@ from typing import Any
 
 import msgspec
 
+from kvflow.cluster_secret import SECRET_FILE_ENV
 from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError, KvflowError
 from kvflow.proto.addresses import ServiceAddresses
+from kvflow.runtime.cluster_auth import cluster_settings
 from kvflow.runtime.lifecycle import StopFlag
 from kvflow.services.launch.data_parallel import _run_frontend
 from kvflow.services.launch.dp_hosts import DataParallelHosts
@@ -190,7 +195,13 @@ def _engine_start(
     node = _bundle_node(ray, group)
     logger.info("engine %d placed on Ray node %s (%s)", index, node["NodeID"], node["host"])
     return EngineStart(
-        index, config, node["host"], options.startup_timeout_s, options.shutdown_timeout_s
+        index,
+        config,
+        node["host"],
+        options.startup_timeout_s,
+        options.shutdown_timeout_s,
+        secret_file=os.environ.get(SECRET_FILE_ENV, ""),
+        insecure=cluster_settings().insecure,
     )
 
 

@@ -37,6 +37,7 @@ from kvflow.errors import EngineDeadError
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.control import ProcessFailed, WorkerInfo, WorkerOutput
 from kvflow.proto.step import SchedulerHello, Shutdown, StepPlan, StepResult
+from kvflow.runtime.cluster_auth import secure_socket
 from kvflow.runtime.lifecycle import StopFlag
 from kvflow.runtime.sockets import TypedSocket
 from kvflow.services.launch.children import ChildProcesses
@@ -175,7 +176,6 @@ def _open_xpub(context: zmq.Context, address: str) -> TypedSocket[Any]:
     """A PUB that reports each subscriber (verbose), so the hello waits for every rank."""
     socket = context.socket(zmq.XPUB)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.XPUB_VERBOSE, 1)
-    socket.bind(address)
+    socket.bind(secure_socket(socket, address, bind=True))
     return TypedSocket(socket)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvflow.cluster_secret import ClusterSecret
+from kvflow.errors import ConfigError
 from kvflow.services.proxy.pairing import InstancePools, decode_request, prefill_request
 
 logger = logging.getLogger(__name__)
@@ -39,7 +42,15 @@ class ProxyCounters:
         self.prefill_failures = 0
 
 
-def build_app(pools: InstancePools, timeout_s: float = 600.0) -> Starlette:
+def build_app(
+    pools: InstancePools, timeout_s: float = 600.0, secret: ClusterSecret | None = None
+) -> Starlette:
+    """`secret` signs the decode requests' kv_transfer_params (needed with KV addresses)."""
+    if pools.prefill_kv_addresses and secret is None:
+        raise ConfigError(
+            "--prefill-kv-address needs the cluster secret (--cluster-secret-file): decode "
+            "instances pull KV only from an address the proxy signed"
+        )
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
     counters = ProxyCounters()
 
@@ -52,7 +63,7 @@ def build_app(pools: InstancePools, timeout_s: float = 600.0) -> Starlette:
         upstream = client.build_request(
             "POST",
             decode_url + request.url.path,
-            json=decode_request(body, kv_address),
+            json=decode_request(body, kv_address, secret, time.time()),
             headers=headers,
         )
         response = await client.send(upstream, stream=True)

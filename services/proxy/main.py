@@ -7,6 +7,9 @@ from typing import Any
 
 import uvicorn
 
+from kvflow.errors import ConfigError
+from kvflow.runtime.cluster_args import add_cluster_args
+from kvflow.runtime.cluster_auth import cluster_settings
 from kvflow.services.proxy.app import build_app
 from kvflow.services.proxy.pairing import InstancePools
 
@@ -32,6 +35,7 @@ def add_proxy_parser(subparsers: Any) -> None:
     proxy.add_argument(
         "--timeout", type=float, default=600.0, help="seconds an instance may take to answer"
     )
+    add_cluster_args(proxy)
     proxy.set_defaults(handler=run_proxy)
 
 
@@ -41,7 +45,10 @@ def run_proxy(args: argparse.Namespace) -> int:
         [u.rstrip("/") for u in args.decode],
         args.prefill_kv_address,
     )
-    app = build_app(pools, args.timeout)
+    try:
+        app = build_app(pools, args.timeout, cluster_settings().secret)
+    except ConfigError as exc:
+        raise SystemExit(f"kvflow proxy: {exc}") from None
     print(f"kvflow proxy: http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level="warning")
     return 0

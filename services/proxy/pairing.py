@@ -9,9 +9,11 @@ every sample of a prompt shares that prompt's KV.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvflow.cluster_secret import KV_PARAMS_TTL_S, ClusterSecret
 from kvflow.routing import Router, RoutingConfig
 
 # Fields that shape the output, not the prompt: the prefill request drops them.
@@ -45,7 +47,7 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     prefill.pop("max_completion_tokens", None)
     prefill["temperature"] = 0.0
     # vLLM's shape: tells a producer this prompt's KV is for a remote decode.
-    prefill["kv_transfer_params"] = {"do_remote_decode": True}
+    prefill["kv_transfer_params"] = {"do_remote_decode": True}  # (the client's dropped)
     return prefill
 
 
@@ -79,8 +81,22 @@ class InstancePools:
         return self.prefill_urls[prefill], kv_address, self.decode_urls[decode]
 
 
-def decode_request(body: dict[str, Any], kv_address: str) -> dict[str, Any]:
-    """The decode instance's request: the client's, naming where its prompt KV is."""
+def decode_request(
+    body: dict[str, Any], kv_address: str, secret: ClusterSecret | None, now: float
+) -> dict[str, Any]:
+    """The decode instance's request: the client's, naming where its prompt KV is, signed
+    (a decode instance honours only a remote address the proxy signed). Whatever
+    kv_transfer_params the client sent are dropped: they are the proxy's to give."""
+    body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     if not kv_address:
         return body
-    return {**body, "kv_transfer_params": {"remote_address": kv_address}}
+    assert secret is not None, "checked at start: a zmq proxy needs the cluster secret"
+    request_id = uuid.uuid4().hex
+    expires_at = round(now + KV_PARAMS_TTL_S, 3)
+    params = {
+        "remote_address": kv_address,
+        "request_id": request_id,
+        "expires_at": expires_at,
+        "signature": secret.sign_kv_params(kv_address, request_id, expires_at),
+    }
+    return {**body, "kv_transfer_params": params}

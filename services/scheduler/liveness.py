@@ -46,3 +46,17 @@ class Liveness:
 @dataclass(frozen=True)
 class WorkerDisconnected:
     """From the input thread: a connection of some worker dropped (not a wire message)."""
+
+
+@dataclass
+class EngineRefusals:
+    """Peers refused on the tcp links of this engine's processes, cumulative by role:
+    the scheduler's own, each worker rank's (in its heartbeats) and the detokenizer's."""
+
+    workers: dict[int, int] = field(default_factory=dict)  # rank -> count
+    others: dict[str, int] = field(default_factory=dict)  # role -> count
+
+    def by_role(self) -> dict[str, int]:
+        from kvflow.runtime.cluster_auth import REFUSALS
+
+        return {"scheduler": REFUSALS.count, "worker": sum(self.workers.values()), **self.others}

@@ -33,7 +33,7 @@ import msgspec
 
 from kvflow.errors import InvalidRequestError
 from kvflow.metrics.roofline import RooflineMeter
-from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo
+from kvflow.proto.control import PeerRefusals, ProcessFailed, WorkerHeartbeat, WorkerInfo
 from kvflow.proto.engine import (
     DETOKENIZER_PROMPT_TAIL,
     AbortRequests,
@@ -45,7 +45,7 @@ from kvflow.proto.stats import SchedulerStats, StepRecord
 from kvflow.proto.step import SchedulerHello, Shutdown, StepResult
 from kvflow.services.scheduler.block_map import block_map
 from kvflow.services.scheduler.engine_core import EngineCore, StepInFlight
-from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
+from kvflow.services.scheduler.liveness import EngineRefusals, Liveness, WorkerDisconnected
 from kvflow.services.scheduler.recovery import WorkerRecovery
 from kvflow.services.scheduler.spec_decode.speculator import spec_decode_stats
 from kvflow.services.scheduler.step_trace import StepSample, StepTrace
@@ -104,6 +104,7 @@ class SchedulerLoop:
         self.outputs = outputs
         self.inbox = inbox
         self.liveness = liveness
+        self.refusals = EngineRefusals()
         self.engine_id = engine_id
         self.incarnation = incarnation
         self.instruments = instruments or Instruments()
@@ -182,6 +183,7 @@ class SchedulerLoop:
                 self._finish_step(message)
             case WorkerHeartbeat(rank=rank, incarnation=worker):
                 self.liveness.beat(rank, now)
+                self.refusals.workers[rank] = message.auth_failures
                 self._check_incarnation(rank, worker, now)
             case ProcessFailed(rank=rank, error=error):
                 self._worker_lost(f"worker rank {rank} failed: {error}", now)
@@ -189,6 +191,8 @@ class SchedulerLoop:
                 self._worker_back(message, now)
             case WorkerInfo(rank=rank):
                 logger.debug("WorkerInfo from worker rank %d for another hello: ignored", rank)
+            case PeerRefusals(role=role, count=count):
+                self.refusals.others[role] = count
             case WorkerDisconnected():
                 self.liveness.suspect(now)
             case Shutdown():
@@ -376,6 +380,7 @@ class SchedulerLoop:
             grammar=self.core.grammar_stats(),
             kv_transfer=stats.features.kv_transfer,
             **spec_decode_stats(stats.features.spec_decode),
+            cluster_auth_failures=self.refusals.by_role(),
         )
 
     def _take_recent_steps(self) -> list[StepRecord]:

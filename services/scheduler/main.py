@@ -42,10 +42,17 @@ from kvflow.errors import KvflowError
 from kvflow.metrics.roofline import ModelShape, RooflineMeter
 from kvflow.pooling import engine_pooling
 from kvflow.proto.addresses import ServiceAddresses, bind_address
-from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo, WorkerOutput
+from kvflow.proto.control import (
+    PeerRefusals,
+    ProcessFailed,
+    WorkerHeartbeat,
+    WorkerInfo,
+    WorkerOutput,
+)
 from kvflow.proto.engine import AbortRequests, AddRequest
 from kvflow.proto.frontend import EngineDead
 from kvflow.proto.step import SchedulerHello, Shutdown
+from kvflow.runtime.cluster_auth import REFUSAL_EVENTS, count_refused_handshake, secure_socket
 from kvflow.runtime.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.runtime.sockets import TypedSocket
 from kvflow.services.scheduler.assembly import EngineShape, build_engine_core
@@ -58,7 +65,7 @@ from kvflow.tokenizer import load_tokenizer, read_eos_token_ids
 logger = logging.getLogger(__name__)
 
 # Map-like requests and the launcher's array-like Shutdown share the socket.
-SchedulerInput = AddRequest | AbortRequests | Shutdown
+SchedulerInput = AddRequest | AbortRequests | Shutdown | PeerRefusals
 HEARTBEAT_TIMEOUT_S = 5.0
 _POLL_MS = 100
 
@@ -270,15 +277,24 @@ class _SchedulerSockets:
     def _read(self) -> None:
         """Input thread: decode every frame of both PULL sockets into the inbox, and
         turn a dropped worker connection into WorkerDisconnected (a fast death hint)."""
-        monitor = self.results.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # This monitor replaces the cluster guard's on the result socket, so it counts
+        # the refused peers itself; their disconnects are not a worker's.
+        monitor = self.results.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | REFUSAL_EVENTS)
         poller = zmq.Poller()
         for socket in (self.requests.socket, self.results.socket, monitor):
             poller.register(socket, zmq.POLLIN)
+        refused = 0  # failed handshakes whose disconnect is still to come
         while not self._stop_reader.is_set():
             for socket, _ in poller.poll(_POLL_MS):
                 if socket is monitor:
-                    recv_monitor_message(monitor)
-                    self.inbox.put(WorkerDisconnected())
+                    event = recv_monitor_message(monitor)["event"]
+                    if event != zmq.EVENT_DISCONNECTED:
+                        count_refused_handshake(event, str(self.results.socket.LAST_ENDPOINT))
+                        refused += 1
+                    elif refused:
+                        refused -= 1
+                    else:
+                        self.inbox.put(WorkerDisconnected())
                 else:
                     self._read_all(
                         self.requests if socket is self.requests.socket else self.results
@@ -310,7 +326,6 @@ def _open_xpub(context: zmq.Context, address: str) -> TypedSocket[Any]:
     """A PUB that also reports subscriptions (verbose: one per subscriber, not per topic)."""
     socket = context.socket(zmq.XPUB)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # before bind: no subscription slips past
-    socket.bind(address)
+    socket.bind(secure_socket(socket, address, bind=True))
     return TypedSocket(socket)

@@ -34,6 +34,7 @@ import zmq
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.frontend import EngineDead
 from kvflow.proto.stats import SchedulerStats
+from kvflow.runtime.cluster_auth import secure_socket
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"
@@ -59,8 +60,12 @@ def compose_services() -> dict[str, Any]:
     return yaml.safe_load(COMPOSE_FILE.read_text())["services"]
 
 
+SECRET_ENV = {"KVFLOW_CLUSTER_SECRET_FILE": "/run/secrets/cluster_secret"}
+
+
 def expected_addresses() -> dict[str, str]:
-    return ServiceAddresses.tcp(BINDER, BASE_PORT).as_env()
+    """A role's environment: the address table and where the cluster secret is mounted."""
+    return {**ServiceAddresses.tcp(BINDER, BASE_PORT).as_env(), **SECRET_ENV}
 
 
 def free_port() -> int:
@@ -80,6 +85,18 @@ def test_every_role_has_the_shared_address_table() -> None:
     services = compose_services()
     for role in ROLES:
         assert services[role]["environment"] == expected_addresses(), role
+
+
+def test_every_kvflow_service_mounts_the_cluster_secret() -> None:
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())
+    secret = compose["secrets"]["cluster_secret"]["file"]
+    assert ".kvflow-secrets/" in secret  # generated (docker/make_cluster_secret.sh)
+    assert ".kvflow-secrets/" in (REPO / ".gitignore").read_text()  # and never committed
+    for name, service in compose["services"].items():
+        if str(service.get("image", "")).startswith("${KVFLOW_IMAGE"):
+            assert service["secrets"] == ["cluster_secret"], name
+            env = service["environment"]
+            assert env["KVFLOW_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster_secret", name
 
 
 def test_published_ports_are_loopback_only() -> None:
@@ -143,7 +160,7 @@ def test_healthcheck_reads_listening_and_connected_ports() -> None:
 def publish_until(stop: threading.Event, address: str, message: Any) -> None:
     context = zmq.Context()
     publisher = context.socket(zmq.PUB)
-    publisher.bind(address)
+    publisher.bind(secure_socket(publisher, address, bind=True))  # as the scheduler binds
     encoded = msgspec.msgpack.encode(message)
     while not stop.wait(0.05):
         publisher.send(encoded)

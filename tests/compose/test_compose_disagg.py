@@ -17,6 +17,7 @@ from test_compose import (
     PROJECT,
     REPO,
     REQUEST_TIMEOUT_S,
+    SECRET_ENV,
     UP_TIMEOUT_S,
     compose_command,
     compose_services,
@@ -36,7 +37,8 @@ def test_the_profile_pairs_a_producer_and_a_consumer_behind_the_proxy() -> None:
     services = compose_services()
     for name in DISAGG:
         assert services[name]["profiles"] == ["disagg"]
-        assert services[name]["environment"] == {}  # whole `serve`s: no role addresses
+        # Whole `serve`s: no role addresses, only the cluster secret (zmq KV, signed params).
+        assert services[name]["environment"] == SECRET_ENV
     producer = KVTransferConfig.parse(services["prefill"]["command"][-1])
     consumer = KVTransferConfig.parse(services["decode"]["command"][-1])
     assert producer.is_producer and not producer.is_consumer and consumer.kv_role == "kv_consumer"

@@ -14,6 +14,7 @@ import ssl
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,6 +216,36 @@ def metric_values(base_url: str) -> dict[str, float]:
     }
 
 
+def signed_kv_params(remote_address: str, secret: Any = None) -> dict[str, Any]:
+    """kv_transfer_params as `kvflow proxy` signs them: under the tests' cluster secret
+    (tests/conftest.py), or under `secret` (a ClusterSecret)."""
+    from kvflow.cluster_secret import SECRET_FILE_ENV, ClusterSecret
+
+    secret = secret or ClusterSecret.read(os.environ[SECRET_FILE_ENV])
+    request_id, expires_at = uuid.uuid4().hex, round(time.time() + 60.0, 3)
+    return {
+        "remote_address": remote_address,
+        "request_id": request_id,
+        "expires_at": expires_at,
+        "signature": secret.sign_kv_params(remote_address, request_id, expires_at),
+    }
+
+
+def auth_failures(base_url: str) -> dict[str, float]:
+    """kvflow:cluster_auth_failures_total by the role that refused the peers (summed
+    over engines)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=5.0).text
+    by_role: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvflow:cluster_auth_failures_total":
+                role = sample.labels["role"]
+                by_role[role] = by_role.get(role, 0.0) + sample.value
+    return by_role
+
+
 def listening_addresses(port: int) -> set[str]:
     """Local addresses with a TCP socket listening on `port`, from /proc/net/tcp{,6}
     (IPv4 as dotted quads, IPv6 as 32 hex digits)."""
@@ -240,3 +271,22 @@ def listening_sockets(port: int) -> list[str]:
             else:
                 found.append(address)
     return found
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The TCP ports process `pid` listens on (its socket inodes in /proc/net/tcp*)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    ports = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
+                ports.append(int(fields[1].rsplit(":", 1)[1], 16))
+    return sorted(ports)

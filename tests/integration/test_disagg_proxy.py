@@ -20,6 +20,7 @@ from serve_harness import (
     Server,
     free_port,
     metric_values,
+    signed_kv_params,
     sse_events,
     start_server,
     stop_server,
@@ -170,7 +171,7 @@ def test_fail_policy_answers_an_error_and_frees_the_blocks(
     try:
         nobody = f"tcp://127.0.0.1:{free_port()}"  # a producer that is not there
         body = {"model": MODEL_NAME, "prompt": LONG, "max_tokens": 4, "temperature": 0.0}
-        body["kv_transfer_params"] = {"remote_address": nobody}
+        body["kv_transfer_params"] = signed_kv_params(nobody)  # as the proxy would
         answer = httpx.post(decode.base_url + "/v1/completions", json=body, timeout=60.0)
         assert answer.status_code == 500, answer.text
         assert "could not be loaded" in answer.json()["error"]["message"]

@@ -13,14 +13,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 from serve_harness import (
     ENGINE_ARGS,
     KVFLOW,
     MODEL_NAME,
     Server,
+    auth_failures,
     child_pid,
     free_port,
     group_members,
+    listening_ports,
     start_server,
     stop_server,
     wait_for,
@@ -116,3 +119,25 @@ def test_a_dead_headless_engine_restarts_on_its_host_and_rejoins(
         url + "/v1/completions", json=body | {"data_parallel_rank": 1}, timeout=60
     )
     assert response.status_code == 200, response.text
+
+
+def test_the_headless_engine_refuses_a_peer_without_the_secret(
+    two_hosts: tuple[Server, subprocess.Popen[bytes]],
+) -> None:
+    """Its sockets are on tcp (another host would reach them): a peer without the
+    cluster secret is refused by its scheduler, and the frontend's /metrics counts it
+    under the engine that refused it."""
+    server, headless = two_hosts
+    scheduler = child_pid(headless.pid, "kvflow-e1-sched")
+    assert scheduler is not None
+    ports = listening_ports(scheduler)
+    assert len(ports) == 4  # scheduler_input, worker_plan, worker_result, stats
+    context = zmq.Context()
+    try:
+        for port in ports:
+            intruder = context.socket(zmq.PUSH)
+            intruder.connect(f"tcp://127.0.0.1:{port}")
+        assert wait_for(lambda: auth_failures(server.base_url).get("scheduler", 0) >= 4, 10.0)
+    finally:
+        context.destroy(linger=0)
+    _complete(server.base_url, [101, 102, 103])  # still serving (a 200)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_harness import ENGINE_ARGS, KVFLOW, MODEL_NAME, free_port
+import zmq
+from serve_harness import ENGINE_ARGS, KVFLOW, MODEL_NAME, auth_failures, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -99,6 +100,22 @@ def stack(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
 def test_roles_over_tcp(stack: Stack) -> None:
     reply = stack.complete(5).json()
     assert reply["usage"]["completion_tokens"] == 5, reply
+    # A peer without the cluster secret is refused by the scheduler and the detokenizer,
+    # and the frontend's /metrics counts it under the role that refused it.
+    context = zmq.Context()
+    for channel in ("scheduler_input", "detokenizer_input"):
+        intruder = context.socket(zmq.PUSH)
+        intruder.connect(stack.env[f"KVFLOW_ADDR_{channel.upper()}"])
+        intruder.send(b"\x00")
+    refused = {"scheduler": 0.0, "detokenizer": 0.0}
+
+    def counted() -> bool:
+        refused.update(auth_failures(stack.url))
+        return refused["scheduler"] > 0 and refused["detokenizer"] > 0
+
+    assert wait_for(counted, 10.0), refused
+    context.destroy(linger=0)
+    assert stack.complete(5).json()["usage"]["completion_tokens"] == 5  # still serving
     processes = stack.processes
     processes["scheduler"].send_signal(signal.SIGTERM)
     for role in ("scheduler", "worker", "detokenizer"):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvflow.block_hash import extend_block_hashes
+from kvflow.cluster_secret import ClusterSecret
 from kvflow.config import SchedulerConfig
 from kvflow.errors import ConfigError
 from kvflow.kv_transfer.scheduler.block_keys import prompt_block_keys
@@ -22,6 +23,7 @@ from kvflow.kv_transfer.worker.block_io import (
     scatter_blocks,
 )
 from kvflow.kv_transfer_config import KVTransferConfig, block_file_path
+from kvflow.runtime.cluster_auth import cluster_settings
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.scheduler.features import make_step_features
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
@@ -99,6 +101,21 @@ def _request(req_id: str, num_tokens: int) -> Request:
     return Request(req_id, list(range(num_tokens)), params, max_tokens=4)
 
 
+def _salted_keys(tokens: list[int]) -> list[str]:
+    """The keys a connector uses: salted with the tests' cluster secret (conftest)."""
+    return prompt_block_keys(tokens, BLOCK, None, cluster_settings().secret)
+
+
+def test_block_keys_are_salted_with_the_cluster_secret() -> None:
+    tokens = list(range(10))
+    plain = prompt_block_keys(tokens, BLOCK, None)
+    one, other = ClusterSecret(b"a" * 32), ClusterSecret(b"b" * 32)
+    salted = prompt_block_keys(tokens, BLOCK, None, one)
+    assert len(salted) == len(plain) and not set(salted) & set(plain)
+    assert salted == [one.salt_block_key(k) for k in plain]  # deterministic per secret
+    assert prompt_block_keys(tokens, BLOCK, None, other) != salted
+
+
 def _touch(tmp_path: Path, keys: list[str]) -> None:
     for key in keys:
         path = Path(block_file_path(str(tmp_path), "ns", key))
@@ -115,14 +132,14 @@ def test_producer_saves_each_prompt_block_once_when_the_prompt_completes(tmp_pat
     second = scheduler.schedule()
     assert second.kv_connector is not None
     (save,) = second.kv_connector.saves
-    assert save.keys == prompt_block_keys(list(range(10)), BLOCK, None)
+    assert save.keys == _salted_keys(list(range(10)))
     assert save.block_ids == scheduler.kv_cache.get_block_ids("a")
     assert not second.kv_connector.loads
 
 
 def test_consumer_loads_the_stored_run_and_computes_the_last_token(tmp_path: Path) -> None:
     scheduler = _scheduler(tmp_path, "kv_consumer")
-    keys = prompt_block_keys(list(range(10)), BLOCK, None)
+    keys = _salted_keys(list(range(10)))
     _touch(tmp_path, keys)
     scheduler.add_request(_request("a", 10))
     plan = scheduler.schedule()
@@ -138,7 +155,7 @@ def test_consumer_loads_the_stored_run_and_computes_the_last_token(tmp_path: Pat
 
 def test_consumer_loads_only_an_unbroken_run_after_the_local_hit(tmp_path: Path) -> None:
     scheduler = _scheduler(tmp_path, "kv_consumer")
-    keys = prompt_block_keys(list(range(10)), BLOCK, None)
+    keys = _salted_keys(list(range(10)))
     _touch(tmp_path, [keys[0], keys[2]])  # block 1 missing: only block 0 loads
     scheduler.add_request(_request("a", 10))
     plan = scheduler.schedule()

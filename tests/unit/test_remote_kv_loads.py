@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvflow.cluster_secret import ClusterSecret
 from kvflow.config import SchedulerConfig
 from kvflow.kv_transfer.scheduler.zmq_connector import ZmqScheduler
 from kvflow.kv_transfer_config import KVTransferConfig
@@ -147,8 +148,19 @@ def test_proxy_requests() -> None:
     prefill = prefill_request(body)
     assert prefill["max_tokens"] == 1 and "n" not in prefill and "stream" not in prefill
     assert prefill["seed"] == 1 and body["n"] == 3  # the client's body is untouched
-    assert decode_request(body, "") is body
-    assert decode_request(body, REMOTE)["kv_transfer_params"] == {"remote_address": REMOTE}
+    assert decode_request(body, "", None, 0.0) == body
+    secret = ClusterSecret(b"s" * 32)
+    params = decode_request(body, REMOTE, secret, 100.0)["kv_transfer_params"]
+    assert params["remote_address"] == REMOTE and params["expires_at"] > 100.0
+    assert (
+        secret.check_kv_params(
+            REMOTE, params["request_id"], params["expires_at"], params["signature"], now=100.0
+        )
+        is None
+    )
+    # A client's own kv_transfer_params never pass through: they are the proxy's to give.
+    forged = {**body, "kv_transfer_params": {"remote_address": "tcp://evil:1"}}
+    assert "kv_transfer_params" not in decode_request(forged, "", None, 0.0)
     pools = InstancePools(["p0", "p1"], ["d0"], ["tcp://p0", "tcp://p1"])
     assert [pools.pick() for _ in range(3)] == [
         ("p0", "tcp://p0", "d0"),

@@ -8,6 +8,10 @@ by any request sharing that prefix (the shared-storage connector doubles as a di
 prefix cache). The partial last block gets a key of its own, marked so that it can
 never equal a full block's: a decode instance then loads the whole prompt's KV and
 computes only the prompt's last token, whose logits it needs to sample.
+
+With a cluster secret every key is an HMAC of that hash under the secret: the hashes are
+a function of the token ids alone, so unsalted keys would let anyone who guesses a
+prompt confirm that it was sent (and name its blocks).
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ from kvflow.block_hash import (
     first_block_extra_keys,
     hash_block_tokens,
 )
+from kvflow.cluster_secret import ClusterSecret
 
 
 def prompt_block_keys(
-    prompt_token_ids: list[int], block_size: int, cache_salt: str | None
+    prompt_token_ids: list[int],
+    block_size: int,
+    cache_salt: str | None,
+    secret: ClusterSecret | None = None,
 ) -> list[str]:
     """One key per block the prompt touches (the last one partial unless aligned)."""
     hashes: list[BlockHash] = extend_block_hashes([], prompt_token_ids, block_size, cache_salt)
@@ -32,4 +40,4 @@ def prompt_block_keys(
         parent = hashes[-1] if hashes else None
         extra = first_block_extra_keys(cache_salt) if num_full == 0 else ()
         keys.append(hash_block_tokens(parent, tail, (*extra, "partial")).hex())
-    return keys
+    return keys if secret is None else [secret.salt_block_key(key) for key in keys]

@@ -26,6 +26,7 @@ import msgspec
 from kvflow.kv_transfer.scheduler.block_keys import prompt_block_keys
 from kvflow.kv_transfer_config import KVTransferConfig
 from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStats, KVTransferStepStats
+from kvflow.runtime.cluster_auth import cluster_settings
 from kvflow.services.scheduler.request import Request
 
 
@@ -48,6 +49,7 @@ class KVConnectorScheduler(abc.ABC):
         self.config = config
         self.block_size = block_size
         self.failure_policy = failure_policy
+        self.secret = cluster_settings().secret  # salts the keys (block_keys.py)
         self.counters = KVTransferStats()  # cumulative, for the kvflow:kv_* metrics
         self._keys: dict[str, list[str]] = {}  # req_id -> its prompt's block keys
 
@@ -92,7 +94,7 @@ class KVConnectorScheduler(abc.ABC):
         keys = self._keys.get(request.request_id)
         if keys is None:
             prompt = request.all_token_ids[: request.num_prompt_tokens]
-            keys = prompt_block_keys(prompt, self.block_size, request.cache_salt)
+            keys = prompt_block_keys(prompt, self.block_size, request.cache_salt, self.secret)
             self._keys[request.request_id] = keys
         return keys
 

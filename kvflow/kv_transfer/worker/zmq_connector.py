@@ -7,6 +7,9 @@ from which a server thread answers pulls::
     consumer DEALER ──KVPull(req_id, keys)──▶ producer ROUTER (tcp://kv_host:kv_port)
                     ◀── KVBlocksHeader(req_id, keys, dtype, shape), block 0, block 1 …
 
+Both ends use the cluster's CURVE keys (kvflow/runtime/cluster_auth.py): only a process
+holding the cluster secret may pull, and a frame larger than one block is refused.
+
 Each block frame is `[num_layers, 2, block_size, kv_heads, head_dim]` raw bytes (the
 header names dtype and shape; msgpack for the header, never pickle). The copy out of
 the cache is what lets the producer free its blocks when the request ends, whether or
@@ -35,6 +38,7 @@ import msgspec
 import torch
 import zmq
 
+from kvflow.errors import ConfigError
 from kvflow.kv_transfer.worker.block_io import layout_mismatch, scatter_blocks
 from kvflow.kv_transfer.worker.connector import KVConnectorWorker
 from kvflow.kv_transfer_config import KVTransferConfig
@@ -45,10 +49,14 @@ from kvflow.proto.kv_transfer import (
     KVPull,
     KVTransferStepStats,
 )
+from kvflow.runtime.cluster_auth import cluster_settings, secure_socket
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+# A KVBlocksHeader or KVPull names every block of a prompt (~70 bytes a key): 16 MiB is
+# over 200,000 blocks, more than any prompt has.
+_MAX_HEADER_BYTES = 16 << 20
 _encoder = msgspec.msgpack.Encoder()
 _pull_decoder = msgspec.msgpack.Decoder(KVPull)
 _header_decoder = msgspec.msgpack.Decoder(KVBlocksHeader)
@@ -59,6 +67,9 @@ class ZmqWorker(KVConnectorWorker):
         self, config: KVTransferConfig, caches: list[torch.Tensor], load_timeout_s: float
     ) -> None:
         super().__init__(caches)
+        refusal = cluster_settings().tcp_refusal("the zmq KV connector")
+        if refusal is not None:  # here, not in the server thread or at the first pull
+            raise ConfigError(refusal)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.load_timeout_s = load_timeout_s
         self._context: zmq.Context[Any] = zmq.Context.instance()
@@ -120,9 +131,18 @@ class ZmqWorker(KVConnectorWorker):
 
     # ---- producer: the server thread ------------------------------------------------
 
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest legitimate frame: one block, or a header naming many blocks."""
+        block = self.dtype.itemsize
+        for size in self.block_shape:
+            block *= size
+        return max(block, _MAX_HEADER_BYTES)
+
     def _serve(self, address: str) -> None:
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
+        address = secure_socket(socket, address, bind=True, max_message_bytes=self.max_frame_bytes)
         socket.bind(address)
         logger.info("KV producer serving blocks at %s", address)
         try:
@@ -158,7 +178,11 @@ class ZmqWorker(KVConnectorWorker):
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)  # a late answer dies with the socket
         try:
-            socket.connect(transfer.remote)
+            socket.connect(
+                secure_socket(
+                    socket, transfer.remote, bind=False, max_message_bytes=self.max_frame_bytes
+                )
+            )
             socket.send(_encoder.encode(KVPull(transfer.req_id, transfer.keys)))
             if not socket.poll(int(self.load_timeout_s * 1000)):
                 raise TimeoutError(f"no answer from {transfer.remote} in {self.load_timeout_s} s")

@@ -1,0 +1,64 @@
+"""Only the proxy's `kv_transfer_params` reach the engine.
+
+A decode instance (zmq kv_consumer) pulls a prompt's KV from the producer that
+`kv_transfer_params.remote_address` names. Taken from any client, that field would let
+anyone point the instance at a fake producer and poison the prefix cache of everyone
+who sends the same prompt. So `kvflow proxy` signs it (an HMAC under the cluster secret,
+kvflow/cluster_secret.py) over the address, a one-time request id and an expiry:
+
+    proxy: {"remote_address": A, "request_id": R, "expires_at": T, "signature": HMAC(A, R, T)}
+
+and a request whose remote_address is unsigned, signed with another key, expired or
+replayed gets a 400 here (counted in kvflow:kv_transfer_params_rejected_total). Without
+a cluster secret no remote_address is accepted at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvflow.cluster_secret import ClusterSecret
+from kvflow.errors import InvalidRequestError
+from kvflow.proto.sampling import KVTransferParams
+
+
+class KVParamsGate:
+    """Checks kv_transfer_params; remembers the request ids it let through until they
+    expire, so a signed set is good for one request only."""
+
+    def __init__(self, secret: ClusterSecret | None, on_refused: Callable[[], None]) -> None:
+        self._secret = secret
+        self._on_refused = on_refused
+        self._used: dict[str, float] = {}  # request id -> expires_at
+
+    def check(self, params: KVTransferParams | None, now: float | None = None) -> None:
+        if params is None or not params.remote_address:
+            return  # nothing to pull: the instance computes (or loads by key) itself
+        now = time.time() if now is None else now
+        reason = self._why_refused(params, now)
+        if reason is not None:
+            self._on_refused()
+            raise InvalidRequestError(reason, param="kv_transfer_params")
+        assert params.request_id is not None and params.expires_at is not None
+        self._forget_expired(now)
+        self._used[params.request_id] = params.expires_at
+
+    def _why_refused(self, params: KVTransferParams, now: float) -> str | None:
+        if self._secret is None:
+            return (
+                "kv_transfer_params.remote_address needs a cluster secret on this server "
+                "(--cluster-secret-file): only the proxy may name a KV producer"
+            )
+        assert params.remote_address is not None
+        reason = self._secret.check_kv_params(
+            params.remote_address, params.request_id, params.expires_at, params.signature, now
+        )
+        if reason is None and params.request_id in self._used:
+            return "kv_transfer_params: this signed request id was already used"
+        return reason
+
+    def _forget_expired(self, now: float) -> None:
+        if len(self._used) < 1024:
+            return
+        self._used = {rid: exp for rid, exp in self._used.items() if exp >= now}
