@@ -20,12 +20,9 @@ from kvflow.model_limits import check_prompt
 from kvflow.sampling_params import (
     InvalidSamplingParams,
     SamplingParams,
-    validate_sampling_params,
-)
-from kvflow.services.frontend.engine_client import (
     child_request_ids,
     child_sampling_params,
-    sample_index,
+    validate_sampling_params,
 )
 from kvflow.services.frontend.errors import RequestTooLargeError, error_info
 from kvflow.services.frontend.ignored_fields import (
@@ -33,6 +30,7 @@ from kvflow.services.frontend.ignored_fields import (
     ignored_fields,
     mark_ignored,
 )
+from kvflow.services.frontend.in_flight import sample_index
 from kvflow.services.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
