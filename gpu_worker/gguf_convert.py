@@ -18,6 +18,7 @@ leaves a half-written cache and concurrent converters agree on one result.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -31,12 +32,21 @@ from kvflow.gpu_worker.gguf_tensors import converted_tensors
 
 
 def save_tokenizer(gguf_path: Path, out: Path) -> None:
-    """The GGUF's tokenizer (vocab, merges, special tokens, chat template) as HF files."""
-    from transformers import AutoTokenizer
+    """The GGUF's tokenizer (vocab, merges, special tokens, chat template) as HF files.
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-    )
+    AutoTokenizer given only the file would read the model config from it with
+    transformers' GGUF model loader, which knows fewer architectures than its tokenizer
+    reader; so the class is picked here from the converted config's model_type, as
+    AutoTokenizer picks it (no class registered: the generic tokenizers backend)."""
+    from transformers import AutoTokenizer, TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    model_type = json.loads((out / "config.json").read_text())["model_type"]
+    folder, kwargs = str(gguf_path.parent), {"gguf_file": gguf_path.name, "local_files_only": True}
+    if TOKENIZER_MAPPING_NAMES.get(model_type):
+        tokenizer = AutoTokenizer.from_pretrained(folder, tokenizer_type=model_type, **kwargs)
+    else:
+        tokenizer = TokenizersBackend.from_pretrained(folder, **kwargs)
     tokenizer.save_pretrained(out)
 
 

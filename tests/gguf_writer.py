@@ -118,7 +118,6 @@ def _common_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_vocab_size(config.vocab_size)
-    writer.add_eos_token_id(3)
 
 
 def _llama_cpp_tensor(arch: str, config: Any, name: str, array: np.ndarray) -> np.ndarray:
@@ -137,7 +136,7 @@ def write_gguf(
     arch: str,
     config: Any,
     tensors: dict[str, np.ndarray],  # the HF checkpoint's (per-expert names)
-    fmt: str = "F32",
+    fmt: str | dict[str, str] = "F32",  # one format, or HF name -> format (default F32)
     tokenizer_from: Path | None = None,  # a GGUF whose tokenizer.* fields are copied
 ) -> None:
     writer = gguf.GGUFWriter(path, arch)
@@ -149,13 +148,16 @@ def write_gguf(
                 value_type = field.types[0]
                 sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
                 writer.add_key_value(key, field.contents(), value_type, sub_type=sub_type)
+    else:
+        writer.add_eos_token_id(3)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers)
     for name, array in _stack_experts(tensors).items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"llama.cpp has no name for {name} in {arch}"
         array = _llama_cpp_tensor(arch, config, name, array)
-        if fmt != "F32" and quantizable(name, array):
-            qtype = gguf.GGMLQuantizationType[fmt]
+        tensor_fmt = fmt if isinstance(fmt, str) else fmt.get(name, "F32")
+        if tensor_fmt != "F32" and quantizable(name, array):
+            qtype = gguf.GGMLQuantizationType[tensor_fmt]
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, array)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -211,3 +212,25 @@ def test_attention_reads_the_gguf_blocks(built: Built) -> None:
     attention = built.kv_gguf.model.layers[0].self_attn
     for layer in (attention.qkv_proj, attention.o_proj):
         assert layer.blocks is not None and layer.blocks.format == built.family.fmt
+
+
+@pytest.mark.embedded
+@pytest.mark.slow  # ~40 s: the embedded GGUF's 49k-token tokenizer, converted twice
+def test_the_tokenizer_converts_where_transformers_reads_no_model(tmp_path) -> None:
+    """transformers' GGUF model loader knows no olmo2/granite/smollm3 file; its tokenizer
+    reader does, and the converter asks only that (gguf_convert.save_tokenizer). The
+    llama branch (no tokenizer class registered) is the embedded model's own test."""
+    family = "olmo2"
+    from transformers import AutoTokenizer
+
+    from kvflow.gpu_worker.model_files import embedded_gguf_path
+
+    embedded = embedded_gguf_path()
+    config = FAMILIES[family].config()
+    embedding = {"model.embed_tokens.weight": np.zeros((96, 64), dtype=np.float32)}
+    arch = FAMILIES[family].arch
+    write_gguf(tmp_path / "m.gguf", arch, config, embedding, tokenizer_from=embedded)
+    out = gguf_convert.convert_gguf(tmp_path / "m.gguf", tmp_path / "converted")
+    reference = AutoTokenizer.from_pretrained(str(embedded.parent), gguf_file=embedded.name)
+    text = "The capital of France is  Paris!"
+    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == reference(text)["input_ids"]
