@@ -212,23 +212,31 @@ ARCHS: dict[str, GGUFArch] = {
     "qwen2": GGUFArch("qwen2", "Qwen2ForCausalLM"),
     "qwen3": GGUFArch("qwen3", "Qwen3ForCausalLM"),
     "qwen2moe": GGUFArch(
-        "qwen2_moe", "Qwen2MoeForCausalLM", QWEN2_MOE_BLOCKS, experts=ExpertNames(),
-        row_vectors=("ffn_gate_inp_shexp",), config=_qwen2_moe,
-    ),  # fmt: skip
-    "qwen3moe": GGUFArch(
-        "qwen3_moe", "Qwen3MoeForCausalLM", QWEN_MOE_BLOCKS, experts=ExpertNames(),
-        config=_qwen3_moe,
-    ),  # fmt: skip
-    "gemma2": GGUFArch(
-        "gemma2", "Gemma2ForCausalLM", GEMMA_BLOCKS, norm_shift=1.0, config=_gemma2
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        QWEN2_MOE_BLOCKS,
+        experts=ExpertNames(),
+        row_vectors=("ffn_gate_inp_shexp",),
+        config=_qwen2_moe,
     ),
+    "qwen3moe": GGUFArch(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        QWEN_MOE_BLOCKS,
+        experts=ExpertNames(),
+        config=_qwen3_moe,
+    ),
+    "gemma2": GGUFArch("gemma2", "Gemma2ForCausalLM", GEMMA_BLOCKS, norm_shift=1.0, config=_gemma2),
     "gemma3": GGUFArch(
         "gemma3_text", "Gemma3ForCausalLM", GEMMA_BLOCKS, norm_shift=1.0, config=_gemma3
     ),
     "phi3": GGUFArch(
-        "phi3", "Phi3ForCausalLM", PHI3_BLOCKS, config=_phi3,
+        "phi3",
+        "Phi3ForCausalLM",
+        PHI3_BLOCKS,
+        config=_phi3,
         config_tensors=("rope_factors_long.weight", "rope_factors_short.weight"),
-    ),  # fmt: skip
+    ),
     "olmo2": GGUFArch("olmo2", "Olmo2ForCausalLM", OLMO2_BLOCKS),
     "granite": GGUFArch("granite", "GraniteForCausalLM", permuted_qk=True, config=_granite),
     "smollm3": GGUFArch("smollm3", "SmolLM3ForCausalLM", permuted_qk=True, config=_smollm3),

@@ -42,11 +42,13 @@ def save_tokenizer(gguf_path: Path, out: Path) -> None:
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     model_type = json.loads((out / "config.json").read_text())["model_type"]
-    folder, kwargs = str(gguf_path.parent), {"gguf_file": gguf_path.name, "local_files_only": True}
+    folder, name = str(gguf_path.parent), gguf_path.name
     if TOKENIZER_MAPPING_NAMES.get(model_type):
-        tokenizer = AutoTokenizer.from_pretrained(folder, tokenizer_type=model_type, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(
+            folder, tokenizer_type=model_type, gguf_file=name, local_files_only=True
+        )
     else:
-        tokenizer = TokenizersBackend.from_pretrained(folder, **kwargs)
+        tokenizer = TokenizersBackend.from_pretrained(folder, gguf_file=name, local_files_only=True)
     tokenizer.save_pretrained(out)
 
 

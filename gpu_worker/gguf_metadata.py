@@ -34,7 +34,9 @@ class Metadata:
         return int(self.get("block_count"))
 
     def layers_with(self, kind: str) -> list[int]:
-        return [i for i in range(self.block_count()) if f"blk.{i}.{kind}.weight" in self.tensor_names]
+        return [
+            i for i in range(self.block_count()) if f"blk.{i}.{kind}.weight" in self.tensor_names
+        ]
 
     def tensor_values(self, name: str) -> np.ndarray:
         """A (small, float) tensor's values, dequantized: e.g. Phi-3's rope factors."""

@@ -108,7 +108,9 @@ def _convert(tensor: Any, arch: GGUFArch, heads: dict[str, int]) -> Iterator[Con
     )
 
 
-def converted_tensors(reader: Any, arch: GGUFArch, config: dict[str, Any]) -> Iterator[ConvertedTensor]:
+def converted_tensors(
+    reader: Any, arch: GGUFArch, config: dict[str, Any]
+) -> Iterator[ConvertedTensor]:
     """Every GGUF weight dequantized (and for block formats the CPU kernels read, its raw
     blocks too), renamed and in HF layout, with a progress bar."""
     from tqdm import tqdm

@@ -33,7 +33,12 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weigh
 
 def quantizable(name: str, array: np.ndarray) -> bool:
     """Whether write_gguf quantizes this HF tensor (a matrix of whole blocks)."""
-    return not name.endswith(VECTORS) and array.ndim >= 2 and array.shape[-1] % 32 == 0 and "norm" not in name
+    return (
+        not name.endswith(VECTORS)
+        and array.ndim >= 2
+        and array.shape[-1] % 32 == 0
+        and "norm" not in name
+    )
 
 
 def roundtrip(array: np.ndarray, fmt: str) -> np.ndarray:
@@ -79,9 +84,8 @@ def _arch_metadata(writer: gguf.GGUFWriter, arch: str, config: Any) -> None:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    if arch in NORM_SHIFTED or arch == "phi3":
-        if get("sliding_window"):
-            writer.add_sliding_window(config.sliding_window)
+    if (arch in NORM_SHIFTED or arch == "phi3") and get("sliding_window"):
+        writer.add_sliding_window(config.sliding_window)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -150,7 +154,9 @@ def write_gguf(
                 writer.add_key_value(key, field.contents(), value_type, sub_type=sub_type)
     else:
         writer.add_eos_token_id(3)
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(
+        getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers
+    )
     for name, array in _stack_experts(tensors).items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"llama.cpp has no name for {name} in {arch}"

@@ -31,6 +31,8 @@ CONFIGS = {
         **SMALL, num_attention_heads=2, num_key_value_heads=1, head_dim=24
     ),
 }
+
+
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_converted_gguf_reproduces_model(arch, tmp_path, monkeypatch, prefill_logits) -> None:
     torch.manual_seed(0)

@@ -56,50 +56,67 @@ FAMILIES = {
         "qwen3moe", _config("Qwen3MoeConfig", **MOE, head_dim=16, norm_topk_prob=True), True
     ),
     "qwen2moe": Family(
-        "qwen2moe", _config("Qwen2MoeConfig", **MOE, shared_expert_intermediate_size=64), True,
+        "qwen2moe",
+        _config("Qwen2MoeConfig", **MOE, shared_expert_intermediate_size=64),
+        True,
         fmt="Q4_0",
-    ),  # fmt: skip
+    ),
     "mixtral": Family("llama", _config("MixtralConfig", num_local_experts=4), False),
     "gemma2": Family(
         "gemma2",
         _config(
-            "Gemma2Config", head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-            attn_logit_softcapping=20.0, final_logit_softcapping=30.0,
-        ),  # fmt: skip
+            "Gemma2Config",
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=30.0,
+        ),
         True,
     ),
     "gemma3": Family(
         "gemma3",
         _config(
-            "Gemma3TextConfig", head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-            num_hidden_layers=6, tie_word_embeddings=False,
+            "Gemma3TextConfig",
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            num_hidden_layers=6,
+            tie_word_embeddings=False,
             rope_parameters={
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             },
-        ),  # fmt: skip
+        ),
         True,
         fmt="Q4_0",
     ),
     "phi3": Family(
         "phi3",
         _config(
-            "Phi3Config", tie_word_embeddings=False,
+            "Phi3Config",
+            tie_word_embeddings=False,
             rope_parameters={
-                "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [2.0, 2.5, 3.0, 4.0],
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.1, 1.3, 1.6],
+                "long_factor": [2.0, 2.5, 3.0, 4.0],
                 "original_max_position_embeddings": 32,
             },
-        ),  # fmt: skip
+        ),
         True,
     ),
     "olmo2": Family("olmo2", _config("Olmo2Config"), False),
     "granite": Family(
         "granite",
         _config(
-            "GraniteConfig", embedding_multiplier=4.0, residual_multiplier=0.5,
-            attention_multiplier=0.1, logits_scaling=0.5,
-        ),  # fmt: skip
+            "GraniteConfig",
+            embedding_multiplier=4.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=0.5,
+        ),
         False,
     ),
     "smollm3": Family("smollm3", _config("SmolLM3Config", num_hidden_layers=4), False),
@@ -203,7 +220,9 @@ def test_transformers_reading_the_gguf_agrees(built: Built, prefill_logits) -> N
     tokens = _prompt(11, seed=3)
     with torch.inference_mode():
         expected = reference(torch.tensor([tokens])).logits[0]
-    torch.testing.assert_close(prefill_logits(built.kv_gguf, tokens), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        prefill_logits(built.kv_gguf, tokens), expected, atol=1e-4, rtol=1e-4
+    )
 
 
 @pytest.mark.native(block_linear.available())
