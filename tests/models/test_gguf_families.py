@@ -212,7 +212,7 @@ def test_greedy_tokens_match_transformers(built: Built, paged_runner) -> None:
 
 def test_transformers_reading_the_gguf_agrees(built: Built, prefill_logits) -> None:
     if not built.family.hf_reads_gguf:
-        pytest.skip(f"transformers' GGUF loader does not read {built.family.arch}")
+        pytest.skip("transformers' GGUF loader does not read this architecture")
     reference = AutoModelForCausalLM.from_pretrained(
         built.gguf_path.parent, gguf_file=built.gguf_path.name, config=built.twin.config,
         dtype=torch.float32, local_files_only=True,
@@ -253,3 +253,12 @@ def test_the_tokenizer_converts_where_transformers_reads_no_model(tmp_path) -> N
     reference = AutoTokenizer.from_pretrained(str(embedded.parent), gguf_file=embedded.name)
     text = "The capital of France is  Paris!"
     assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == reference(text)["input_ids"]
+
+
+def test_an_architecture_without_a_row_is_refused_naming_the_rows(tmp_path) -> None:
+    from kvflow.errors import UnsupportedModelError
+
+    write_gguf(tmp_path / "m.gguf", "deepseek2", FAMILIES["olmo2"].config(), {})
+    with pytest.raises(UnsupportedModelError, match=r"'deepseek2' is not supported.*'qwen3moe'"):
+        gguf_convert.convert_gguf(tmp_path / "m.gguf", tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
