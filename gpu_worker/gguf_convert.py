@@ -2,6 +2,7 @@
 
     model.gguf ──GGUFReader──▶ metadata ──▶ config.json, generation_config.json   (gguf_config.py)
                           └──▶ tensors ──dequantize, rename, un-permute──▶ model.safetensors
+                                      │                         (or 4 GiB shards + index)
                                       └──Q8_0/Q4_0/Q4_1 blocks, HF row order──▶ gguf_blocks/
     transformers' GGUF tokenizer reader ──▶ tokenizer.json, tokenizer_config.json, ...
 
@@ -24,11 +25,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
 from kvflow.gpu_worker.block_weights import BLOCKS_FILE
 from kvflow.gpu_worker.gguf_archs import arch_of
 from kvflow.gpu_worker.gguf_config import TOKEN_ID_KEYS, config_kwargs
 from kvflow.gpu_worker.gguf_metadata import Metadata
 from kvflow.gpu_worker.gguf_tensors import converted_tensors
+from kvflow.gpu_worker.weights import INDEX_FILE
+
+SHARD_BYTES = 4 << 30  # float32 weights per safetensors file
 
 
 def save_tokenizer(gguf_path: Path, out: Path) -> None:
@@ -52,6 +58,42 @@ def save_tokenizer(gguf_path: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+class ShardWriter:
+    """Writes the float32 weights in files of about SHARD_BYTES each, so converting a
+    large (mixture-of-experts) GGUF holds one shard in memory, not the whole model: one
+    file is `model.safetensors`; more are `model-<n>.safetensors` plus the index
+    (`model.safetensors.index.json`) transformers and weights.py read."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.weight_map: dict[str, str] = {}
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.pending and self.pending_bytes + tensor.nbytes > SHARD_BYTES:
+            self._flush(f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors")
+        self.pending[name] = tensor
+        self.pending_bytes += tensor.nbytes
+
+    def _flush(self, file_name: str) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, self.out / file_name, {"format": "pt"})
+        self.weight_map.update(dict.fromkeys(self.pending, file_name))
+        self.total_bytes += self.pending_bytes
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if not self.weight_map:  # everything fits one file
+            self._flush("model.safetensors")
+            return
+        self._flush(f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors")
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self.weight_map}
+        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
 def _write_directory(gguf_path: Path, out: Path) -> None:
     from gguf import GGUFReader
     from safetensors.torch import save_file
@@ -65,12 +107,12 @@ def _write_directory(gguf_path: Path, out: Path) -> None:
     config.save_pretrained(out)
     token_ids = {key: kwargs[key] for key in TOKEN_ID_KEYS if key in kwargs}
     GenerationConfig(**token_ids).save_pretrained(out)
-    weights, blocks, formats = {}, {}, {}
+    shards, blocks, formats = ShardWriter(out), {}, {}
     for tensor in converted_tensors(reader, arch, kwargs):
-        weights[tensor.name] = tensor.weight
+        shards.add(tensor.name, tensor.weight)
         if tensor.blocks is not None and tensor.block_format is not None:
             blocks[tensor.name], formats[tensor.name] = tensor.blocks, tensor.block_format
-    save_file(weights, out / "model.safetensors", {"format": "pt"})
+    shards.close()
     if blocks:  # safetensors metadata: HF name -> GGUF type
         (out / BLOCKS_FILE).parent.mkdir()
         save_file(blocks, out / BLOCKS_FILE, formats)

@@ -33,8 +33,14 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_converted_gguf_reproduces_model(arch, tmp_path, monkeypatch, prefill_logits) -> None:
+# (arch, shard size): a small size splits the float32 weights over several files + index.
+CASES = [(arch, None) for arch in sorted(CONFIGS)] + [("qwen2", 8192)]
+
+
+@pytest.mark.parametrize(("arch", "shard_bytes"), CASES)
+def test_converted_gguf_reproduces_model(
+    arch, shard_bytes, tmp_path, monkeypatch, prefill_logits
+) -> None:
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
     with torch.no_grad():
@@ -46,8 +52,13 @@ def test_converted_gguf_reproduces_model(arch, tmp_path, monkeypatch, prefill_lo
     tensors = {name: t.detach().numpy() for name, t in state.items()}
     write_gguf(tmp_path / "m.gguf", arch, hf_model.config, tensors)
     monkeypatch.setattr(gguf_convert, "save_tokenizer", lambda gguf_path, out: None)
+    if shard_bytes is not None:
+        monkeypatch.setattr(gguf_convert, "SHARD_BYTES", shard_bytes)
 
     out = gguf_convert.convert_gguf(tmp_path / "m.gguf", tmp_path / "converted")
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert (len(shards) > 2) == (shard_bytes is not None), shards
+    assert (out / "model.safetensors.index.json").is_file() == (shard_bytes is not None)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [f"{arch.capitalize()}ForCausalLM"]
     assert config["tie_word_embeddings"] == hf_model.config.tie_word_embeddings
@@ -58,6 +69,9 @@ def test_converted_gguf_reproduces_model(arch, tmp_path, monkeypatch, prefill_lo
     with torch.inference_mode():
         expected = hf_model(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(prefill_logits(model, tokens), expected, atol=1e-4, rtol=1e-4)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()  # transformers reads it too
+    with torch.inference_mode():
+        torch.testing.assert_close(reloaded(torch.tensor([tokens])).logits[0], expected)
 
 
 def _quantized_llama(tmp_path: Path, monkeypatch) -> Path:
