@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvflow.errors import UnsupportedModelError
 from kvflow.gpu_worker.gguf_archs import GGUFArch
 from kvflow.gpu_worker.gguf_metadata import Metadata
+from kvflow.gpu_worker.gguf_rope import ROPE_FREQS, llama3_rope
 
 # GGUF metadata key (after "<arch>.") -> HF config field.
 CONFIG_KEYS = {
@@ -30,13 +33,17 @@ CONFIG_KEYS = {
 TOKEN_ID_KEYS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
 
 
-def rope_parameters(md: Metadata) -> dict[str, Any]:
-    """HF rope_parameters from `<arch>.rope.*` (llama.cpp's default base is 10000)."""
-    params: dict[str, Any] = {
-        "rope_type": "default",
-        "rope_theta": float(md.get("rope.freq_base", 10000.0)),
-    }
+def rope_parameters(md: Metadata, head_dim: int) -> dict[str, Any]:
+    """HF rope_parameters from `<arch>.rope.*` (llama.cpp's default base is 10000), or
+    Llama 3.1's schedule from its `rope_freqs` tensor (gguf_rope.py)."""
+    theta = float(md.get("rope.freq_base", 10000.0))
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     kind = md.get("rope.scaling.type", "none")
+    if ROPE_FREQS in md.tensor_names:
+        if kind != "none":
+            raise UnsupportedModelError(f"GGUF {ROPE_FREQS} with rope scaling {kind!r}")
+        rotary = int(md.get("rope.dimension_count", head_dim))
+        return llama3_rope(md.tensor_values(ROPE_FREQS).astype(np.float64), rotary, theta)
     if kind == "none":
         return params
     if kind not in ("linear", "yarn"):
@@ -67,7 +74,7 @@ def config_kwargs(md: Metadata, arch: GGUFArch) -> dict[str, Any]:
         value = md.field(f"tokenizer.ggml.{gguf_key}_token_id")
         if value is not None:
             kwargs[hf_key] = int(value)
-    kwargs["rope_parameters"] = rope_parameters(md)
+    kwargs["rope_parameters"] = rope_parameters(md, kwargs["head_dim"])
     kwargs["tie_word_embeddings"] = "output.weight" not in md.tensor_names
     kwargs["dtype"] = "float32"
     if arch.config is not None:

@@ -25,6 +25,7 @@ from kvflow.errors import UnsupportedModelError
 from kvflow.gpu_worker.block_weights import BLOCK_FORMATS
 from kvflow.gpu_worker.gguf_archs import GLOBAL_TENSORS, ExpertNames, GGUFArch
 from kvflow.gpu_worker.gguf_metadata import BLOCK_NAME
+from kvflow.gpu_worker.gguf_rope import ROPE_FREQS
 
 EXPERT_KINDS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
@@ -117,10 +118,6 @@ def converted_tensors(
 
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for tensor in tqdm(reader.tensors, desc="Converting GGUF", unit="tensor"):
-        if tensor.name in arch.config_tensors:
-            continue  # read into config.json
-        if tensor.name == "rope_freqs.weight":
-            raise UnsupportedModelError(
-                "GGUF rope frequency factors (rope_freqs) are not supported"
-            )
+        if tensor.name in arch.config_tensors or tensor.name == ROPE_FREQS:
+            continue  # read into config.json (gguf_config.py)
         yield from _convert(tensor, arch, heads)

@@ -9,6 +9,7 @@ converter:
 - Gemma's norm weights stored as 1 + w;
 - each layer's experts stacked as [n_expert, rows, cols] under ffn_{gate,up,down}_exps;
 - Qwen2-MoE's shared-expert gate [1, n_embd] stored as [n_embd];
+- Llama 3.1's RoPE schedule as its result, a divisor per frequency (rope_freqs);
 - Phi-3's LongRoPE factors as tensors rope_factors_long / rope_factors_short;
 - the metadata keys of each architecture (`_arch_metadata`).
 
@@ -18,6 +19,7 @@ gives the float values such a file encodes, for the safetensors twin.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -75,8 +77,30 @@ def _rope_theta(config: Any) -> float:
     return float(params.get("full_attention", params)["rope_theta"])
 
 
+def llama3_rope_freqs(config: Any) -> np.ndarray:
+    """llama.cpp's rope_freqs of a llama3 schedule: per rotary frequency, 1 (short
+    wavelength), factor (long) or the ramp's 1 / ((1 - s) / factor + s)."""
+    rope = config.rope_parameters
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    out = []
+    for wavelen in 2 * math.pi / freqs:
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
 def _arch_metadata(writer: gguf.GGUFWriter, arch: str, config: Any) -> None:
     get = config.__dict__.get
+    if arch in PERMUTED and config.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config))
     if get("num_experts") or get("num_local_experts"):
         writer.add_expert_count(get("num_experts") or get("num_local_experts"))
         writer.add_expert_used_count(config.num_experts_per_tok)

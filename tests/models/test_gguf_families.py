@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf_writer import quantizable, roundtrip, write_gguf
+from gguf_writer import llama3_rope_freqs, quantizable, roundtrip, write_gguf
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -51,7 +51,17 @@ def _config(name: str, **kwargs: Any) -> Callable[[], PretrainedConfig]:
     return lambda: getattr(transformers, name)(**{**SMALL, **kwargs})
 
 
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+}  # fmt: skip
+
 FAMILIES = {
+    "llama3": Family(
+        "llama",
+        _config("LlamaConfig", max_position_embeddings=256, rope_parameters=LLAMA3_ROPE),
+        True,
+    ),
     "qwen3moe": Family(
         "qwen3moe", _config("Qwen3MoeConfig", **MOE, head_dim=16, norm_topk_prob=True), True
     ),
@@ -262,3 +272,15 @@ def test_an_architecture_without_a_row_is_refused_naming_the_rows(tmp_path) -> N
     with pytest.raises(UnsupportedModelError, match=r"'deepseek2' is not supported.*'qwen3moe'"):
         gguf_convert.convert_gguf(tmp_path / "m.gguf", tmp_path / "converted")
     assert not (tmp_path / "converted").exists()
+
+
+def test_rope_freqs_that_are_no_llama3_schedule_are_refused(tmp_path) -> None:
+    from kvflow.errors import UnsupportedModelError
+    from kvflow.gpu_worker.gguf_rope import llama3_rope
+
+    divisors = llama3_rope_freqs(FAMILIES["llama3"].config()).astype(np.float64)
+    params = llama3_rope(divisors, 16, 10000.0)
+    assert {k: params[k] for k in LLAMA3_ROPE} == LLAMA3_ROPE  # the schedule, recovered
+    divisors[3] *= 1.01  # one ramp point off the line
+    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+        llama3_rope(divisors, 16, 10000.0)
