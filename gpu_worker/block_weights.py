@@ -87,16 +87,19 @@ def _read_shards(model: nn.Module, path: Path) -> dict[str, Shards]:
     mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     by_layer: dict[str, Shards] = defaultdict(dict)
+    # A fused checkpoint matrix (Phi-3's qkv_proj) splits by rows, as its weight does.
+    split = getattr(model, "split_checkpoint_tensor", lambda name, tensor: [(name, tensor)])
     with safe_open(str(path), framework="pt", device="cpu") as f:
         formats = f.metadata() or {}
-        for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-            target, shard_id = packed_target(name, mapping)
-            layer_name = target.rpartition(".")[0]
-            if layer_name == "model.embed_tokens":
-                if not tied:
-                    continue  # the lookup reads float32 rows; only an LM head multiplies
-                layer_name = "lm_head"
-            by_layer[layer_name][shard_id] = (formats[name], f.get_tensor(name))
+        for fused_name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+            for name, tensor in split(fused_name, f.get_tensor(fused_name)):
+                target, shard_id = packed_target(name, mapping)
+                layer_name = target.rpartition(".")[0]
+                if layer_name == "model.embed_tokens":
+                    if not tied:
+                        continue  # the lookup reads float32 rows; only an LM head multiplies
+                    layer_name = "lm_head"
+                by_layer[layer_name][shard_id] = (formats[fused_name], tensor)
     return by_layer
 
 

@@ -2,7 +2,7 @@
 `$KVFLOW_CACHE_DIR/models/` (default ~/.cache/kvflow) and later loads read that.
 
 The GGUF is written here the way llama.cpp writes one (gguf.GGUFWriter, llama.cpp's
-tensor names, Q/K rows permuted, as tests/models/test_gguf_convert.py does) from the
+tensor names, Q/K rows permuted: tests/gguf_writer.py) from the
 tiny random-weight HF model, with the embedded SmolLM2 GGUF's tokenizer metadata. Its
 tensors are F32, so the conversion is exact and the converted model must give the very
 tokens of the HF directory it came from: same float32 weights, same kernel routes.
@@ -11,19 +11,17 @@ tokens of the HF directory it came from: same float32 weights, same kernel route
 from __future__ import annotations
 
 import importlib.util
-import json
 import subprocess
 import uuid
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
+from gguf_writer import write_gguf
 from safetensors.numpy import load_file
 from serve_harness import EMBEDDED_GGUF, KVFLOW
+from transformers import AutoConfig
 
 from kvflow import LLM, SamplingParams
-from kvflow.gpu_worker.gguf_convert import BLOCK_TENSORS, GLOBAL_TENSORS
 
 pytestmark = pytest.mark.slow
 
@@ -38,49 +36,11 @@ def _embedded_gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
 
 
-def _gguf_name(hf_name: str) -> str:
-    for gguf_stem, hf_stem in GLOBAL_TENSORS.items():
-        if hf_name.startswith(hf_stem + "."):
-            return gguf_stem + hf_name[len(hf_stem) :]
-    _, _, layer, *module, suffix = hf_name.split(".")
-    kind = {hf: gg for gg, hf in BLOCK_TENSORS.items()}[".".join(module)]
-    return f"blk.{layer}.{kind}.{suffix}"
-
-
-def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's Q/K row order (interleaved rotary halves per head)."""
-    rows = weight.shape[0] // heads // 2
-    return weight.reshape(heads, 2, rows, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
 def write_llama_gguf(hf_dir: Path, path: Path) -> None:
     """`hf_dir`'s llama weights as F32 tensors + the embedded GGUF's tokenizer fields."""
-    config = json.loads((hf_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_vocab_size(config["vocab_size"])
-    for key, field in gguf.GGUFReader(_embedded_gguf()).fields.items():
-        if key.startswith("tokenizer."):
-            value_type = field.types[0]
-            sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), value_type, sub_type=sub_type)
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    for name, weight in load_file(hf_dir / "model.safetensors").items():
-        projection = name.split(".")[-2]
-        if projection in heads:
-            weight = _permute(weight, heads[projection])
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(weight, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    config = AutoConfig.from_pretrained(hf_dir)
+    tensors = load_file(hf_dir / "model.safetensors")
+    write_gguf(path, "llama", config, tensors, tokenizer_from=_embedded_gguf())
 
 
 def _snapshot(folder: Path) -> dict[str, int]:

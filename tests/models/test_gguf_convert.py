@@ -1,6 +1,6 @@
 """GGUF -> HF conversion of synthetic llama / qwen2 / qwen3 files written like llama.cpp.
 
-A tiny random HF model is written with gguf.GGUFWriter under llama.cpp's tensor names
+A tiny random HF model is written by tests/gguf_writer.py under llama.cpp's tensor names
 (Q/K rows permuted for the llama arch, as convert_hf_to_gguf does), converted back, and
 loaded by kvflow: its logits must equal the original model's. Tensors are F32, so the
 round trip is exact; the tokenizer step is covered by the embedded-model test.
@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-import gguf
-import numpy as np
 import pytest
 import torch
+from gguf_writer import write_gguf
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from kvflow.gpu_worker import gguf_convert
@@ -33,62 +31,16 @@ CONFIGS = {
         **SMALL, num_attention_heads=2, num_key_value_heads=1, head_dim=24
     ),
 }
-HF_TO_GGUF = {hf: gg for gg, hf in gguf_convert.BLOCK_TENSORS.items()}
 
 
-def _gguf_name(hf_name: str) -> str:
-    for gg, hf in gguf_convert.GLOBAL_TENSORS.items():
-        if hf_name.startswith(hf + "."):
-            return gg + hf_name[len(hf) :]
-    _, _, layer, *module, suffix = hf_name.split(".")
-    return f"blk.{layer}.{HF_TO_GGUF['.'.join(module)]}.{suffix}"
+# (arch, shard size): a small size splits the float32 weights over several files + index.
+CASES = [(arch, None) for arch in sorted(CONFIGS)] + [("qwen2", 8192)]
 
 
-def _permute(weight: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's Q/K row order
-    shape = weight.shape
-    return (
-        weight.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-    )
-
-
-def _write_gguf(
-    path: Path,
-    arch: str,
-    config: Any,
-    state: dict[str, torch.Tensor],
-    formats: dict[str, str] | None = None,  # HF name -> GGUF block type (default F32)
+@pytest.mark.parametrize(("arch", "shard_bytes"), CASES)
+def test_converted_gguf_reproduces_model(
+    arch, shard_bytes, tmp_path, monkeypatch, prefill_logits
 ) -> None:
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(getattr(config, "head_dim", None) or 8)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_eos_token_id(3)
-    for name, tensor in state.items():
-        weight = tensor.detach().numpy()
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            weight = _permute(weight, heads)
-        qtype = gguf.GGMLQuantizationType[(formats or {}).get(name, "F32")]
-        if qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(weight))
-        else:
-            blocks = gguf.quants.quantize(np.ascontiguousarray(weight), qtype)
-            writer.add_tensor(_gguf_name(name), blocks, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-@pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_converted_gguf_reproduces_model(arch, tmp_path, monkeypatch, prefill_logits) -> None:
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
     with torch.no_grad():
@@ -97,10 +49,16 @@ def test_converted_gguf_reproduces_model(arch, tmp_path, monkeypatch, prefill_lo
     state = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
     if not hf_model.config.tie_word_embeddings:
         state["lm_head.weight"] = hf_model.lm_head.weight
-    _write_gguf(tmp_path / "m.gguf", arch, hf_model.config, state)
+    tensors = {name: t.detach().numpy() for name, t in state.items()}
+    write_gguf(tmp_path / "m.gguf", arch, hf_model.config, tensors)
     monkeypatch.setattr(gguf_convert, "save_tokenizer", lambda gguf_path, out: None)
+    if shard_bytes is not None:
+        monkeypatch.setattr(gguf_convert, "SHARD_BYTES", shard_bytes)
 
     out = gguf_convert.convert_gguf(tmp_path / "m.gguf", tmp_path / "converted")
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert (len(shards) > 2) == (shard_bytes is not None), shards
+    assert (out / "model.safetensors.index.json").is_file() == (shard_bytes is not None)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [f"{arch.capitalize()}ForCausalLM"]
     assert config["tie_word_embeddings"] == hf_model.config.tie_word_embeddings
@@ -111,6 +69,9 @@ def test_converted_gguf_reproduces_model(arch, tmp_path, monkeypatch, prefill_lo
     with torch.inference_mode():
         expected = hf_model(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(prefill_logits(model, tokens), expected, atol=1e-4, rtol=1e-4)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()  # transformers reads it too
+    with torch.inference_mode():
+        torch.testing.assert_close(reloaded(torch.tensor([tokens])).logits[0], expected)
 
 
 def _quantized_llama(tmp_path: Path, monkeypatch) -> Path:
@@ -126,7 +87,8 @@ def _quantized_llama(tmp_path: Path, monkeypatch) -> Path:
     formats["model.embed_tokens.weight"] = "Q8_0"  # tied: the LM head reads it
     formats["model.layers.1.self_attn.o_proj.weight"] = "Q4_0"
     formats["model.layers.1.mlp.up_proj.weight"] = "Q8_0"  # gate stays Q4_1: mixed layer
-    _write_gguf(tmp_path / "q.gguf", "llama", config, state, formats)
+    tensors = {name: t.detach().numpy() for name, t in state.items()}
+    write_gguf(tmp_path / "q.gguf", "llama", config, tensors, formats)
     monkeypatch.setattr(gguf_convert, "save_tokenizer", lambda gguf_path, out: None)
     return gguf_convert.convert_gguf(tmp_path / "q.gguf", tmp_path / "converted")
 

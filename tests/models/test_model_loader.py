@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvflow.errors import ModelNotFoundError, UnsupportedModelError
-from kvflow.gpu_worker.gguf_convert import hf_tensor_name, unpermute_rows
+from kvflow.gpu_worker.gguf_archs import ARCHS
+from kvflow.gpu_worker.gguf_tensors import hf_tensor_name, unpermute_rows
 from kvflow.gpu_worker.layers.rotary import rope_parameters
 from kvflow.gpu_worker.model_files import CONVERTER_VERSION, gguf_cache_dir, resolve_model_dir
 from kvflow.gpu_worker.model_loader import load_model
@@ -51,12 +52,12 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
     ],
 )
 def test_gguf_tensor_names(gguf_name: str, hf_name: str) -> None:
-    assert hf_tensor_name(gguf_name) == hf_name
+    assert hf_tensor_name(gguf_name, ARCHS["llama"]) == hf_name
 
 
 def test_unknown_gguf_tensor_is_refused() -> None:
     with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_gate_exps\.weight"):
-        hf_tensor_name("blk.0.ffn_gate_exps.weight")
+        hf_tensor_name("blk.0.ffn_gate_exps.weight", ARCHS["llama"])
 
 
 def test_resolve_model_dir(tmp_path: Path) -> None:
