@@ -44,7 +44,8 @@ from kvflow.gpu_worker.forward_paths import ForwardPath, GraphForward, eager_for
 from kvflow.gpu_worker.grammar_feature import GrammarFeature
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
-from kvflow.gpu_worker.model_loader import load_hf_config, load_model
+from kvflow.gpu_worker.image_feature import ImageFeature, make_image_feature
+from kvflow.gpu_worker.model_loader import load_hf_config, load_model, text_config_of
 from kvflow.gpu_worker.prompt_logprobs import PromptLogprobsFeature
 from kvflow.gpu_worker.sample_step import Verifier, sample_step
 from kvflow.gpu_worker.sampler import Sampler
@@ -90,7 +91,8 @@ class ModelRunner:
                 torch.set_num_threads(config.device.num_threads)
             load_native_kernels()  # compiled on the first start, not in the first step
         self.dtype = _DTYPES[config.model.dtype]
-        self.hf_config = load_hf_config(config.model_dir)
+        # A vision-language model's text config sizes the KV cache and the vocabulary.
+        self.hf_config = text_config_of(load_hf_config(config.model_dir))
         self.model = load_model(
             config.model_dir,
             self.dtype,
@@ -136,12 +138,13 @@ class ModelRunner:
         self._draft = draft
         self._kv: KVConnectorFeature | None = None  # bound with the KV cache
         self._per_request = (GrammarFeature(), PromptLogprobsFeature(self.batch))
+        self.images: ImageFeature | None = make_image_feature(self.model, self.device)
         self._register()
 
     def _register(self) -> None:
         # Hooks run in this order: prompt logprobs while a KV save's copies still run,
         # KV loads before the drafts, the stage's spans last.
-        optional = (*self._per_request, self._kv, self._draft, self.stage)
+        optional = (self.images, *self._per_request, self._kv, self._draft, self.stage)
         features: list[StepFeature] = [f for f in optional if f is not None]
         self.features = StepFeatures(features)
 

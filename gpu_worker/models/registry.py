@@ -17,6 +17,7 @@ from kvflow.gpu_worker.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from kvflow.gpu_worker.models.llava import LlavaForConditionalGeneration
 from kvflow.gpu_worker.models.mixtral import MixtralForCausalLM
 from kvflow.gpu_worker.models.olmo2 import Olmo2ForCausalLM
 from kvflow.gpu_worker.models.phi3 import Phi3ForCausalLM
@@ -40,6 +41,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 

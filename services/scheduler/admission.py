@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvflow.errors import InvalidRequestError, PromptTooLongError
 from kvflow.model_limits import check_prompt
 from kvflow.proto.engine import AddRequest
+from kvflow.proto.multimodal import ImageInput
 from kvflow.sampling_params import SamplingParams, validate_sampling_params
 from kvflow.services.scheduler.request import Request
 
@@ -41,6 +42,19 @@ def check_lengths(prompt_ids: list[int], params: SamplingParams, limits: EngineL
             f"{limits.num_blocks}; raise kv_cache_memory"
         )
     return max_tokens
+
+
+def check_image_spans(message: AddRequest) -> list[ImageInput]:
+    """The request's images, whose placeholder runs must lie in the prompt, in order
+    and apart (the worker and the block hashes rely on it)."""
+    end = 0
+    for image in message.images:
+        if image.length < 1 or image.offset < end:
+            raise InvalidRequestError("image placeholder runs overlap or are out of order")
+        end = image.offset + image.length
+    if end > len(message.prompt_token_ids):
+        raise InvalidRequestError("an image's placeholder run ends past the prompt")
+    return message.images
 
 
 def admit(message: AddRequest, limits: EngineLimits, queued_time: float) -> Request:
@@ -72,6 +86,7 @@ def admit(message: AddRequest, limits: EngineLimits, queued_time: float) -> Requ
         priority=message.priority,
         cache_salt=message.cache_salt,
         max_tokens=max_tokens,
+        images=check_image_spans(message),
     )
     request.all_token_ids += message.output_token_ids  # recomputed, as after a preemption
     return request
