@@ -154,7 +154,9 @@ class ImageFeature(StepFeature):
     def layer_hook(self, plan: StepPlan) -> AfterLayer | None:
         return _eager if self._active else None
 
-    def after_step(self, plan: StepPlan, inputs: object, logits: torch.Tensor, result: object) -> None:
+    def after_step(
+        self, plan: StepPlan, inputs: object, logits: torch.Tensor, result: object
+    ) -> None:
         self._set(None, None)
 
     def clear(self) -> None:

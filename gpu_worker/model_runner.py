@@ -42,9 +42,9 @@ from kvflow.gpu_worker.draft_feature import DraftModelFeature
 from kvflow.gpu_worker.drafter import Drafter, make_drafter
 from kvflow.gpu_worker.forward_paths import ForwardPath, GraphForward, eager_forward
 from kvflow.gpu_worker.grammar_feature import GrammarFeature
+from kvflow.gpu_worker.image_feature import ImageFeature, make_image_feature
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
-from kvflow.gpu_worker.image_feature import ImageFeature, make_image_feature
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model, text_config_of
 from kvflow.gpu_worker.prompt_logprobs import PromptLogprobsFeature
 from kvflow.gpu_worker.sample_step import Verifier, sample_step

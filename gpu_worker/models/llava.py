@@ -75,7 +75,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         layers = config.vision_feature_layer
         self.feature_layers = [layers] if isinstance(layers, int) else list(layers)
         self.drop_class_token = config.vision_feature_select_strategy == "default"
-        self.model = LlavaParts(self.model, config)  # type: ignore[assignment]
+        decoder = self._modules["model"]  # the LlamaModel super() built
+        assert decoder is not None
+        self.model = LlavaParts(decoder, config)  # type: ignore[assignment]
         self._image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -90,7 +92,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             states = [s[:, 1:] for s in states]
         return parts.multi_modal_projector(torch.cat(states, dim=-1))  # type: ignore[no-any-return]
 
-    def set_image_embeddings(self, rows: torch.Tensor | None, features: torch.Tensor | None) -> None:
+    def set_image_embeddings(
+        self, rows: torch.Tensor | None, features: torch.Tensor | None
+    ) -> None:
         """The next forward's image features [R, hidden] at its token rows [R] (None: none)."""
         self._image_rows = None if rows is None or features is None else (rows, features)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvflow.cli.args import add_engine_args, engine_options
+from kvflow.cli.media_args import add_media_args, resolve_media
 from kvflow.cli.tls_args import add_tls_args, resolve_tls
 from kvflow.config import EngineConfig
 from kvflow.proto.addresses import ServiceAddresses
@@ -178,6 +179,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--api-key-file", default=None, help="read the API key from this file")
     add_tls_args(group)
+    add_media_args(group)
     group.add_argument(
         "--reasoning-parser",
         default=None,
@@ -254,6 +256,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         dp_hosts=_dp_hosts(args),
         tls=resolve_tls(args),
         reasoning_parser=resolve_reasoning_parser(args),
+        media=resolve_media(args),
     )
     return serve(_config(args), options)
 
@@ -354,6 +357,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
         api_key=resolve_api_key(args),
         tls=resolve_tls(args),
         reasoning_parser=resolve_reasoning_parser(args),
+        media=resolve_media(args),
     )
     frontend = make_frontend_config(config, model_dir, options)
     if config.parallel.data_parallel_size == 1:

@@ -133,7 +133,9 @@ def _prompt_and_images(prompt: Prompt) -> tuple[str | list[int], list[Any]]:
         return prompt, []
     unknown = sorted(set(prompt) - {"prompt", "multi_modal_data"})
     if unknown or "prompt" not in prompt:
-        raise ValueError(f"a prompt dict has 'prompt' and 'multi_modal_data' (got {sorted(prompt)})")
+        raise ValueError(
+            f"a prompt dict has 'prompt' and 'multi_modal_data' (got {sorted(prompt)})"
+        )
     data = dict(prompt.get("multi_modal_data") or {})
     if set(data) - {"image"}:
         raise ValueError(f"multi_modal_data takes 'image' only (got {sorted(data)})")

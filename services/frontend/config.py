@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.media import MediaOptions
 from kvflow.services.frontend.reasoning import reasoning_parser
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -96,6 +97,10 @@ class FrontendConfig:
         return f"{scheme}://{host}:{self.port}"
 
     reasoning_parser: str | None = None  # chat's think-tag split (reasoning.py); None: off
+    # Images in chat (kvflow/media.py): where they may come from and the limits; the
+    # model directory when the model reads images (None: a text-only model).
+    media: MediaOptions = MediaOptions()
+    vision_model_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.vocab_size < 1:

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from asyncio import wait_for
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import jinja2
@@ -32,6 +32,7 @@ from kvflow.errors import (
 )
 from kvflow.model_limits import check_prompt
 from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.multimodal import ImageInput
 from kvflow.proto.step import TokenLogprobs
 from kvflow.sampling_params import (
     SamplingParams,
@@ -76,6 +77,7 @@ class PreparedPrompt:
     token_ids: list[int]
     text: str | None  # the prompt as text (given or decoded), for echo
     params: SamplingParams  # validated, with max_tokens resolved for this prompt's length
+    images: list[ImageInput] = field(default_factory=list)  # placeholder runs in token_ids
 
 
 @dataclass
@@ -200,6 +202,7 @@ class ServingContext:
                 arrival_time,
                 data_parallel_rank,
                 deadline,
+                images=p.images,
             )
             for i, p in enumerate(prompts)
         ]

@@ -26,8 +26,8 @@ import enum
 import logging
 from typing import TYPE_CHECKING
 
-from kvflow.sampling_params import SamplingParams
 from kvflow.proto.multimodal import ImageInput
+from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvflow.services.scheduler.grammar_matcher import RequestGrammar

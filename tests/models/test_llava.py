@@ -5,17 +5,15 @@ a second turn; different images never sharing KV."""
 
 from __future__ import annotations
 
-import sys
+import functools
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from llava_fixture import make_llava_dir, random_image
 
 from kvflow import LLM, SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llava_fixture import make_llava_dir, random_image  # noqa: E402
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -23,19 +21,37 @@ ONE = "USER: <image>\nWhat is this? ASSISTANT:"
 TWO = "USER: <image> and <image>\nHow do they differ? ASSISTANT:"
 
 
-@pytest.fixture(scope="module", params=[28, 42], ids=["tower28", "tower42"])
-def llava_dir(request: Any, tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> Path:
-    size = request.param
-    return make_llava_dir(tmp_path_factory.mktemp(f"llava{size}"), embedded_model_dir, size)
+@pytest.fixture(scope="module")
+def llava_dirs(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> Any:
+    made: dict[int, Path] = {}
+
+    def make(size: int) -> Path:
+        if size not in made:
+            path = tmp_path_factory.mktemp(f"llava{size}")
+            made[size] = make_llava_dir(path, embedded_model_dir, size)
+        return made[size]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def llava_dir(llava_dirs: Any) -> Path:
+    return llava_dirs(28)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _hf(path: Path) -> tuple[Any, Any]:
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(path))
+    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
+    return processor, model.eval()
 
 
 def hf_greedy(path: Path, prompt: str, images: list[Any]) -> tuple[list[int], list[int]]:
     """(transformers' expanded prompt ids, its greedy continuation)."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(str(path))
+    processor, model = _hf(path)
     inputs = processor(text=prompt, images=images, return_tensors="pt")
-    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
     prompt_ids = inputs["input_ids"][0].tolist()
@@ -49,24 +65,27 @@ CASES = {
 }
 
 
-def test_greedy_parity(llava_dir: Path) -> None:
-    """Every case in one engine run (batched), then the same with a 5-token budget:
-    chunked prefill cuts the placeholder runs, and each chunk must get its slice."""
+@pytest.mark.parametrize(
+    ("tower", "budget"), [(28, 2048), (42, 2048), (42, 5)], ids=["28", "42", "42-chunked"]
+)
+def test_greedy_parity(llava_dirs: Any, tower: int, budget: int) -> None:
+    """Every case in one engine run (batched). A 5-token budget makes chunked prefill
+    cut the 9-token placeholder runs, and each chunk must get its slice."""
+    llava_dir = llava_dirs(tower)
     prompts = [
         {"prompt": text, "multi_modal_data": {"image": [random_image(*s) for s in sizes]}}
         for text, sizes in CASES.values()
     ]
     expected = [hf_greedy(llava_dir, p["prompt"], p["multi_modal_data"]["image"]) for p in prompts]
-    for budget in (2048, 5):
-        llm = LLM(
-            str(llava_dir), dtype="float32", device="cpu", max_num_batched_tokens=budget,
-            block_size=4, enable_prefix_caching=False,
-        )  # fmt: skip
-        outputs = llm.generate(prompts, GREEDY)
-        for output, (prompt_ids, tokens) in zip(outputs, expected):
-            assert output.prompt_token_ids == prompt_ids
-            assert list(output.outputs[0].token_ids) == tokens, budget
-        llm.close()
+    llm = LLM(
+        str(llava_dir), dtype="float32", device="cpu", max_num_batched_tokens=budget,
+        block_size=4, enable_prefix_caching=False,
+    )  # fmt: skip
+    outputs = llm.generate(prompts, GREEDY)
+    for output, (prompt_ids, tokens) in zip(outputs, expected):
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == tokens
+    llm.close()
 
 
 def test_second_turn_hits_both_caches(llava_dir: Path) -> None:
