@@ -67,12 +67,18 @@ CASES = {
 }
 
 
+PRESSURE = {"async_scheduling": True, "num_blocks": 12}  # two steps in flight, preemption
+
+
 @pytest.mark.parametrize(
-    ("tower", "budget"), [(28, 2048), (42, 2048), (42, 5)], ids=["28", "42", "42-chunked"]
+    ("tower", "budget", "options"),
+    [(28, 2048, {}), (42, 2048, {}), (42, 5, {}), (42, 5, PRESSURE)],
+    ids=["28", "42", "42-chunked", "42-chunked-async-preempted"],
 )
-def test_greedy_parity(llava_dirs: Any, tower: int, budget: int) -> None:
+def test_greedy_parity(llava_dirs: Any, tower: int, budget: int, options: dict[str, Any]) -> None:
     """Every case in one engine run (batched). A 5-token budget makes chunked prefill
-    cut the 9-token placeholder runs, and each chunk must get its slice."""
+    cut the 9-token placeholder runs, and each chunk must get its slice; with 12 KV
+    blocks requests are preempted and resume with their images."""
     llava_dir = llava_dirs(tower)
     prompts = [
         {"prompt": text, "multi_modal_data": {"image": [random_image(*s) for s in sizes]}}
@@ -81,9 +87,11 @@ def test_greedy_parity(llava_dirs: Any, tower: int, budget: int) -> None:
     expected = [hf_greedy(llava_dir, p["prompt"], p["multi_modal_data"]["image"]) for p in prompts]
     llm = LLM(
         str(llava_dir), dtype="float32", device="cpu", max_num_batched_tokens=budget,
-        block_size=4, enable_prefix_caching=False,
+        block_size=4, enable_prefix_caching=False, **options,
     )  # fmt: skip
     outputs = llm.generate(prompts, GREEDY)
+    if options:
+        assert llm.engine.core.scheduler.num_preemptions > 0
     for output, (prompt_ids, tokens) in zip(outputs, expected):
         assert output.prompt_token_ids == prompt_ids
         assert list(output.outputs[0].token_ids) == tokens
