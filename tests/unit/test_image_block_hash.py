@@ -47,7 +47,15 @@ def add(images: list[ImageInput], length: int = 10) -> AddRequest:
 
 def test_admission_checks_the_spans() -> None:
     assert check_image_spans(add([image(0, 3), image(3, 4)])) == [image(0, 3), image(3, 4)]
-    for bad in ([image(2, 4), image(4, 2)], [image(8, 4)], [image(0, 0)]):
+    wrong_size = ImageInput("h", 0, 2, PixelTensor("float32", [2, 2], b"\0" * 4))
+    not_float = ImageInput("h", 0, 2, PixelTensor("int8", [4], b"\0" * 4))
+    for bad in (
+        [image(2, 4), image(4, 2)],
+        [image(8, 4)],
+        [image(0, 0)],
+        [wrong_size],
+        [not_float],
+    ):
         with pytest.raises(InvalidRequestError):
             check_image_spans(add(bad))
 
@@ -69,3 +77,14 @@ def test_a_new_request_carries_only_the_images_still_to_compute() -> None:
         feature.on_scheduled(request, 12 - cached, step)
         feature.end_step(step)
         assert new.images == expected
+
+
+def test_kv_transfer_keys_carry_the_images_too() -> None:
+    from kvflow.kv_transfer.scheduler.block_keys import prompt_block_keys
+
+    prompt = TOKENS[:22]  # 5 full blocks and a partial one; image "b" in the tail
+    a = prompt_block_keys(prompt, 4, None, [(6, 4, "a"), (20, 2, "b")])
+    b = prompt_block_keys(prompt, 4, None, [(6, 4, "a"), (20, 2, "c")])
+    plain = prompt_block_keys(prompt, 4, None)
+    assert a[:5] == b[:5] and a[5] != b[5]  # only the tail block differs
+    assert a[0] == plain[0] and a[1] != plain[1]
