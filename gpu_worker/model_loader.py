@@ -51,6 +51,11 @@ def load_hf_config(model_dir: Path) -> Any:
     return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
 
 
+def text_config_of(config: Any) -> Any:
+    """The language model's config: a vision-language config's `text_config`."""
+    return getattr(config, "text_config", None) or config
+
+
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Parameters are created directly in `dtype` (no float32 copy of a big model)."""

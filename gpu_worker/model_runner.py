@@ -42,9 +42,10 @@ from kvflow.gpu_worker.draft_feature import DraftModelFeature
 from kvflow.gpu_worker.drafter import Drafter, make_drafter
 from kvflow.gpu_worker.forward_paths import ForwardPath, GraphForward, eager_forward
 from kvflow.gpu_worker.grammar_feature import GrammarFeature
+from kvflow.gpu_worker.image_feature import ImageFeature, make_image_feature
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
-from kvflow.gpu_worker.model_loader import load_hf_config, load_model
+from kvflow.gpu_worker.model_loader import load_hf_config, load_model, text_config_of
 from kvflow.gpu_worker.pooler import PoolingFeature
 from kvflow.gpu_worker.prompt_logprobs import PromptLogprobsFeature
 from kvflow.gpu_worker.sample_step import Verifier, sample_step
@@ -92,7 +93,8 @@ class ModelRunner:
                 torch.set_num_threads(config.device.num_threads)
             load_native_kernels()  # compiled on the first start, not in the first step
         self.dtype = _DTYPES[config.model.dtype]
-        self.hf_config = load_hf_config(config.model_dir)
+        # A vision-language model's text config sizes the KV cache and the vocabulary.
+        self.hf_config = text_config_of(load_hf_config(config.model_dir))
         self.model = load_model(
             config.model_dir,
             self.dtype,
@@ -143,12 +145,13 @@ class ModelRunner:
         self.pooler = None if pooling is None else PoolingFeature(pooling)
         if self.pooler is not None:
             self.forward_path = self.pooler.forward
+        self.images: ImageFeature | None = make_image_feature(self.model, self.device)
         self._register()
 
     def _register(self) -> None:
         # Hooks run in this order: prompt logprobs while a KV save's copies still run,
         # KV loads before the drafts, the stage's spans last.
-        optional = (*self._per_request, self._kv, self._draft, self.stage, self.pooler)
+        optional = (self.images, *self._per_request, self._kv, self._draft, self.stage, self.pooler)
         features: list[StepFeature] = [f for f in optional if f is not None]
         self.features = StepFeatures(features)
 

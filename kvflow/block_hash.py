@@ -20,6 +20,9 @@ Choices, and why:
   pickle anywhere.
 - `extra_keys` of the first block carry the per-request `cache_salt`; every later hash
   chains through h0, so the salt separates tenants for the whole sequence.
+- A block that covers any placeholder token of an image carries that image's hash in
+  its extra keys (`image_spans`): the placeholder ids are the same for every image, so
+  without it two prompts with the same text and different images would share KV.
 """
 
 from __future__ import annotations
@@ -53,11 +56,20 @@ def first_block_extra_keys(cache_salt: str | None) -> tuple[str | int, ...]:
     return (cache_salt,) if cache_salt else ()
 
 
+ImageSpan = tuple[int, int, str]  # (offset, length, image hash) of a placeholder run
+
+
+def image_keys(spans: Sequence[ImageSpan], start: int, end: int) -> tuple[str, ...]:
+    """The hashes of the images whose placeholder runs overlap tokens [start, end)."""
+    return tuple(h for offset, length, h in spans if offset < end and start < offset + length)
+
+
 def extend_block_hashes(
     block_hashes: list[BlockHash],
     token_ids: list[int],
     block_size: int,
     cache_salt: str | None,
+    image_spans: Sequence[ImageSpan] = (),
 ) -> list[BlockHash]:
     """Append, in place, the hashes of the full blocks of `token_ids` not yet hashed.
 
@@ -70,6 +82,8 @@ def extend_block_hashes(
     for index in range(len(block_hashes), num_full_blocks):
         start = index * block_size
         extra = first_block_extra_keys(cache_salt) if index == 0 else ()
+        if image_spans:
+            extra = (*extra, *image_keys(image_spans, start, start + block_size))
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
         block_hashes.append(parent)
     return block_hashes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvflow.proto.multimodal import ImageInput
 from kvflow.proto.sampling import SamplingParams
 from kvflow.proto.step import TokenLogprobs
 
@@ -24,6 +25,8 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     # it here): the engine recomputes their KV as after a preemption and samples on from
     # them; the detokenizer takes them as text already streamed.
     output_token_ids: list[int] = []
+    # Images whose placeholder runs are in prompt_token_ids (proto/multimodal.py).
+    images: list[ImageInput] = []
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

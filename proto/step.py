@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStepStats
+from kvflow.proto.multimodal import ImageInput
 from kvflow.proto.sampling import SamplingParams
 
 
@@ -21,6 +22,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # KV already in the cache (prefix-cache hit) before this step
+    # Images whose placeholder runs this request has still to compute (the worker
+    # encodes them, or takes their features from its encoder cache).
+    images: list[ImageInput] = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -18,6 +18,7 @@ from kvflow.gpu_worker.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from kvflow.gpu_worker.models.llava import LlavaForConditionalGeneration
 from kvflow.gpu_worker.models.mixtral import MixtralForCausalLM
 from kvflow.gpu_worker.models.olmo2 import Olmo2ForCausalLM
 from kvflow.gpu_worker.models.phi3 import Phi3ForCausalLM
@@ -42,6 +43,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvflow.cli.args import add_engine_args, engine_options
+from kvflow.cli.launch_args import add_executor_args, add_hosts_args, add_restart_args, dp_hosts
+from kvflow.cli.media_args import add_media_args, resolve_media
 from kvflow.cli.tls_args import add_tls_args, resolve_tls
 from kvflow.config import EngineConfig
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.runtime.cluster_args import add_cluster_args, exit_unless_tcp_allowed
 from kvflow.services.launch.children import RestartPolicy
-from kvflow.services.launch.dp_hosts import DataParallelHosts
 from kvflow.services.scheduler.recovery import WORKER_RECOVERY_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ def add_serve_parsers(subparsers: Any) -> None:
     serve.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds for every role to start"
     )
-    _add_restart_args(serve)
+    add_restart_args(serve)
     serve.add_argument(
         "--api-server-count",
         type=int,
@@ -44,8 +45,8 @@ def add_serve_parsers(subparsers: Any) -> None:
         help="HTTP frontend processes sharing the port (SO_REUSEPORT)",
     )
     _add_trace_arg(serve)
-    _add_executor_args(serve)
-    _add_hosts_args(serve)
+    add_executor_args(serve)
+    add_hosts_args(serve)
     add_cluster_args(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=_run_serve)
@@ -89,79 +90,6 @@ def add_serve_parsers(subparsers: Any) -> None:
         parser.set_defaults(handler=handler)
 
 
-def _add_restart_args(parser: argparse.ArgumentParser) -> None:
-    defaults = RestartPolicy()
-    group = parser.add_argument_group("supervision")
-    group.add_argument(
-        "--max-worker-restarts",
-        type=int,
-        default=defaults.max_worker_restarts,
-        help="restarts of a dead worker (its requests resume) before the server exits 1",
-    )
-    group.add_argument(
-        "--worker-restart-backoff",
-        type=float,
-        default=defaults.backoff_s,
-        help="seconds before the first worker restart, doubled for each further one",
-    )
-
-
-def _add_executor_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("placement")
-    group.add_argument(
-        "--distributed-executor-backend",
-        choices=["mp", "ray"],
-        default="mp",
-        help="mp: every process on this host; ray: data-parallel engines on the nodes of a "
-        "running Ray cluster (pip install 'kvflow[ray]')",
-    )
-    group.add_argument(
-        "--ray-address",
-        default=None,
-        help="the Ray cluster's GCS address HOST:PORT (default: the one `ray start` "
-        "recorded on this host)",
-    )
-
-
-def _add_hosts_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engines on several hosts (without Ray)")
-    group.add_argument(
-        "--headless",
-        action="store_true",
-        help="run engines only, joined to the frontend at --data-parallel-address",
-    )
-    group.add_argument(
-        "--data-parallel-address",
-        default="127.0.0.1",
-        help="the frontend's host, where engines on other hosts join",
-    )
-    group.add_argument(
-        "--data-parallel-rpc-port", type=int, default=None, help="the join port on that host"
-    )
-    group.add_argument(
-        "--data-parallel-size-local",
-        type=int,
-        default=None,
-        help="engines on this host (default: all of --data-parallel-size)",
-    )
-    group.add_argument(
-        "--data-parallel-start-rank",
-        type=int,
-        default=0,
-        help="the first engine index on this host (headless hosts)",
-    )
-
-
-def _dp_hosts(args: argparse.Namespace) -> DataParallelHosts:
-    return DataParallelHosts(
-        address=args.data_parallel_address,
-        rpc_port=args.data_parallel_rpc_port,
-        size_local=args.data_parallel_size_local,
-        start_rank=args.data_parallel_start_rank,
-        headless=args.headless,
-    )
-
-
 def _add_trace_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace-file",
@@ -182,6 +110,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--api-key-file", default=None, help="read the API key from this file")
     add_tls_args(group)
+    add_media_args(group)
     group.add_argument(
         "--reasoning-parser",
         default=None,
@@ -274,9 +203,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         api_server_count=args.api_server_count,
         distributed_executor_backend=args.distributed_executor_backend,
         ray_address=args.ray_address,
-        dp_hosts=_dp_hosts(args),
+        dp_hosts=dp_hosts(args),
         tls=resolve_tls(args),
         reasoning_parser=resolve_reasoning_parser(args),
+        media=resolve_media(args),
     )
     return serve(config, options)
 
@@ -377,6 +307,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
         api_key=resolve_api_key(args),
         tls=resolve_tls(args),
         reasoning_parser=resolve_reasoning_parser(args),
+        media=resolve_media(args),
     )
     frontend = make_frontend_config(config, model_dir, options)
     if config.parallel.data_parallel_size == 1:

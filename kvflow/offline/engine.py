@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvflow.config import EngineConfig
+from kvflow.errors import InvalidRequestError
+from kvflow.image_inputs import ImagePrompter, is_vision_model
 from kvflow.metrics.roofline import ModelShape, RooflineMeter, StepCost
 from kvflow.model_limits import read_model_limits
 from kvflow.offline.request_outputs import RequestOutputs
@@ -31,6 +34,7 @@ from kvflow.outputs import RequestOutput
 from kvflow.pooling import engine_pooling
 from kvflow.proto.engine import AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.multimodal import ImageInput
 from kvflow.proto.step import StepResult
 from kvflow.sampling_params import (
     SamplingParams,
@@ -85,6 +89,7 @@ class LLMEngine:
         self.core = build_engine_core(config, shape, lambda: self.tokenizer)
         self.streams = DetokenizerStreams(self.tokenizer)
         self.outputs = RequestOutputs()
+        self._prompter: ImagePrompter | None = None  # a vision model's, on first use
         self.trace: StepTrace | None = None  # start_trace()
         # Step time and estimated work per phase, for `kvflow bench`'s roofline report.
         self.roofline = RooflineMeter(
@@ -136,11 +141,16 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        images: Sequence[Any] = (),
     ) -> None:
         """Admit a request (one engine request per sample when n > 1); raises
-        InvalidRequestError with the engine's reason when it cannot run."""
+        InvalidRequestError with the engine's reason when it cannot run. `images`: PIL
+        images, one per image token of the prompt (kvflow/image_inputs.py)."""
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+        image_inputs: list[ImageInput] = []
+        if images:
+            prompt_ids, image_inputs = self._image_prompter().expand(prompt_ids, list(images))
         prompt_ids = truncate_prompt(prompt_ids, params, self.max_model_len)
         params = with_bad_words_token_ids(params, self.tokenizer)
         if params.structured_outputs is not None:  # a bad grammar fails here, not later
@@ -158,12 +168,20 @@ class LLMEngine:
                     priority=priority,
                     cache_salt=cache_salt,
                     frontend_id=OFFLINE_FRONTEND,
+                    images=image_inputs,
                 )
                 self.core.add_request(message, now=now)
                 self.streams.add(message)
         except Exception:
             self.abort_request(request_id)
             raise
+
+    def _image_prompter(self) -> ImagePrompter:
+        if self._prompter is None:
+            if not is_vision_model(self.model_dir):
+                raise InvalidRequestError("this model takes text only, not images")
+            self._prompter = ImagePrompter(self.model_dir)
+        return self._prompter
 
     def abort_request(self, request_id: str) -> None:
         child_ids = self.outputs.remove(request_id)

@@ -17,7 +17,9 @@ from kvflow.pooling import PoolingParams, check_dimensions, embedding_vector
 from kvflow.sampling_params import SamplingParams, truncate_prompt, validate_sampling_params
 from kvflow.tokenizer import Conversation, apply_chat_template
 
-Prompt = str | list[int]
+# A text prompt, token ids, or {"prompt": text or ids, "multi_modal_data": {"image": a
+# PIL image or a list of them}}: the prompt holds the model's image token once per image.
+Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -80,7 +82,8 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, params)
+                text, images = _prompt_and_images(prompt)
+                self.engine.add_request(request_id, text, params, images=images)
                 request_ids.append(request_id)
         except Exception:
             for request_id in request_ids:
@@ -122,6 +125,10 @@ class LLM:
         ]
 
     def _token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, dict):  # a prompt with images: generate() takes those
+            raise InvalidRequestError(
+                "embed() takes text or token ids, not images", param="prompts"
+            )
         return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
 
     def _run_pooled(self, request_ids: list[str], use_tqdm: bool) -> dict[str, bytes]:
@@ -191,11 +198,26 @@ def _failure(message: str, param: str | None) -> Exception:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | dict):
         return [prompts]
     if prompts and isinstance(prompts, list) and isinstance(prompts[0], int):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _prompt_and_images(prompt: Prompt) -> tuple[str | list[int], list[Any]]:
+    if not isinstance(prompt, dict):
+        return prompt, []
+    unknown = sorted(set(prompt) - {"prompt", "multi_modal_data"})
+    if unknown or "prompt" not in prompt:
+        raise ValueError(
+            f"a prompt dict has 'prompt' and 'multi_modal_data' (got {sorted(prompt)})"
+        )
+    data = dict(prompt.get("multi_modal_data") or {})
+    if set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data takes 'image' only (got {sorted(data)})")
+    images = data.get("image", [])
+    return prompt["prompt"], list(images) if isinstance(images, list | tuple) else [images]
 
 
 def _broadcast_params(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.media import MediaOptions
 from kvflow.pooling import PoolingSpec
 from kvflow.services.frontend.reasoning import reasoning_parser
 
@@ -100,6 +101,10 @@ class FrontendConfig:
     # The pooling runner's pooler: /v1/embeddings and /pooling are served, generation is
     # refused (runner_routes.py). None: a generating server.
     pooling: PoolingSpec | None = None
+    # Images in chat (kvflow/media.py): where they may come from and the limits; the
+    # model directory when the model reads images (None: a text-only model).
+    media: MediaOptions = MediaOptions()
+    vision_model_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.vocab_size < 1:

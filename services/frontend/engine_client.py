@@ -58,6 +58,7 @@ from kvflow.errors import EngineDeadError
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.engine import AddRequest
 from kvflow.proto.frontend import EngineDead, FrontendOutputs, RequestOutputDelta
+from kvflow.proto.multimodal import ImageInput
 from kvflow.proto.stats import SchedulerStats
 from kvflow.routing import Decision, NoEngineError, Router, RoutingConfig
 from kvflow.runtime.sockets import TypedSocket
@@ -181,6 +182,8 @@ class EngineClient(EngineHealth, InFlightRequests):
         arrival_time: float | None = None,
         data_parallel_rank: int | None = None,
         deadline: Deadline | None = None,
+        *,
+        images: list[ImageInput] | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as they come (`delta.req_id` names the child; see
         `sample_index`). Ends when every sample finished; an engine failure arrives as a
@@ -212,6 +215,7 @@ class EngineClient(EngineHealth, InFlightRequests):
                     priority=priority,
                     cache_salt=cache_salt,
                     frontend_id=self.frontend_id,
+                    images=images or [],
                 )
                 self._sent[child_id] = SentRequest(request, pinned=data_parallel_rank is not None)
                 self.engines[engine].input.send(request)

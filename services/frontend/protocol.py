@@ -184,9 +184,15 @@ class CompletionRequest(_SamplingFields, kw_only=True):
         )
 
 
+class ImageUrl(msgspec.Struct):
+    url: str
+    detail: str | None = None  # accepted, not used (the model's processor sets the size)
+
+
 class ContentPart(msgspec.Struct):
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None  # type "image_url" (kvflow/media.py: where from)
 
 
 class ChatMessage(msgspec.Struct):
@@ -196,9 +202,10 @@ class ChatMessage(msgspec.Struct):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
-    def to_dict(self) -> dict[str, Any]:
-        """The message as the chat template expects it (text parts joined)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+    def to_dict(self, image_text: str | None = None) -> dict[str, Any]:
+        """The message as the chat template expects it (text parts joined; an image
+        part as `image_text`, the model's image token)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text(image_text)}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls is not None:
@@ -207,16 +214,31 @@ class ChatMessage(msgspec.Struct):
             message["tool_call_id"] = self.tool_call_id
         return message
 
-    def text(self) -> str:
+    def text(self, image_text: str | None = None) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
+        texts = []
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type == "image_url" and part.image_url is not None:
+                if image_text is None:
+                    raise InvalidRequestError(
+                        "this model takes text only: image_url parts need a vision model",
+                        param="messages",
+                    )
+                texts.append(image_text)
+            elif part.type != "text" or part.text is None:
                 raise InvalidRequestError(
-                    f"content parts of type {part.type!r} are not supported (text only)",
+                    f"content parts of type {part.type!r} are not supported (text, image_url)",
                     param="messages",
                 )
-        return "\n".join(part.text or "" for part in self.content)
+            else:
+                texts.append(part.text)
+        return "\n".join(texts)
+
+    def image_urls(self) -> list[str]:
+        if self.content is None or isinstance(self.content, str):
+            return []
+        return [p.image_url.url for p in self.content if p.image_url is not None]
 
 
 Messages = Annotated[list[ChatMessage], Meta(min_length=1)]
@@ -234,8 +256,12 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None  # template variables (enable_thinking)
 
-    def conversation(self) -> list[dict[str, Any]]:
-        return [message.to_dict() for message in self.messages]
+    def conversation(self, image_text: str | None = None) -> list[dict[str, Any]]:
+        return [message.to_dict(image_text) for message in self.messages]
+
+    def image_urls(self) -> list[str]:
+        """The image_url parts' URLs, in the order the conversation shows them."""
+        return [url for message in self.messages for url in message.image_urls()]
 
     def to_sampling_params(self) -> SamplingParams:
         params = self._chat_sampling_params()

@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
+from kvflow.services.frontend.chat_images import chat_images, prepare_chat_prompt
 from kvflow.services.frontend.ignored_fields import ignored_fields, mark_ignored
 from kvflow.services.frontend.protocol import ChatCompletionRequest, decode_request
 from kvflow.services.frontend.reasoning import (
@@ -195,7 +196,8 @@ class _Chat(ServedRequest):
         )
         parallel = request.parallel_tool_calls is not False
         tools = tool_use(request.tools, request.tool_choice, parallel)
-        conversation = request.conversation()
+        images = chat_images(ctx.config.media, ctx.config.vision_model_dir)
+        conversation, pictures = images.conversation(request)
         shown, template_tools = with_tools(conversation, tools, ctx.tokenizer.chat_template)
         token_ids = ctx.render_chat(
             shown, request.add_generation_prompt, template_tools, request.chat_template_kwargs
@@ -203,7 +205,7 @@ class _Chat(ServedRequest):
         super().__init__(
             ctx,
             "chatcmpl",
-            [ctx.prepare_ids(token_ids, params, None)],
+            [prepare_chat_prompt(ctx, token_ids, pictures, params)],
             priority=request.priority,
             cache_salt=request.cache_salt,
             data_parallel_rank=request.data_parallel_rank,

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from asyncio import wait_for
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import jinja2
@@ -32,6 +32,7 @@ from kvflow.errors import (
 )
 from kvflow.model_limits import check_prompt
 from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.multimodal import ImageInput
 from kvflow.proto.step import TokenLogprobs
 from kvflow.sampling_params import (
     SamplingParams,
@@ -48,6 +49,7 @@ from kvflow.services.frontend.metrics import FrontendMetrics
 from kvflow.services.frontend.request_deadline import Deadline, RequestDeadlines
 from kvflow.services.frontend.responses import UsageInfo
 from kvflow.services.frontend.sse import SSEResponse, unless_disconnected, until_disconnect
+from kvflow.services.frontend.stream_merge import merge_streams
 from kvflow.token_strings import convert_ids_to_token_strings
 from kvflow.tokenizer import Conversation, apply_chat_template
 
@@ -77,6 +79,7 @@ class PreparedPrompt:
     token_ids: list[int]
     text: str | None  # the prompt as text (given or decoded), for echo
     params: SamplingParams  # validated, with max_tokens resolved for this prompt's length
+    images: list[ImageInput] = field(default_factory=list)  # placeholder runs in token_ids
 
 
 @dataclass
@@ -202,6 +205,7 @@ class ServingContext:
                 arrival_time,
                 data_parallel_rank,
                 deadline,
+                images=p.images,
             )
             for i, p in enumerate(prompts)
         ]
@@ -225,49 +229,6 @@ class ServingContext:
                 now = time.time()
                 for tracker in trackers:
                     tracker.abandon(now)
-
-
-_DONE = object()
-
-
-async def merge_streams(
-    streams: list[AsyncGenerator[T, None]],
-) -> AsyncGenerator[tuple[int, T], None]:
-    """Items of several async generators as they arrive, tagged with the source index.
-
-    The first exception of any source is re-raised; on exit (normal, error, close or
-    cancellation) every source is closed, which is what aborts engine requests."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for item in only:
-                yield 0, item
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
-        try:
-            async with aclosing(stream):
-                async for item in stream:
-                    queue.put_nowait((index, item))
-        except Exception as exc:
-            queue.put_nowait((index, exc))
-            return
-        queue.put_nowait((index, _DONE))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 _JSON = msgspec.json.Encoder()

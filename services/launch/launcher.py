@@ -39,6 +39,7 @@ import zmq
 from kvflow.config import EngineConfig
 from kvflow.errors import KvflowError
 from kvflow.heap import freeze_startup_heap
+from kvflow.media import MediaOptions
 from kvflow.metrics.startup_phases import StartupPhases, process_age_s
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.runtime.lifecycle import StopFlag
@@ -73,6 +74,7 @@ class ServeOptions:
     dp_hosts: DataParallelHosts = DataParallelHosts()  # engines on other hosts (headless)
     tls: TlsConfig | None = None  # HTTPS for the API; None: plain HTTP
     reasoning_parser: str | None = None  # chat's think-tag split (frontend/reasoning.py)
+    media: MediaOptions = MediaOptions()  # chat images: sources and limits (kvflow/media.py)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
@@ -323,6 +325,7 @@ def make_frontend_config(
 ) -> FrontendConfig:
     """The frontend's settings: its model facts are the ones the workers use."""
     from kvflow.gpu_worker.model_files import EMBEDDED_GGUF
+    from kvflow.image_inputs import is_vision_model
     from kvflow.model_limits import read_model_limits
     from kvflow.pooling import engine_pooling
     from kvflow.services.frontend.config import FrontendConfig
@@ -342,4 +345,6 @@ def make_frontend_config(
         tls=options.tls,
         reasoning_parser=options.reasoning_parser,
         pooling=engine_pooling(config.model.runner, model_dir, config.model.pooler_config),
+        media=options.media,
+        vision_model_dir=str(model_dir) if is_vision_model(model_dir) else None,
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvflow.errors import InvalidRequestError, PromptTooLongError
 from kvflow.model_limits import check_pooling_prompt, check_prompt
 from kvflow.proto.engine import AddRequest
+from kvflow.proto.multimodal import MAX_IMAGE_BYTES, ImageInput
 from kvflow.sampling_params import SamplingParams, validate_sampling_params
 from kvflow.services.scheduler.request import Request
 
@@ -50,6 +51,30 @@ def check_lengths(prompt_ids: list[int], params: SamplingParams, limits: EngineL
     return max_tokens
 
 
+_PIXEL_BYTES = {"float32": 4, "float16": 2}
+
+
+def check_image_spans(message: AddRequest) -> list[ImageInput]:
+    """The request's images, whose placeholder runs must lie in the prompt, in order
+    and apart (the worker and the block hashes rely on it)."""
+    end = 0
+    for image in message.images:
+        if image.length < 1 or image.offset < end:
+            raise InvalidRequestError("image placeholder runs overlap or are out of order")
+        end = image.offset + image.length
+        pixels = image.pixels
+        size = math.prod(pixels.shape) * _PIXEL_BYTES.get(pixels.dtype, 0)
+        if size != len(pixels.data) or size == 0 or size > MAX_IMAGE_BYTES:
+            # Refused here, not by the worker, where it would fail the whole step.
+            raise InvalidRequestError(
+                f"image pixels {pixels.dtype}{pixels.shape} in {len(pixels.data)} bytes "
+                f"(float32/float16 only, at most {MAX_IMAGE_BYTES} bytes)"
+            )
+    if end > len(message.prompt_token_ids):
+        raise InvalidRequestError("an image's placeholder run ends past the prompt")
+    return message.images
+
+
 def admit(message: AddRequest, limits: EngineLimits, queued_time: float) -> Request:
     """A `Request` for the scheduler core; raises InvalidRequestError with the reason.
 
@@ -79,6 +104,7 @@ def admit(message: AddRequest, limits: EngineLimits, queued_time: float) -> Requ
         priority=message.priority,
         cache_salt=message.cache_salt,
         max_tokens=max_tokens,
+        images=check_image_spans(message),
     )
     request.all_token_ids += message.output_token_ids  # recomputed, as after a preemption
     return request

@@ -4,6 +4,8 @@ Prompt logprobs are always on (a request asks for them); jump-forward when the
 scheduler config enables it; speculative decoding, KV transfer, pipeline
 micro-batches and pooling when the deployment has them. The order is the order of the hooks:
 micro-batches first (a busy request is held before a speculator counts a decode).
+Images always travel with their requests (image_inputs.py; a text request costs one
+check per scheduled request).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from kvflow.config import SchedulerConfig
 from kvflow.kv_transfer.scheduler.connector import KVConnectorScheduler
 from kvflow.kv_transfer.scheduler.step_feature import KVTransferFeature
 from kvflow.pooling import PoolingSpec
+from kvflow.services.scheduler.image_inputs import ImageInputsFeature
 from kvflow.services.scheduler.jump_forward import JumpForwardFeature
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.micro_batches import MicroBatchFeature
@@ -44,4 +47,5 @@ def make_step_features(
     features.append(PromptLogprobsFeature())
     if pooling is not None:
         features.append(PoolingFeature(pooling))
+    features.append(ImageInputsFeature())
     return features

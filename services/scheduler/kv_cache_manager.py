@@ -24,7 +24,7 @@ from collections import Counter
 from itertools import chain
 from typing import NamedTuple, Protocol
 
-from kvflow.block_hash import BlockHash, extend_block_hashes
+from kvflow.block_hash import BlockHash, ImageSpan, extend_block_hashes
 from kvflow.services.scheduler.block_pool import BlockPool, check_invariant
 
 
@@ -39,6 +39,8 @@ class CacheableRequest(Protocol):
     def num_computed_tokens(self) -> int: ...
     @property
     def cache_salt(self) -> str | None: ...
+    @property
+    def image_spans(self) -> list[ImageSpan]: ...  # placeholder runs of its images
 
 
 class ComputedBlocks(NamedTuple):
@@ -198,8 +200,9 @@ class KVCacheManager:
     def _block_hashes(self, request: CacheableRequest) -> list[BlockHash]:
         hashes = self._req_hashes.setdefault(request.request_id, [])
         return extend_block_hashes(
-            hashes, request.all_token_ids, self.block_size, request.cache_salt
-        )
+            hashes, request.all_token_ids, self.block_size, request.cache_salt,
+            request.image_spans,
+        )  # fmt: skip
 
     def _take_blocks(
         self, request: CacheableRequest, hit_ids: list[int], num_new_blocks: int

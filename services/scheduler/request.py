@@ -26,6 +26,7 @@ import enum
 import logging
 from typing import TYPE_CHECKING
 
+from kvflow.proto.multimodal import ImageInput
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         max_tokens: int,
+        images: list[ImageInput] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -95,6 +97,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.grammar: RequestGrammar | None = None  # guided decoding: set once compiled
+        # Images of the prompt (sent to the worker with the request) and their
+        # placeholder runs, which the prefix cache's block hashes cover.
+        self.images: list[ImageInput] = images or []
+        self.image_spans = [(i.offset, i.length, i.hash) for i in self.images]
 
     @property
     def num_tokens(self) -> int:

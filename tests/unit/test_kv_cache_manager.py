@@ -19,6 +19,7 @@ class Req:
     cache_salt: str | None = None
     num_computed_tokens: int = 0
     num_prompt_tokens: int = field(init=False)
+    image_spans: list[tuple[int, int, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.all_token_ids)

@@ -16,11 +16,15 @@ prompt confirm that it was sent (and name its blocks).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvflow.block_hash import (
     BlockHash,
+    ImageSpan,
     extend_block_hashes,
     first_block_extra_keys,
     hash_block_tokens,
+    image_keys,
 )
 from kvflow.cluster_secret import ClusterSecret
 
@@ -30,14 +34,20 @@ def prompt_block_keys(
     block_size: int,
     cache_salt: str | None,
     secret: ClusterSecret | None = None,
+    image_spans: Sequence[ImageSpan] = (),
 ) -> list[str]:
-    """One key per block the prompt touches (the last one partial unless aligned)."""
-    hashes: list[BlockHash] = extend_block_hashes([], prompt_token_ids, block_size, cache_salt)
+    """One key per block the prompt touches (the last one partial unless aligned);
+    blocks over an image's placeholders carry its hash, as in the prefix cache."""
+    hashes: list[BlockHash] = extend_block_hashes(
+        [], prompt_token_ids, block_size, cache_salt, image_spans
+    )
     keys = [h.hex() for h in hashes]
     num_full = len(hashes)
     tail = prompt_token_ids[num_full * block_size :]
     if tail:
         parent = hashes[-1] if hashes else None
         extra = first_block_extra_keys(cache_salt) if num_full == 0 else ()
+        start = num_full * block_size
+        extra = (*extra, *image_keys(image_spans, start, len(prompt_token_ids)))
         keys.append(hash_block_tokens(parent, tail, (*extra, "partial")).hex())
     return keys if secret is None else [secret.salt_block_key(key) for key in keys]

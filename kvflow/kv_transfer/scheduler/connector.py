@@ -94,7 +94,9 @@ class KVConnectorScheduler(abc.ABC):
         keys = self._keys.get(request.request_id)
         if keys is None:
             prompt = request.all_token_ids[: request.num_prompt_tokens]
-            keys = prompt_block_keys(prompt, self.block_size, request.cache_salt, self.secret)
+            keys = prompt_block_keys(
+                prompt, self.block_size, request.cache_salt, self.secret, request.image_spans
+            )
             self._keys[request.request_id] = keys
         return keys
 

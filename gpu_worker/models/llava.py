@@ -1,0 +1,129 @@
+"""LLaVA (`LlavaForConditionalGeneration`, as in LLaVA-1.5): a CLIP vision tower, a
+projector (linear-GELU-linear) and kvflow's dense decoder as the language model.
+
+    image pixels -> vision tower -> hidden_states[vision_feature_layer] (drop the class
+    token: strategy "default") -> projector -> one embedding per placeholder token
+
+The language model runs the paged decoder of llama.py unchanged. For a step whose
+tokens include image placeholders, the runner's image feature (image_feature.py) sets
+the features of those rows (`set_image_embeddings`); the forward then embeds the
+tokens, puts the image features at those rows and runs the decoder from there.
+
+Checkpoint names: both transformers layouts load (module docstring of `_canonical`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvflow.gpu_worker.attention.backend import AttentionBackend
+from kvflow.gpu_worker.models.clip_vision import ClipVisionTower, activation
+from kvflow.gpu_worker.models.llama import LlamaForCausalLM
+from kvflow.gpu_worker.weights import packed_target
+
+
+class LlavaProjector(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        layers = config.vision_feature_layer
+        num_layers = 1 if isinstance(layers, int) else len(layers)
+        vision, text = config.vision_config.hidden_size, config.text_config.hidden_size
+        bias = bool(getattr(config, "multimodal_projector_bias", True))
+        self.linear_1 = nn.Linear(vision * num_layers, text, bias=bias)
+        self.act = activation(config.projector_hidden_act)
+        self.linear_2 = nn.Linear(text, text, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))  # type: ignore[no-any-return]
+
+
+class LlavaParts(nn.Module):
+    """`model.`: the language model, the vision tower and the projector."""
+
+    def __init__(self, language_model: nn.Module, config: Any) -> None:
+        super().__init__()
+        if config.vision_config.model_type != "clip_vision_model":
+            raise ValueError(f"LLaVA vision tower {config.vision_config.model_type!r}: CLIP only")
+        self.language_model = language_model
+        self.vision_tower = ClipVisionTower(config.vision_config)
+        self.multi_modal_projector = LlavaProjector(config)
+
+
+def _canonical(name: str) -> str:
+    """A checkpoint name in this model's layout. transformers 5 saves the older layout
+    (`language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`); llava-hf
+    checkpoints nest the tower once more (`vision_tower.vision_model.*`)."""
+    name = name.removeprefix("model.")
+    name = name.replace("vision_tower.vision_model.", "vision_tower.", 1)
+    if name.startswith("language_model.lm_head."):
+        return name.removeprefix("language_model.")
+    if name.startswith("lm_head."):
+        return name
+    return "model." + name.replace("language_model.model.", "language_model.", 1)
+
+
+class LlavaForConditionalGeneration(LlamaForCausalLM):
+    """The decoder (and LM head) of the text config; the vision parts beside it."""
+
+    def __init__(self, config: Any, backend: AttentionBackend) -> None:
+        super().__init__(config.text_config, backend)  # self.model: the decoder, for now
+        self.llava_config = config
+        self.image_token_id = int(config.image_token_index)
+        layers = config.vision_feature_layer
+        self.feature_layers = [layers] if isinstance(layers, int) else list(layers)
+        self.drop_class_token = config.vision_feature_select_strategy == "default"
+        decoder = self._modules["model"]  # the LlamaModel super() built
+        assert decoder is not None
+        self.model = LlavaParts(decoder, config)  # type: ignore[assignment]
+        self._image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def decoder(self) -> Any:
+        return self.model.language_model
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [N, 3, S, S] -> features [N, placeholders per image, text hidden]."""
+        parts = self.model
+        states = parts.vision_tower.hidden_states(pixels, self.feature_layers)  # type: ignore[operator]
+        if self.drop_class_token:
+            states = [s[:, 1:] for s in states]
+        return parts.multi_modal_projector(torch.cat(states, dim=-1))  # type: ignore[no-any-return]
+
+    def set_image_embeddings(
+        self, rows: torch.Tensor | None, features: torch.Tensor | None
+    ) -> None:
+        """The next forward's image features [R, hidden] at its token rows [R] (None: none)."""
+        self._image_rows = None if rows is None or features is None else (rows, features)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        received: Any = None,
+        output_rows: torch.Tensor | None = None,
+    ) -> Any:
+        if received is None and self._image_rows is not None:
+            rows, features = self._image_rows
+            hidden = self.decoder.embed_tokens(input_ids)
+            hidden = hidden.index_copy(0, rows, features.to(hidden.dtype))
+            # The decoder starts from these embeddings as a later pipeline stage starts
+            # from what it received; no residual yet (its first layer takes them).
+            received = (hidden, None)
+        return self.decoder(input_ids, positions, received, output_rows)
+
+    def checkpoint_target(self, name: str) -> tuple[str, Any]:
+        """(parameter name, shard) of checkpoint tensor `name` (weights.load_weights)."""
+        name = _canonical(name)
+        if name.startswith("model.language_model."):
+            return packed_target(name, self.packed_modules_mapping)
+        return name, None
+
+    def skips_weight(self, name: str) -> bool:
+        name = _canonical(name)
+        if name.startswith("lm_head."):  # tied to the embedding, or another stage's
+            return self.lm_head is None or bool(getattr(self.config, "tie_word_embeddings", 0))
+        prefix = "model.language_model."
+        return name.startswith(prefix) and not self.decoder.holds_weight(name[len(prefix) :])

@@ -1,0 +1,91 @@
+"""A tiny LLaVA served by `kvflow serve`, driven by the openai client: a chat message
+with an image as a data: URL gives transformers' greedy tokens; a refused image is a 400
+and the server keeps serving; the second turn with the same image hits the prefix cache."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from llava_fixture import make_llava_dir, random_image
+from serve_harness import MODEL_NAME, Server, start_server, stop_server
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow  # a real serve of a vision model (~4 processes)
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> Path:
+    return make_llava_dir(tmp_path_factory.mktemp("llava"), embedded_model_dir, 28)
+
+
+@pytest.fixture(scope="module")
+def server(llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    limits = ["--limit-mm-per-prompt", '{"image": 2}', "--block-size", "4"]
+    srv = start_server(llava_dir, tmp_path_factory.mktemp("serve"), *limits)
+    yield srv
+    code, survivors = stop_server(srv)
+    assert survivors == [] and code == 0, srv.log_tail()
+
+
+def hf_greedy(path: Path, messages: list[dict[str, Any]], image: Any) -> tuple[int, str]:
+    """(prompt length, greedy text) of transformers on the chat as kvflow renders it:
+    the parts joined by newlines, the image part as the model's image token."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(path))
+    text = processor.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    inputs = processor(text=text, images=[image], return_tensors="pt", add_special_tokens=False)
+    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    length = inputs["input_ids"].shape[1]
+    return length, processor.tokenizer.decode(out[0, length:], skip_special_tokens=True)
+
+
+def test_chat_with_a_data_url_image(server: Server, llava_dir: Path) -> None:
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    image = random_image(5, 64, 48)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")  # type: ignore[attr-defined]
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}]
+
+    def ask() -> Any:
+        return client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": parts}],
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+
+    first = ask()
+    length, text = hf_greedy(llava_dir, [{"role": "user", "content": "<image>\nWhat?"}], image)
+    assert first.usage.prompt_tokens == length
+    assert first.choices[0].message.content == text
+    with pytest.raises(openai.BadRequestError, match="allowed-media-domains"):
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+                    ],
+                }
+            ],
+            max_tokens=2,
+        )
+    again = ask()  # still serving; the same image and text share the KV of the first
+    assert again.choices[0].message.content == text
+    assert again.usage.prompt_tokens_details.cached_tokens > 0

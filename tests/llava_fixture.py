@@ -1,0 +1,59 @@
+"""A tiny random-weight LLaVA directory (CLIP vision tower, Llama text model) with a
+processor assembled from CLIPImageProcessor and the embedded model's tokenizer plus an
+`<image>` token, as the LLaVA tests build it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+IMAGE_TOKEN = "<image>"
+
+
+def make_llava_dir(path: Path, tokenizer_dir: Path, image_size: int) -> Path:
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=image_size, patch_size=14, projection_dim=32,
+    )  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, initializer_range=0.2,
+    )  # fmt: skip
+    config = LlavaConfig(
+        vision_config=vision, text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_layer=-2, vision_feature_select_strategy="default",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(path)
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+    )  # fmt: skip
+    processor.save_pretrained(path)
+    return path
+
+
+def random_image(seed: int, width: int, height: int) -> object:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)

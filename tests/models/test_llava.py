@@ -1,0 +1,139 @@
+"""LLaVA through the offline engine: greedy tokens equal transformers' at float32, with
+1 and 2 images per prompt, two tower resolutions and two input image sizes; chunked
+prefill splitting an image's placeholder run; the encoder cache and the prefix cache on
+a second turn; different images never sharing KV. (A text-only model's refusal of
+images: tests/unit/test_chat_images.py.)"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from llava_fixture import make_llava_dir, random_image
+
+from kvflow import LLM, SamplingParams
+
+MAX_TOKENS = 6
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+ONE = "USER: <image>\nWhat is this? ASSISTANT:"
+TWO = "USER: <image> and <image>\nHow do they differ? ASSISTANT:"
+
+
+@pytest.fixture(scope="module")
+def llava_dirs(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> Any:
+    made: dict[int, Path] = {}
+
+    def make(size: int) -> Path:
+        if size not in made:
+            path = tmp_path_factory.mktemp(f"llava{size}")
+            made[size] = make_llava_dir(path, embedded_model_dir, size)
+        return made[size]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def llava_dir(llava_dirs: Any) -> Path:
+    return llava_dirs(28)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _hf(path: Path) -> tuple[Any, Any]:
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(path))
+    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
+    return processor, model.eval()
+
+
+def hf_greedy(path: Path, prompt: str, images: list[Any]) -> tuple[list[int], list[int]]:
+    """(transformers' expanded prompt ids, its greedy continuation)."""
+    processor, model = _hf(path)
+    inputs = processor(text=prompt, images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    return prompt_ids, out[0, len(prompt_ids) :].tolist()
+
+
+CASES = {
+    "one-small": (ONE, [(1, 40, 30)]),
+    "one-large": (ONE, [(2, 90, 70)]),
+    "two-mixed": (TWO, [(3, 40, 30), (4, 90, 70)]),
+}
+
+
+PRESSURE = {"async_scheduling": True, "num_blocks": 12}  # two steps in flight, preemption
+
+
+@pytest.mark.parametrize(
+    ("tower", "budget", "options"),
+    [(28, 2048, {}), (42, 2048, {}), (42, 5, {}), (42, 5, PRESSURE)],
+    ids=["28", "42", "42-chunked", "42-chunked-async-preempted"],
+)
+def test_greedy_parity(llava_dirs: Any, tower: int, budget: int, options: dict[str, Any]) -> None:
+    """Every case in one engine run (batched). A 5-token budget makes chunked prefill
+    cut the 9-token placeholder runs, and each chunk must get its slice; with 12 KV
+    blocks requests are preempted and resume with their images."""
+    llava_dir = llava_dirs(tower)
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": [random_image(*s) for s in sizes]}}
+        for text, sizes in CASES.values()
+    ]
+    expected = [hf_greedy(llava_dir, p["prompt"], p["multi_modal_data"]["image"]) for p in prompts]
+    llm = LLM(
+        str(llava_dir), dtype="float32", device="cpu", max_num_batched_tokens=budget,
+        block_size=4, enable_prefix_caching=False, **options,
+    )  # fmt: skip
+    outputs = llm.generate(prompts, GREEDY)
+    if options:
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    for output, (prompt_ids, tokens) in zip(outputs, expected):
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == tokens
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def llm(llava_dir: Path) -> Iterator[LLM]:
+    engine = LLM(str(llava_dir), dtype="float32", device="cpu", block_size=4)
+    yield engine
+    engine.close()
+
+
+def test_second_turn_hits_both_caches(llm: LLM, llava_dir: Path) -> None:
+    cache = llm.engine.runner.images.cache  # type: ignore[union-attr]
+    image_token = llm.engine.runner.model.image_token_id
+    hits, misses = cache.hits, cache.misses
+    image = random_image(7, 60, 50)
+    first = llm.generate({"prompt": ONE, "multi_modal_data": {"image": image}}, GREEDY)[0]
+    assert (cache.hits - hits, cache.misses - misses) == (0, 1)
+    # The next turn: the same image, the first turn's answer, a new question. Its KV
+    # past the image comes from the prefix cache (nothing to encode there).
+    answer = llm.tokenizer.decode(first.outputs[0].token_ids)
+    second = ONE + answer + " USER: Sure? ASSISTANT:"
+    out = llm.generate({"prompt": second, "multi_modal_data": {"image": image}}, GREEDY)[0]
+    last_image_token = len(first.prompt_token_ids) - first.prompt_token_ids[::-1].index(image_token)
+    assert out.num_cached_tokens >= last_image_token
+    assert list(out.outputs[0].token_ids) == hf_greedy(llava_dir, second, [image])[1]
+    # Other text before the same image: its KV must be computed, its features are cached.
+    other_text = "SYSTEM: be brief. " + ONE
+    llm.generate({"prompt": other_text, "multi_modal_data": {"image": image}}, GREEDY)
+    assert (cache.hits - hits, cache.misses - misses) == (1, 1)
+
+
+def test_different_images_never_share_kv(llm: LLM, llava_dir: Path) -> None:
+    image_a, image_b = random_image(8, 50, 50), random_image(9, 50, 50)
+    prompt = "USER: Look closely at this picture please: <image>\nWhat is it? ASSISTANT:"
+    llm.generate({"prompt": prompt, "multi_modal_data": {"image": image_a}}, GREEDY)
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image_b}}, GREEDY)[0]
+    first_image_token = out.prompt_token_ids.index(llm.engine.runner.model.image_token_id)
+    # Only whole blocks before the image's run are shared.
+    assert 0 < out.num_cached_tokens <= first_image_token
+    assert list(out.outputs[0].token_ids) == hf_greedy(llava_dir, prompt, [image_b])[1]
+    again = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image_b}}, GREEDY)[0]
+    assert again.num_cached_tokens > first_image_token
