@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from pathlib import Path
 
 import pytest
@@ -38,13 +40,26 @@ def test_a_cache_larger_than_free_memory_fails_before_allocating() -> None:
     assert resident_bytes() - before < 64 << 20  # refused, not half-allocated
 
 
+def resident_fraction(tensor: torch.Tensor) -> float:
+    """The share of the tensor's pages in memory now (mincore(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() & ~(page - 1)
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    pages = (length + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0
+    return sum(b & 1 for b in vec) / pages
+
+
 def test_the_cache_is_resident_after_allocation() -> None:
     spec = KVCacheSpec(
         num_layers=4, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16
     )
-    num_blocks = (192 << 20) // spec.bytes_per_block
-    before = resident_bytes()
+    num_blocks = (192 << 20) // spec.bytes_per_block  # > glibc's mmap threshold: fresh pages
+    fresh = torch.empty(num_blocks * spec.bytes_per_block // 2, dtype=torch.bfloat16)
+    assert resident_fraction(fresh) < 0.5  # untouched pages are not in memory...
     caches = allocate_kv_cache(spec, num_blocks, torch.device("cpu"))
-    grown = resident_bytes() - before
-    assert grown >= 0.95 * num_blocks * spec.bytes_per_block, grown  # no first-touch faults left
+    assert resident_fraction(caches[0]) == 1.0  # ... the cache's are: no first-touch faults
+    assert resident_fraction(caches[-1]) == 1.0
     assert len(caches) == 4 and caches[0].shape[1] == num_blocks
