@@ -36,6 +36,7 @@ import torch
 from kvflow.config import CacheConfig, DeviceConfig, ModelConfig
 from kvflow.errors import ConfigError
 from kvflow.gpu_worker.attn_metadata import forward_context
+from kvflow.gpu_worker.block_copy import BlockCopyFeature
 from kvflow.gpu_worker.cpu_graphs import CpuDecodeGraphs, make_cpu_decode_graphs
 from kvflow.gpu_worker.denormals import flush_denormals_on_cpu
 from kvflow.gpu_worker.draft_feature import DraftModelFeature
@@ -142,8 +143,14 @@ class ModelRunner:
         # Hooks run in this order: prompt logprobs while a KV save's copies still run,
         # KV loads before the drafts, the stage's spans last.
         optional = (*self._per_request, self._kv, self._draft, self.stage)
-        features: list[StepFeature] = [f for f in optional if f is not None]
+        features: list[StepFeature] = [BlockCopyFeature(self._kv_caches, self.device)]
+        features += [f for f in optional if f is not None]
         self.features = StepFeatures(features)
+
+    def _kv_caches(self) -> list[torch.Tensor]:
+        """Every KV cache tensor a block id indexes: the model's and the draft model's."""
+        models = [self.model] + ([self.drafter.model] if self.drafter is not None else [])
+        return [layer.kv_cache for model in models for layer in model.attention_layers()]
 
     @property
     def kv_connector(self) -> KVConnectorWorker | None:

@@ -58,3 +58,21 @@ class RequestOutput:
     @property
     def logprobs(self) -> SampleLogprobs | None:
         return self.outputs[0].logprobs
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam of `LLM.beam_search`: prompt and output tokens, and the text of
+    both (vLLM's shape)."""
+
+    tokens: list[int]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beams, best first."""
+
+    sequences: list[BeamSearchSequence]

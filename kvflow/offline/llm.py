@@ -12,8 +12,8 @@ from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError
 from kvflow.heap import heap_frozen_while, keep_freed_memory
 from kvflow.offline.engine import LLMEngine
-from kvflow.outputs import RequestOutput
-from kvflow.sampling_params import SamplingParams
+from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from kvflow.sampling_params import BeamSearchParams, SamplingParams
 from kvflow.tokenizer import Conversation, apply_chat_template
 
 Prompt = str | list[int]
@@ -96,6 +96,28 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: Sequence[Prompt | dict[str, Any]],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (a string, token ids, or vLLM's {"prompt": ...} /
+        {"prompt_token_ids": [...]}); every beam comes back, best first."""
+        prompt_list = [_unwrap_prompt(p) for p in prompts]
+        outputs = self.generate(prompt_list, params.to_sampling_params(), use_tqdm=use_tqdm)
+        results = []
+        for output in outputs:
+            sequences = []
+            for completion in output.outputs:
+                tokens = output.prompt_token_ids + completion.token_ids
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                reason, stop = completion.finish_reason, completion.stop_reason
+                sequences.append(BeamSearchSequence(tokens, text, reason, stop))
+            results.append(BeamSearchOutput(sequences))
+        return results
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm)
@@ -115,6 +137,14 @@ class LLM:
         finally:
             progress.close()
         return [finished[request_id] for request_id in request_ids]
+
+
+def _unwrap_prompt(prompt: Prompt | dict[str, Any]) -> Prompt:
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    return str(prompt["prompt"])
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -1,6 +1,6 @@
 """Which step features a scheduler gets, from the engine configuration's pieces.
 
-Prompt logprobs are always on (a request asks for them); jump-forward when the
+Prompt logprobs and beam search are always on (a request asks for them); jump-forward when the
 scheduler config enables it; speculative decoding, KV transfer and pipeline
 micro-batches when the deployment has them. The order is the order of the hooks:
 micro-batches first (a busy request is held before a speculator counts a decode).
@@ -11,6 +11,7 @@ from __future__ import annotations
 from kvflow.config import SchedulerConfig
 from kvflow.kv_transfer.scheduler.connector import KVConnectorScheduler
 from kvflow.kv_transfer.scheduler.step_feature import KVTransferFeature
+from kvflow.services.scheduler.beam_feature import BeamSearchFeature
 from kvflow.services.scheduler.jump_forward import JumpForwardFeature
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.micro_batches import MicroBatchFeature
@@ -38,5 +39,6 @@ def make_step_features(
         features.append(KVTransferFeature(kv_connector, kv_cache))
     if config.grammar_jump_forward:
         features.append(JumpForwardFeature(max_model_len))
+    features.append(BeamSearchFeature(kv_cache, config.max_num_seqs))
     features.append(PromptLogprobsFeature())
     return features

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_BEAMS = -2  # a beam search's result, until the search ends (beam_feature.py)
     WAITING_FOR_REMOTE_KV = -1  # P/D: its prompt KV is on its way (kv_transfer/remote_loads.py)
     WAITING_FOR_GRAMMAR = 0  # guided: its grammar compiles in the pool (engine_core.py)
     WAITING = 1
@@ -48,6 +49,11 @@ class RequestStatus(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def is_parked(self) -> bool:
+        """Held by a step feature, in neither the waiting queue nor the running list."""
+        return self in (RequestStatus.WAITING_FOR_BEAMS, RequestStatus.WAITING_FOR_REMOTE_KV)
 
     @property
     def finish_reason(self) -> str | None:

@@ -1,0 +1,130 @@
+"""Beam search through the offline engine agrees with transformers' `generate(num_beams=k)`
+token for token (float32, a tiny random-weight Llama with sharpened weights), for several
+widths, length penalties and early-stopping rules, with and without a stop token reached,
+with async scheduling on; and the beams really share their KV blocks (counted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.sampling_params import BeamSearch, BeamSearchParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+MAX_TOKENS = 10
+
+
+def sharpen(model: torch.nn.Module, seed: int) -> None:
+    """Large random weights and a scaled-up LM head: the beams' scores are far from ties."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+        model.get_output_embeddings().weight.mul_(2.0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -> Any:
+    """(HF model in float32, its directory with the embedded tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    sharpen(hf_model, seed=3)
+    path = tmp_path_factory.mktemp("beam-llama")
+    hf_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return hf_model, path
+
+
+def hf_beams(hf_model: Any, prompt: list[int], stop_id: int | None, **beam: Any) -> list[list[int]]:
+    """transformers' returned sequences (generated tokens only, up to the stop token)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=MAX_TOKENS, eos_token_id=stop_id, pad_token_id=0,
+            return_dict_in_generate=True, output_scores=True, **beam,
+        )  # fmt: skip
+    lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
+    return [seq[len(prompt) : len(prompt) + n] for seq, n in zip(out.sequences.tolist(), lengths)]
+
+
+def params(n: int, width: int, stop_id: int | None, **beam: Any) -> SamplingParams:
+    return SamplingParams(
+        n=n, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+        stop_token_ids=None if stop_id is None else [stop_id],
+        beam_search=BeamSearch(beam_width=width, **beam),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llm(model: Any) -> LLM:
+    return LLM(str(model[1]), dtype="float32", device="cpu", num_threads=1, num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def async_llm(model: Any) -> LLM:
+    return LLM(
+        str(model[1]), dtype="float32", device="cpu", num_threads=1, num_blocks=256,
+        async_scheduling=True, block_size=4,
+    )  # fmt: skip
+
+
+CASES = [  # (width, n, length_penalty, early_stopping)
+    (2, 1, 1.0, False),
+    (3, 2, 0.0, True),
+    (4, 4, 2.0, "never"),
+    (4, 2, -1.0, False),
+]
+
+
+@pytest.mark.parametrize("engine", ["llm", "async_llm"])
+@pytest.mark.parametrize("stop", [False, True], ids=["length", "stop-token"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"k{c[0]}-n{c[1]}-lp{c[2]}-es{c[3]}")
+def test_matches_transformers(
+    model: Any, request: pytest.FixtureRequest, engine: str, stop: bool, case: tuple[Any, ...]
+) -> None:
+    hf_model, _ = model
+    llm: LLM = request.getfixturevalue(engine)
+    width, n, length_penalty, early_stopping = case
+    beam = dict(length_penalty=length_penalty, early_stopping=early_stopping)
+    for prompt in PROMPTS:
+        ids = list(llm.tokenizer.encode(prompt))
+        stop_id = None
+        if stop:  # a token the free search writes early, so that some beams stop on it
+            stop_id = hf_beams(hf_model, ids, None, num_beams=width, **beam)[0][2]
+        expected = hf_beams(
+            hf_model, ids, stop_id, num_beams=width, num_return_sequences=n, **beam
+        )
+        out = llm.generate([ids], params(n, width, stop_id, **beam))[0]
+        got = [list(c.token_ids) for c in out.outputs]
+        assert got == expected, (prompt, got, expected)
+        if stop:
+            assert any(seq[-1] == stop_id for seq in got)
+            assert all(c.finish_reason == ("stop" if c.token_ids[-1] == stop_id else "length")
+                       for c in out.outputs)  # fmt: skip
+
+
+def test_llm_beam_search_api(llm: LLM, model: Any) -> None:
+    """vLLM's `LLM.beam_search(prompts, BeamSearchParams(...))`: every beam, best first."""
+    hf_model, _ = model
+    ids = list(llm.tokenizer.encode(PROMPTS[0]))
+    (output,) = llm.beam_search(
+        [{"prompt": PROMPTS[0]}], BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS)
+    )
+    expected = hf_beams(hf_model, ids, None, num_beams=3, num_return_sequences=3)
+    assert [s.tokens[len(ids) :] for s in output.sequences] == expected
+    assert all(s.tokens[: len(ids)] == ids for s in output.sequences)
+    assert output.sequences[0].text == llm.tokenizer.decode(output.sequences[0].tokens)
