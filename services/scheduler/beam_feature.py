@@ -112,8 +112,10 @@ class BeamSearchFeature(StepFeature):
                 f"runs at most max_num_seqs={self.max_num_seqs}",
                 param="n",
             )
-        length = request.num_prompt_tokens + request.max_tokens
-        needed = beam_width * math.ceil(length / self.kv_cache.block_size)
+        # The prompt's full blocks are shared; each beam may need the rest on its own.
+        block_size = self.kv_cache.block_size
+        shared, partial = divmod(request.num_prompt_tokens, block_size)
+        needed = shared + beam_width * math.ceil((partial + request.max_tokens) / block_size)
         if needed > self.kv_cache.num_blocks:
             raise InvalidRequestError(
                 f"beam search with {beam_width} beams may need {needed} KV blocks but the "
@@ -233,7 +235,14 @@ class BeamSearchFeature(StepFeature):
             self._next_token.pop(request.request_id, None)
 
     def on_worker_lost(self) -> list[Request]:
-        self._copies = []  # their blocks were freed with every request's
+        """The KV is gone: forks waiting with copied blocks recompute as well."""
+        self._copies = []
+        for req_id, group in self.groups.items():
+            fork = next((b for b in group.beams if b.request_id == req_id), None)
+            if fork is not None and fork.status == RequestStatus.WAITING:
+                self.kv_cache.free(req_id, step_discarded=True)
+                fork.reset_for_recompute()
+                group.reports.pop(req_id, None)
         return []
 
     def on_finish(self, request: Request) -> None:

@@ -210,9 +210,8 @@ class Scheduler:
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
-            victim = self._pick_victim()
-            self._preempt(victim, step)
-            if victim is request:
+            self._preempt(self._pick_victim(), step)
+            if request.status != RequestStatus.RUNNING:  # the victim, or its companion
                 return None
 
     def _pick_victim(self) -> Request:
@@ -235,13 +234,13 @@ class Scheduler:
         self.num_preemptions += 1
         self._worker_forget.append(request.request_id)
         step.preempted.append(request)
-        for other in [c for f in self.features for c in f.companions(request)]:
-            if other in self.running:  # e.g. the other beams of a beam search
-                self._preempt(other, step)
         logger.warning(
             "preempted request %s by recompute (KV cache full; %d preemptions so far)",
             request.request_id, self.num_preemptions,
         )  # fmt: skip
+        for other in [c for f in self.features for c in f.companions(request)]:
+            if other in self.running:  # e.g. the other beams of a beam search
+                self._preempt(other, step)
 
     def _back_to_waiting(self, request: Request, step: StepBuilder | None) -> None:
         """Preemption by recompute, on both paths (KV cache full; worker lost)."""

@@ -112,7 +112,8 @@ def test_matches_transformers(
         got = [list(c.token_ids) for c in out.outputs]
         assert got == expected, (prompt, got, expected)
         if stop:
-            assert any(seq[-1] == stop_id for seq in got)
+            if length_penalty <= 1.0:  # (a penalty > 1 may prefer the beams that go on)
+                assert any(seq[-1] == stop_id for seq in got)
             assert all(c.finish_reason == ("stop" if c.token_ids[-1] == stop_id else "length")
                        for c in out.outputs)  # fmt: skip
 
@@ -128,3 +129,67 @@ def test_llm_beam_search_api(llm: LLM, model: Any) -> None:
     assert [s.tokens[len(ids) :] for s in output.sequences] == expected
     assert all(s.tokens[: len(ids)] == ids for s in output.sequences)
     assert output.sequences[0].text == llm.tokenizer.decode(output.sequences[0].tokens)
+
+
+def _beam_ids(llm: LLM) -> list[str]:
+    return [r for r in llm.engine.scheduler.requests if "#beam" in r]
+
+
+def test_beams_share_prompt_blocks_and_copy_only_the_partial_one(model: Any) -> None:
+    """9 prompt tokens in blocks of 4: after the first fork every beam holds 3 blocks,
+    the 2 full prompt blocks shared by all (one reference per beam) and a partial block
+    of its own (the forks' copied from the parent's); only new tokens are computed."""
+    llm = LLM(str(model[1]), dtype="float32", device="cpu", num_threads=1,
+              num_blocks=64, block_size=4)  # fmt: skip
+    engine, width = llm.engine, 4
+    prompt = list(range(100, 109))
+    engine.add_request("r", prompt, params(width, width, None, length_penalty=1.0))
+    kv = engine.kv_cache
+    engine.step()  # the prompt's prefill, one beam; it reports and the beams fork
+    beams = _beam_ids(llm)
+    tables = [kv.get_block_ids(b) for b in beams]
+    assert len(beams) == width and all(len(t) == 3 for t in tables)
+    assert len({t[0] for t in tables}) == 1 and len({t[1] for t in tables}) == 1
+    assert len({t[2] for t in tables}) == width  # private partial blocks
+    assert kv.num_blocks - kv.num_free_blocks == 2 + width  # not 3 * width
+    shared = kv.block_pool.blocks[tables[0][0]]
+    assert shared.ref_cnt == width
+    kv.check_integrity()
+    engine.step()  # the forks' first step: their copies are made, one token each
+    # Computed: the prompt once, then one token per beam per step (no recompute).
+    assert engine.core.counters.step_tokens[:2] == [len(prompt), width]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert max(engine.core.counters.step_tokens[1:]) <= width
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks and not engine.scheduler.requests
+
+
+def test_preempted_group_recomputes_and_frees_everything(model: Any) -> None:
+    """A cache too small for the group and a plain request at once: beams are preempted
+    (the whole group, by recompute) and the result is still transformers'."""
+    hf_model, path = model
+    llm = LLM(str(path), dtype="float32", device="cpu", num_threads=1,
+              num_blocks=11, block_size=4)  # fmt: skip
+    ids = list(llm.tokenizer.encode(PROMPTS[1]))
+    expected = hf_beams(hf_model, ids, None, num_beams=3, num_return_sequences=3)
+    plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([ids * 3, ids], [plain, params(3, 3, None)])
+    assert [list(c.token_ids) for c in outputs[1].outputs] == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    kv = llm.engine.kv_cache
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks and not llm.engine.scheduler.requests
+
+
+def test_abort_frees_every_beam(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("gone", PROMPTS[0], params(2, 4, None))
+    for _ in range(3):
+        engine.step()
+    assert len(_beam_ids(llm)) == 4
+    engine.abort_request("gone")
+    kv = engine.kv_cache
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks and not engine.scheduler.requests
+    assert not engine.has_unfinished_requests()
