@@ -29,4 +29,3 @@ class BlockCopyFeature(StepFeature):
         src, dst = pairs[:, 0], pairs[:, 1]
         for cache in self.caches():
             cache.index_copy_(1, dst, cache.index_select(1, src))
-

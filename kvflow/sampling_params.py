@@ -160,9 +160,7 @@ def _validate_beam_search(params: SamplingParams, beam: BeamSearch) -> None:
         "early_stopping",
         f"must be true, false or 'never', got {beam.early_stopping!r}",
     )
-    _check(
-        -1e6 < beam.length_penalty < 1e6, "length_penalty", f"got {beam.length_penalty}"
-    )
+    _check(-1e6 < beam.length_penalty < 1e6, "length_penalty", f"got {beam.length_penalty}")
     for name, default in _NOT_WITH_BEAM_SEARCH:
         value = getattr(params, name)
         off = value == default or (name == "top_k" and value == -1)

@@ -160,7 +160,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
                 ("early_stopping", self.early_stopping, False),
             ):
                 if value not in (None, default):
-                    raise InvalidRequestError(f"{name} is used only with use_beam_search", param=name)
+                    raise InvalidRequestError(
+                        f"{name} is used only with use_beam_search", param=name
+                    )
             if best_of is not None and best_of != _or(self.n, 1):
                 raise InvalidRequestError(
                     "best_of other than n needs use_beam_search (it is the beam width)",

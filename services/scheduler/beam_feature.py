@@ -169,7 +169,7 @@ class BeamSearchFeature(StepFeature):
         if group.search.done:
             self._finish(group, events)
             return
-        first_child = {}
+        first_child: dict[int, int] = {}  # parent -> index of its first continuation
         for i, continuation in enumerate(nexts):
             first_child.setdefault(continuation.parent, i)
         for parent, beam in enumerate(beams):
@@ -192,7 +192,7 @@ class BeamSearchFeature(StepFeature):
     def _fork(
         self, group: BeamGroup, parent: Request, token_id: int, events: ResultEvents
     ) -> Request:
-        child = group.new_beam(parent, parent.output_token_ids + [token_id])
+        child = group.new_beam(parent, [*parent.output_token_ids, token_id])
         self.groups[child.request_id] = group
         copies = self.kv_cache.fork(parent, child.request_id)
         if copies is not None:  # else it recomputes (its full blocks are prefix hits)
@@ -256,7 +256,7 @@ class BeamSearchFeature(StepFeature):
 
 
 def _parent_and_index(req_id: str, num_outputs: int) -> tuple[str, int]:
-    """"<id>#<i>" for n results, "<id>" for one (`child_request_ids`)."""
+    """ "<id>#<i>" for n results, "<id>" for one (`child_request_ids`)."""
     if num_outputs == 1:
         return req_id, 0
     parent, _, index = req_id.rpartition("#")

@@ -140,4 +140,3 @@ class BeamSearch:
             length = self.max_new_tokens
         best_possible = np.float32(self.scores[0] / float(length) ** self.length_penalty)
         self.improvable = bool(best_possible > self.finished[-1].score)
-

@@ -105,9 +105,7 @@ def test_matches_transformers(
         stop_id = None
         if stop:  # a token the free search writes early, so that some beams stop on it
             stop_id = hf_beams(hf_model, ids, None, num_beams=width, **beam)[0][2]
-        expected = hf_beams(
-            hf_model, ids, stop_id, num_beams=width, num_return_sequences=n, **beam
-        )
+        expected = hf_beams(hf_model, ids, stop_id, num_beams=width, num_return_sequences=n, **beam)
         out = llm.generate([ids], params(n, width, stop_id, **beam))[0]
         got = [list(c.token_ids) for c in out.outputs]
         assert got == expected, (prompt, got, expected)

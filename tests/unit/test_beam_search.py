@@ -120,7 +120,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one(caching: bool) -> No
     assert mgr.num_free_blocks == 8 - 4
     mgr.check_integrity()
     # The child computes on from position 10; a full block of its own gets hashed.
-    child = Req("c", list(range(10)) + [77, 78])
+    child = Req("c", [*range(10), 77, 78])
     child.num_computed_tokens = 10
     assert mgr.allocate_slots(child, 2) == []
     mgr.check_integrity()
