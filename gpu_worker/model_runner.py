@@ -136,15 +136,18 @@ class ModelRunner:
         self.verifier.draft_model = draft
         self._draft = draft
         self._kv: KVConnectorFeature | None = None  # bound with the KV cache
-        self._per_request = (GrammarFeature(), PromptLogprobsFeature(self.batch))
+        self._per_request = (
+            GrammarFeature(),
+            PromptLogprobsFeature(self.batch),
+            BlockCopyFeature(self._kv_caches, self.device),  # beam search's forks
+        )
         self._register()
 
     def _register(self) -> None:
         # Hooks run in this order: prompt logprobs while a KV save's copies still run,
         # KV loads before the drafts, the stage's spans last.
         optional = (*self._per_request, self._kv, self._draft, self.stage)
-        features: list[StepFeature] = [BlockCopyFeature(self._kv_caches, self.device)]
-        features += [f for f in optional if f is not None]
+        features: list[StepFeature] = [f for f in optional if f is not None]
         self.features = StepFeatures(features)
 
     def _kv_caches(self) -> list[torch.Tensor]:
