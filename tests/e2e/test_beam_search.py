@@ -191,3 +191,18 @@ def test_abort_frees_every_beam(llm: LLM) -> None:
     kv.check_integrity()
     assert kv.num_free_blocks == kv.num_blocks and not engine.scheduler.requests
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.slow  # two worker processes
+def test_tensor_parallel_beams_match_transformers(model: Any) -> None:
+    """TP=2 ranks each copy their shard of a forked block; the beams stay transformers'."""
+    hf_model, path = model
+    llm = LLM(str(path), dtype="float32", device="cpu", num_threads=1, num_blocks=64,
+              block_size=4, tensor_parallel_size=2)  # fmt: skip
+    try:
+        ids = list(llm.tokenizer.encode(PROMPTS[0]))
+        expected = hf_beams(hf_model, ids, None, num_beams=3, num_return_sequences=2)
+        out = llm.generate([ids], params(2, 3, None))[0]
+        assert [list(c.token_ids) for c in out.outputs] == expected
+    finally:
+        llm.close()
