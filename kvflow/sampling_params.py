@@ -160,7 +160,12 @@ def _validate_beam_search(params: SamplingParams, beam: BeamSearch) -> None:
         "early_stopping",
         f"must be true, false or 'never', got {beam.early_stopping!r}",
     )
-    _check(-1e6 < beam.length_penalty < 1e6, "length_penalty", f"got {beam.length_penalty}")
+    # Beyond this, length ** length_penalty leaves float range for long outputs.
+    _check(
+        -50.0 <= beam.length_penalty <= 50.0,
+        "length_penalty",
+        f"must be in [-50, 50], got {beam.length_penalty}",
+    )
     for name, default in _NOT_WITH_BEAM_SEARCH:
         value = getattr(params, name)
         off = value == default or (name == "top_k" and value == -1)
