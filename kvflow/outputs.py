@@ -25,6 +25,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None  # beam search: the beam's logprob sum
 
     @property
     def finished(self) -> bool:
@@ -67,6 +68,7 @@ class BeamSearchSequence:
 
     tokens: list[int]
     text: str
+    cum_logprob: float = 0.0  # the output tokens' logprob sum (no length penalty)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

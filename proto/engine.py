@@ -50,6 +50,7 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # kvflow.errors.REJECTIONS' codes ("queue_full" -> 429, "queue_timeout" -> 503).
     error_code: str | None = None
     error_param: str | None = None  # set when the request itself was at fault (a 400)
+    cumulative_logprob: float | None = None  # beam search: the returned beam's logprob sum
 
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -27,6 +27,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc
     error: str | None = None
     error_code: str | None = None  # TokenDelta.error_code, passed on
     error_param: str | None = None  # the request field at fault: a 400, not a 500
+    cumulative_logprob: float | None = None  # TokenDelta.cumulative_logprob, passed on
 
 
 class FrontendOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

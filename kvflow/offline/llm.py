@@ -113,8 +113,9 @@ class LLM:
             for completion in output.outputs:
                 tokens = output.prompt_token_ids + completion.token_ids
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                logprob = completion.cumulative_logprob or 0.0
                 reason, stop = completion.finish_reason, completion.stop_reason
-                sequences.append(BeamSearchSequence(tokens, text, reason, stop))
+                sequences.append(BeamSearchSequence(tokens, text, logprob, reason, stop))
             results.append(BeamSearchOutput(sequences))
         return results
 

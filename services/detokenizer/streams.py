@@ -133,6 +133,7 @@ class DetokenizerStreams:
             error=delta.error,
             error_code=delta.error_code,
             error_param=delta.error_param,
+            cumulative_logprob=delta.cumulative_logprob,
         )
         if delta.logprobs:
             out.logprobs = delta.logprobs

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvflow.errors import InvalidRequestError
+from kvflow.proto.engine import TokenDelta
 from kvflow.proto.step import CachedRequestData, StepResult
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.scheduler.beam_search import BeamSearch
@@ -81,6 +82,7 @@ class BeamSearchFeature(StepFeature):
         self._copies: list[list[int]] = []  # for the next plan
         self._next_token: dict[str, int] = {}  # continuing beam -> its token, for the worker
         self.num_forks = 0  # forks that shared KV blocks (tests, stats)
+        self._logprobs: dict[str, float] = {}  # finished result -> its beam's logprob sum
 
     # ---- arrival -------------------------------------------------------------------
 
@@ -219,6 +221,12 @@ class BeamSearchFeature(StepFeature):
             else:
                 output.status = RequestStatus.FINISHED_LENGTH
             events.finished.append((output, list(hypothesis.token_ids)))
+            self._logprobs[output.request_id] = float(hypothesis.logprob)
+
+    def on_delta(self, delta: TokenDelta, first: bool) -> None:
+        logprob = self._logprobs.pop(delta.req_id, None)
+        if logprob is not None:
+            delta.cumulative_logprob = logprob
 
     # ---- leaving -------------------------------------------------------------------
 
@@ -248,6 +256,7 @@ class BeamSearchFeature(StepFeature):
     def on_finish(self, request: Request) -> None:
         group = self.groups.pop(request.request_id, None)
         self._next_token.pop(request.request_id, None)
+        self._logprobs.pop(request.request_id, None)
         if group is None:
             return
         self._forming.pop(group.parent_id, None)  # a member left: it cannot start

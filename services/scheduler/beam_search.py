@@ -48,6 +48,7 @@ class Hypothesis:
 
     token_ids: list[int]
     score: np.float32  # length-penalised
+    logprob: np.float32  # the tokens' logprob sum
     stopped: bool  # ended on a stop token (else on the length limit)
 
 
@@ -126,7 +127,8 @@ class BeamSearch:
                 continue
             tokens = generated[candidate.parent] + [candidate.token_id]
             score = np.float32(candidate.score / length)
-            self.finished.append(Hypothesis(tokens, score, stops(candidate.token_id)))
+            stopped = stops(candidate.token_id)
+            self.finished.append(Hypothesis(tokens, score, candidate.score, stopped))
             added = True
         if added:
             self.finished.sort(key=lambda h: -h.score)

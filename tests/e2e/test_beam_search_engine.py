@@ -48,8 +48,11 @@ def model(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) ->
     return hf_model, path
 
 
-def hf_beams(hf_model: Any, prompt: list[int], stop_id: int | None, **beam: Any) -> list[list[int]]:
-    """transformers' returned sequences (generated tokens only, up to the stop token)."""
+def hf_search(
+    hf_model: Any, prompt: list[int], stop_id: int | None, **beam: Any
+) -> tuple[list[list[int]], list[float]]:
+    """transformers' returned sequences (generated tokens only, up to the stop token) and
+    their scores."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = hf_model.generate(
@@ -58,7 +61,14 @@ def hf_beams(hf_model: Any, prompt: list[int], stop_id: int | None, **beam: Any)
             return_dict_in_generate=True, output_scores=True, **beam,
         )  # fmt: skip
     lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
-    return [seq[len(prompt) : len(prompt) + n] for seq, n in zip(out.sequences.tolist(), lengths)]
+    sequences = out.sequences.tolist()
+    return [s[len(prompt) : len(prompt) + n] for s, n in zip(sequences, lengths)], (
+        out.sequences_scores.tolist()
+    )
+
+
+def hf_beams(hf_model: Any, prompt: list[int], stop_id: int | None, **beam: Any) -> list[list[int]]:
+    return hf_search(hf_model, prompt, stop_id, **beam)[0]
 
 
 def params(n: int, width: int, stop_id: int | None, **beam: Any) -> SamplingParams:
@@ -105,10 +115,15 @@ def test_matches_transformers(
         stop_id = None
         if stop:  # a token the free search writes early, so that some beams stop on it
             stop_id = hf_beams(hf_model, ids, None, num_beams=width, **beam)[0][2]
-        expected = hf_beams(hf_model, ids, stop_id, num_beams=width, num_return_sequences=n, **beam)
+        expected, hf_scores = hf_search(
+            hf_model, ids, stop_id, num_beams=width, num_return_sequences=n, **beam
+        )
         out = llm.generate([ids], params(n, width, stop_id, **beam))[0]
         got = [list(c.token_ids) for c in out.outputs]
         assert got == expected, (prompt, got, expected)
+        # The beams' logprob sums: transformers' scores times length ** length_penalty.
+        scores = [c.cumulative_logprob / len(c.token_ids) ** length_penalty for c in out.outputs]
+        assert scores == pytest.approx(hf_scores, rel=1e-4, abs=1e-4)
         if stop:
             if length_penalty <= 1.0:  # (a penalty > 1 may prefer the beams that go on)
                 assert any(seq[-1] == stop_id for seq in got)
@@ -127,6 +142,7 @@ def test_llm_beam_search_api(llm: LLM, model: Any) -> None:
     assert [s.tokens[len(ids) :] for s in output.sequences] == expected
     assert all(s.tokens[: len(ids)] == ids for s in output.sequences)
     assert output.sequences[0].text == llm.tokenizer.decode(output.sequences[0].tokens)
+    assert output.sequences[0].cum_logprob > output.sequences[2].cum_logprob
 
 
 def _beam_ids(llm: LLM) -> list[str]:
