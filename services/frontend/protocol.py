@@ -104,7 +104,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     # Beam search (vLLM's names): best_of (completions) or n beams; n results.
     use_beam_search: bool = False
     length_penalty: float | None = None
-    early_stopping: bool | None = None
+    early_stopping: bool | Literal["never"] | None = None
     kv_transfer_params: KVTransferParams | None = None  # P/D: where the prompt's KV comes from
 
     @property

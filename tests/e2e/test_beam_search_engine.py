@@ -13,6 +13,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.sampling_params import BeamSearch, BeamSearchParams
+from kvflow.services.scheduler.beam_feature import BeamSearchFeature
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 10
@@ -168,6 +169,8 @@ def test_beams_share_prompt_blocks_and_copy_only_the_partial_one(model: Any) -> 
     assert kv.num_blocks - kv.num_free_blocks == 2 + width  # not 3 * width
     shared = kv.block_pool.blocks[tables[0][0]]
     assert shared.ref_cnt == width
+    feature = engine.scheduler.feature(BeamSearchFeature)
+    assert feature is not None and feature.num_forks == width - 1
     kv.check_integrity()
     engine.step()  # the forks' first step: their copies are made, one token each
     # Computed: the prompt once, then one token per beam per step (no recompute).

@@ -50,6 +50,8 @@ def status_and_param(**body: Any) -> tuple[int, str | None]:
 def test_use_beam_search_fields() -> None:
     params = completion_params(use_beam_search=True, n=2, best_of=4, length_penalty=0.5,
                                early_stopping=True)  # fmt: skip
+    never = completion_params(use_beam_search=True, early_stopping="never").beam_search
+    assert never is not None and never.early_stopping == "never"
     assert params.n == 2 and params.temperature == 0.0  # 0 unless one is given
     assert params.beam_search == BeamSearch(beam_width=4, length_penalty=0.5, early_stopping=True)
     assert completion_params(use_beam_search=True, n=3).beam_search.beam_width == 3  # type: ignore[union-attr]
