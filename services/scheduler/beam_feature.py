@@ -14,7 +14,9 @@ top-K logprobs. One round::
             (one more reference each) and copies only its partial last block (the next
             plan's `kv_block_copies`, made by the worker before the forward); the fork
             enters at the waiting queue's front holding its KV, so only its new token
-            is computed (without blocks to spare it recomputes, on prefix-cache hits)
+            is computed. When the pool lacks the forks' blocks, every next beam
+            recomputes instead (on prefix-cache hits): no beam holds KV while a
+            sibling waits for blocks
         a parent without children leaves, freeing what no other beam shares
     when the search ends: the results take the best hypotheses, the beams leave
 
@@ -176,13 +178,17 @@ class BeamSearchFeature(StepFeature):
             first_child.setdefault(continuation.parent, i)
         for parent, beam in enumerate(beams):
             if parent not in first_child:  # its KV goes now: the forks may need the room
-                self.kv_cache.free(beam.request_id)
-                events.dropped.append(beam)
-        new_beams: list[Request] = []
-        for i, continuation in enumerate(nexts):
-            parent = beams[continuation.parent]
-            if first_child[continuation.parent] != i:
-                new_beams.append(self._fork(group, parent, continuation.token_id, events))
+                self._drop(beam, events)
+        forks = [(i, c) for i, c in enumerate(nexts) if first_child[c.parent] != i]
+        if not self._forks_fit([beams[c.parent] for _, c in forks]):
+            # Every next beam recomputes instead (its full blocks are prefix-cache hits),
+            # so that no beam holds KV while a sibling waits for blocks.
+            group.beams = [self._fork(group, beams[c.parent], c.token_id, events, False)
+                           for c in nexts]  # fmt: skip
+            for parent in first_child:
+                self._drop(beams[parent], events)
+            return
+        new_beams = [self._fork(group, beams[c.parent], c.token_id, events) for _, c in forks]
         for i, continuation in enumerate(nexts):  # after the forks: they copy the parent
             if first_child[continuation.parent] == i:
                 parent = beams[continuation.parent]
@@ -191,23 +197,43 @@ class BeamSearchFeature(StepFeature):
                 new_beams.insert(i, parent)
         group.beams = new_beams
 
+    def _forks_fit(self, parents: list[Request]) -> bool:
+        """Whether the pool has the blocks of these forks: each a copy of its parent's
+        partial block (or none at a boundary) and room for its new token."""
+        block_size = self.kv_cache.block_size
+        needed = sum(
+            -(-(p.num_computed_tokens + 1) // block_size) - p.num_computed_tokens // block_size
+            for p in parents
+        )
+        return needed <= self.kv_cache.num_free_blocks
+
     def _fork(
-        self, group: BeamGroup, parent: Request, token_id: int, events: ResultEvents
+        self,
+        group: BeamGroup,
+        parent: Request,
+        token_id: int,
+        events: ResultEvents,
+        share: bool = True,  # False: the child recomputes its KV
     ) -> Request:
         child = group.new_beam(parent, [*parent.output_token_ids, token_id])
         self.groups[child.request_id] = group
-        copies = self.kv_cache.fork(parent, child.request_id)
-        if copies is not None:  # else it recomputes (its full blocks are prefix hits)
+        if share:
+            copies = self.kv_cache.fork(parent, child.request_id)
+            assert copies is not None, "_forks_fit counted the blocks"
             child.num_computed_tokens = parent.num_computed_tokens
             self._copies += copies
             self.num_forks += 1
         events.requeue.append(child)
         return child
 
+    def _drop(self, beam: Request, events: ResultEvents) -> None:
+        """The beam leaves; its KV goes now (the scheduler's release finds none)."""
+        self.kv_cache.free(beam.request_id)
+        events.dropped.append(beam)
+
     def _finish(self, group: BeamGroup, events: ResultEvents) -> None:
         for beam in group.beams:
-            self.kv_cache.free(beam.request_id)
-            events.dropped.append(beam)
+            self._drop(beam, events)
         group.beams = []
         hypotheses = group.search.best(len(group.outputs))
         for index, output in sorted(group.outputs.items()):
