@@ -21,9 +21,11 @@ top-K logprobs. One round::
     when the search ends: the results take the best hypotheses, the beams leave
 
 Steps in flight: a beam takes no step while its sample is out, so async scheduling
-runs beams one step at a time (other requests still overlap). Preempting any beam
-preempts its whole group (`companions`): the round restarts on recomputed beams, so
-held beams never keep blocks a preempted sibling needs. Aborting any result aborts it all.
+runs beams one step at a time (other requests still overlap). Progress under a full
+cache: preempting any beam preempts its whole group (`companions`) and the round restarts
+on recomputed beams; later beams are admitted first (`Request.expedite`); and a step
+that can run nothing while reported beams wait preempts those groups (`end_step`).
+Aborting any result aborts it all.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class BeamGroup:
             max_tokens=template.max_tokens,
         )
         beam.all_token_ids.extend(output_ids)
+        beam.expedite = bool(output_ids)  # a later beam: the search is under way
         return beam
 
     def members(self) -> list[Request]:
@@ -84,6 +87,8 @@ class BeamSearchFeature(StepFeature):
         self._copies: list[list[int]] = []  # for the next plan
         self._next_token: dict[str, int] = {}  # continuing beam -> its token, for the worker
         self.num_forks = 0  # forks that shared KV blocks (tests, stats)
+        self.num_recomputed_rounds = 0  # rounds whose forks did not fit the pool
+        self.num_stall_preemptions = 0  # groups preempted because nothing could run
         self._logprobs: dict[str, float] = {}  # finished result -> its beam's logprob sum
 
     # ---- arrival -------------------------------------------------------------------
@@ -145,6 +150,16 @@ class BeamSearchFeature(StepFeature):
 
     def end_step(self, step: StepBuilder) -> None:
         step.kv_block_copies, self._copies = self._copies, []
+        if step.scheduled or step.preempted:
+            return
+        # Nothing could run: beams that reported may hold the blocks their waiting
+        # siblings need. Preempting every such group frees them all; the queue's first
+        # group then fits the cache alone (`_check_fits`), and so on.
+        for group in {id(g): g for g in self.groups.values()}.values():
+            held = [b for b in group.beams if b.request_id in group.reports]
+            if held and any(b.status != RequestStatus.RUNNING for b in group.beams):
+                step.to_preempt.append(held[0])  # the group's others go with it
+                self.num_stall_preemptions += 1
 
     # ---- results -------------------------------------------------------------------
 
@@ -158,6 +173,7 @@ class BeamSearchFeature(StepFeature):
             events.taken.add(req_id)
             beam = next(b for b in group.beams if b.request_id == req_id)
             beam.num_output_placeholders = 0
+            beam.expedite = True  # the search is under way (if it recomputes, first)
             top = result.logprobs[index][0]  # [0] is the worker's own sample
             group.reports[req_id] = list(zip(top.token_ids[1:], top.logprobs[1:]))
             if len(group.reports) == len(group.beams):
@@ -185,6 +201,7 @@ class BeamSearchFeature(StepFeature):
             # so that no beam holds KV while a sibling waits for blocks.
             group.beams = [self._fork(group, beams[c.parent], c.token_id, events, False)
                            for c in nexts]  # fmt: skip
+            self.num_recomputed_rounds += 1
             for parent in first_child:
                 self._drop(beams[parent], events)
             return

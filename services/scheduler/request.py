@@ -101,6 +101,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.grammar: RequestGrammar | None = None  # guided decoding: set once compiled
+        # Part of a request already under way (a beam search's later beams): admitted
+        # before the queue's other requests (prefill_order.py), which it does not outrun.
+        self.expedite = False
 
     @property
     def num_tokens(self) -> int:

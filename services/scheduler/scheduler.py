@@ -90,8 +90,7 @@ class Scheduler:
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
         """Abort (or stop, for stop strings) requests from outside the step loop."""
         finished: list[Request] = []
-        # A missing id already finished (aborts race with completion); companions (a
-        # beam search's other requests) go too.
+        # A missing id already finished (aborts race completion); companions go too.
         pending = [r for req_id in req_ids if (r := self.requests.get(req_id)) is not None]
         while pending:
             request = pending.pop(0)
@@ -139,6 +138,8 @@ class Scheduler:
                 f.on_scheduled(request, num_tokens, step)
         for f in self.features:
             f.end_step(step)
+        for request in step.to_preempt:  # a feature's call (beams that would stall)
+            self._preempt(request, step)
         self._step_id += 1
         plan = StepPlan(
             step_id=self._step_id,
@@ -377,9 +378,9 @@ class Scheduler:
         self._worker_forget.append(request.request_id)
 
     def preempt_all(self) -> int:
-        """The worker died with every KV block: put each running request back at the
-        front of the queue (in order) to recompute prompt and outputs, and forget every
-        cached prefix (its KV is gone). Returns how many requests were running."""
+        """The worker died with every KV block: each running request goes back to the
+        queue's front (in order) to recompute, every cached prefix is forgotten (its KV is
+        gone). Returns how many requests were running."""
         running, self.running = self.running, []
         for request in reversed(running):  # push_front: the oldest ends up first
             self.kv_cache.free(request.request_id, step_discarded=True)

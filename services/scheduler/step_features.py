@@ -46,6 +46,7 @@ class StepBuilder:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     scheduled: dict[str, int] = field(default_factory=dict)  # req_id -> tokens, batch order
     preempted: list[Request] = field(default_factory=list)
+    to_preempt: list[Request] = field(default_factory=list)  # running; by features, at the end
     # The plan's feature fields, filled by the features.
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> drafts
     forced_token_ids: dict[str, list[int]] = field(default_factory=dict)  # jump-forward

@@ -225,3 +225,31 @@ def test_tensor_parallel_beams_match_transformers(model: Any) -> None:
         assert [list(c.token_ids) for c in out.outputs] == expected
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_groups_competing_for_a_small_cache_keep_their_beams(
+    model: Any, async_scheduling: bool
+) -> None:
+    """Two searches and a plain request in a cache that holds each alone but not all at
+    once: forks that do not fit make their round recompute, beams get preempted, and
+    every output is the one an ample cache gives; nothing is left held."""
+    _, path = model
+    prompts = [list(range(5, 11)), list(range(11, 20)), [20, 21, 22]]
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    beams = [SamplingParams(n=2, temperature=0.0, max_tokens=12, ignore_eos=True,
+                            beam_search=BeamSearch(beam_width=w)) for w in (3, 2)]  # fmt: skip
+    results, pressure = [], 0
+    for num_blocks in (64, 13):
+        llm = LLM(str(path), dtype="float32", device="cpu", num_threads=1, block_size=4,
+                  num_blocks=num_blocks, async_scheduling=async_scheduling)  # fmt: skip
+        outputs = llm.generate(prompts, [*beams, plain])
+        results.append([[list(c.token_ids) for c in o.outputs] for o in outputs])
+        kv = llm.engine.kv_cache
+        kv.check_integrity()
+        assert kv.num_free_blocks == num_blocks and not llm.engine.scheduler.requests
+        feature = llm.engine.scheduler.feature(BeamSearchFeature)
+        assert feature is not None
+        pressure = llm.engine.scheduler.num_preemptions + feature.num_recomputed_rounds
+    assert results[0] == results[1]
+    assert pressure > 0  # the small cache did push back

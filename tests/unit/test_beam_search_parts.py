@@ -171,3 +171,22 @@ def test_search_keeps_the_best_beams_and_ends_when_nothing_can_improve() -> None
     top = [[(9, -0.1), (4, -5.0)], [(9, -0.1), (4, -6.0)]]
     assert search.step(top, [[1], [2]], stop) == [] and search.done
     assert [h.token_ids for h in search.best(2)] == [[1, 9], [9]]  # -0.1 and -0.2
+
+
+@pytest.mark.parametrize("order", ["fcfs", "shortest"])
+def test_a_started_searchs_beams_are_admitted_first(order: str) -> None:
+    """A beam its siblings wait for goes before the queue's head (which may be waiting
+    for blocks those siblings hold)."""
+    from kvflow.services.scheduler.prefill_order import PrefillOrder
+    from kvflow.services.scheduler.request import Request
+    from kvflow.services.scheduler.request_queue import make_request_queue
+
+    queue = make_request_queue("fcfs")
+    params = SamplingParams(max_tokens=4)
+    head, beam, tail = (Request(i, [1] * n, params, max_tokens=4) for i, n in
+                        (("head", 3), ("beam", 9), ("tail", 2)))  # fmt: skip
+    beam.expedite = True
+    for request in (head, beam, tail):
+        queue.push(request)
+    first = next(iter(PrefillOrder(order).admission_order(queue)))
+    assert first is beam
