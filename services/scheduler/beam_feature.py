@@ -159,6 +159,8 @@ class BeamSearchFeature(StepFeature):
             held = [b for b in group.beams if b.request_id in group.reports]
             if held and any(b.status != RequestStatus.RUNNING for b in group.beams):
                 step.to_preempt.append(held[0])  # the group's others go with it
+                for beam in group.beams:  # the siblings they waited for go first now
+                    beam.expedite = beam.status != RequestStatus.RUNNING
                 self.num_stall_preemptions += 1
 
     # ---- results -------------------------------------------------------------------

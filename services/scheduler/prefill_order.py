@@ -4,7 +4,8 @@ Sans-IO: it reads request counters and returns an order; the scheduler allocates
 blocks and builds the plan.
 
 - Either order first tries the requests that are part of one already under way
-  (`Request.expedite`: a beam search's later beams, which its other beams wait for).
+  (`Request.expedite`: a beam search's later beams, which its other beams wait for),
+  those that already hold their KV (and so take no blocks) first.
 - Order `fcfs` admits the waiting queue as it stands (arrival order, preempted first).
 - Order `shortest` admits the fewest remaining prompt tokens first within the step's
   budget: with mixed lengths, short prompts stop queueing behind long ones, which cuts
@@ -56,6 +57,7 @@ class PrefillOrder:
         shortest, the head `WINDOW` deep, sorted."""
         if self.order == "fcfs":
             expedited = [r for r in itertools.islice(waiting, WINDOW) if r.expedite]
+            expedited.sort(key=lambda r: r.num_computed_tokens == 0)  # KV held: no blocks
             return itertools.chain(expedited, _queue_head(waiting))
         window = list(itertools.islice(waiting, WINDOW))
         self._window = window
@@ -65,8 +67,10 @@ class PrefillOrder:
     def _sort_key(self, request: Request, position: int) -> tuple[int, int, int]:
         resuming = request.status != RequestStatus.WAITING or request.num_computed_tokens > 0
         starved = self._bypasses.get(request.request_id, 0) >= MAX_BYPASSES
-        if request.expedite or resuming or starved:  # queue order among those that go first
-            return (0 if request.expedite else 1, 0, position)
+        if request.expedite:  # those holding KV (they take no blocks) first
+            return (0, int(request.num_computed_tokens == 0), position)
+        if resuming or starved:  # queue order among the ones that go next
+            return (1, 0, position)
         return (2, remaining_prompt_tokens(request), position)
 
     def on_admitted(self, admitted: list[Request]) -> None:
