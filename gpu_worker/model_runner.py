@@ -36,6 +36,7 @@ import torch
 from kvflow.config import CacheConfig, DeviceConfig, ModelConfig
 from kvflow.errors import ConfigError
 from kvflow.gpu_worker.attn_metadata import forward_context
+from kvflow.gpu_worker.block_copy import BlockCopyFeature
 from kvflow.gpu_worker.cpu_graphs import CpuDecodeGraphs, make_cpu_decode_graphs
 from kvflow.gpu_worker.denormals import flush_denormals_on_cpu
 from kvflow.gpu_worker.draft_feature import DraftModelFeature
@@ -139,7 +140,11 @@ class ModelRunner:
         self.verifier.draft_model = draft
         self._draft = draft
         self._kv: KVConnectorFeature | None = None  # bound with the KV cache
-        self._per_request = (GrammarFeature(), PromptLogprobsFeature(self.batch))
+        self._per_request = (
+            GrammarFeature(),
+            PromptLogprobsFeature(self.batch),
+            BlockCopyFeature(self._kv_caches, self.device),  # beam search's forks
+        )
         # The pooling runner (config.py keeps stages, drafts and KV transfer away).
         pooling = engine_pooling(config.model.runner, config.model_dir, config.model.pooler_config)
         self.pooler = None if pooling is None else PoolingFeature(pooling)
@@ -154,6 +159,11 @@ class ModelRunner:
         optional = (self.images, *self._per_request, self._kv, self._draft, self.stage, self.pooler)
         features: list[StepFeature] = [f for f in optional if f is not None]
         self.features = StepFeatures(features)
+
+    def _kv_caches(self) -> list[torch.Tensor]:
+        """Every KV cache tensor a block id indexes: the model's and the draft model's."""
+        models = [self.model] + ([self.drafter.model] if self.drafter is not None else [])
+        return [layer.kv_cache for model in models for layer in model.attention_layers()]
 
     @property
     def kv_connector(self) -> KVConnectorWorker | None:

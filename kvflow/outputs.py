@@ -25,6 +25,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None  # beam search: the beam's logprob sum
 
     @property
     def finished(self) -> bool:
@@ -77,3 +78,22 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam of `LLM.beam_search`: prompt and output tokens, and the text of
+    both (vLLM's shape)."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float = 0.0  # the output tokens' logprob sum (no length penalty)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beams, best first."""
+
+    sequences: list[BeamSearchSequence]

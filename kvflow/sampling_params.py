@@ -7,15 +7,23 @@ crosses process boundaries as MessagePack unchanged. `validate_sampling_params()
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from kvflow.errors import InvalidRequestError
-from kvflow.proto.sampling import KVTransferParams, SamplingParams, StructuredOutputsParams
+from kvflow.proto.sampling import (
+    BeamSearch,
+    KVTransferParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __all__ = [
     "MAX_LOGPROBS",
+    "BeamSearch",
+    "BeamSearchParams",
     "InvalidSamplingParams",
     "KVTransferParams",
     "SamplingParams",
@@ -30,6 +38,36 @@ __all__ = [
 
 # Upper bound on top-N logprobs per token (OpenAI allows 20 for chat, 5 for completions).
 MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """`LLM.beam_search`'s parameters (vLLM's names). `early_stopping` is transformers'
+    rule for when the search ends (True, False or "never"). Every beam is returned."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # must be 0: the search ranks the model's logprobs
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        search = BeamSearch(
+            beam_width=self.beam_width,
+            num_outputs=self.beam_width,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+        )
+        return SamplingParams(
+            n=self.beam_width,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=self.temperature,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            beam_search=search,
+        )
 
 
 class InvalidSamplingParams(InvalidRequestError):
@@ -93,6 +131,45 @@ def validate_sampling_params(params: SamplingParams, vocab_size: int | None = No
         validate_structured_outputs(params.structured_outputs)
     if params.stop is not None:
         _check(all(s for s in params.stop), "stop", "stop strings must be non-empty")
+    if params.beam_search is not None:
+        _validate_beam_search(params, params.beam_search)
+
+
+# Fields that edit or constrain sampling; beam search ranks the model's raw logprobs.
+_NOT_WITH_BEAM_SEARCH = (
+    ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("min_tokens", 0),
+    ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+    ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None),
+    ("structured_outputs", None), ("logprobs", None), ("prompt_logprobs", None),
+)  # fmt: skip
+
+
+def _validate_beam_search(params: SamplingParams, beam: BeamSearch) -> None:
+    """vLLM's rules for `use_beam_search` (temperature 0, n <= best_of), and no field
+    the search would ignore."""
+    _check(beam.beam_width >= 1, "best_of", f"beam width must be >= 1, got {beam.beam_width}")
+    _check(
+        params.n <= beam.beam_width and beam.num_outputs <= beam.beam_width,
+        "best_of",
+        f"best_of must be greater than or equal to n, got n={max(params.n, beam.num_outputs)} "
+        f"and best_of={beam.beam_width}",
+    )
+    _check(params.greedy, "temperature", "temperature must be 0 when using beam search")
+    _check(
+        beam.early_stopping in (True, False, "never"),
+        "early_stopping",
+        f"must be true, false or 'never', got {beam.early_stopping!r}",
+    )
+    # Beyond this, length ** length_penalty leaves float range for long outputs.
+    _check(
+        -50.0 <= beam.length_penalty <= 50.0,
+        "length_penalty",
+        f"must be in [-50, 50], got {beam.length_penalty}",
+    )
+    for name, default in _NOT_WITH_BEAM_SEARCH:
+        value = getattr(params, name)
+        off = value == default or (name == "top_k" and value == -1)
+        _check(off, name, f"is not used with beam search (got {value!r})")
 
 
 def _validate_token_ids(params: SamplingParams, vocab_size: int | None) -> None:
@@ -157,6 +234,9 @@ def truncate_prompt(token_ids: list[int], params: SamplingParams, max_model_len:
 def child_sampling_params(params: SamplingParams, index: int) -> SamplingParams:
     """Sample `index` of n runs as its own request: n=1, and a seeded request's samples
     get seeds seed+index, so they differ from each other yet stay reproducible."""
+    if params.beam_search is not None:  # one search; each request takes one result
+        beam = msgspec.structs.replace(params.beam_search, num_outputs=params.n)
+        return msgspec.structs.replace(params, n=1, beam_search=beam)
     if params.n == 1:
         return params
     seed = None if params.seed is None else params.seed + index

@@ -58,6 +58,7 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     error_code: str | None = None
     error_param: str | None = None  # set when the request itself was at fault (a 400)
     pooled: bytes = b""  # the pooling runner's vector (StepResult.pooled), with the final delta
+    cumulative_logprob: float | None = None  # beam search: the returned beam's logprob sum
 
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

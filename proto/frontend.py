@@ -31,6 +31,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc
     # detokenizer sent it, for the request-level metrics' `engine` label.
     engine_index: int = -1
     pooled: bytes = b""  # the pooling runner's float32 vector (TokenDelta.pooled), passed on
+    cumulative_logprob: float | None = None  # TokenDelta.cumulative_logprob, passed on
 
 
 class FrontendOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

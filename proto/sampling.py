@@ -58,6 +58,19 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return "json_object"
 
 
+class BeamSearch(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Beam search (vLLM's `use_beam_search`): `beam_width` beams explore the output,
+    and the best `num_outputs` finished ones are returned, one per engine request
+    ("<id>#<index>", as for n samples). `length_penalty` divides a finished beam's
+    logprob by its length ** length_penalty; `early_stopping` (True, False or "never")
+    is transformers' rule for when the search ends."""
+
+    beam_width: int
+    num_outputs: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     n: int = 1
     max_tokens: int | None = 16
@@ -88,6 +101,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     speculative: bool = True  # False: never speculate for this request (opt-out)
     # Disaggregated prefill/decode: where this request's prompt KV comes from.
     kv_transfer_params: KVTransferParams | None = None
+    beam_search: BeamSearch | None = None  # the engine searches instead of sampling
 
     @property
     def greedy(self) -> bool:

@@ -71,6 +71,9 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc
     # a model step (its grammar allowed nothing else). The worker appends them to the
     # request's known tokens before this step; a later step computes their KV.
     forced_token_ids: dict[str, list[int]] = {}
+    # Copy-on-write of KV blocks (beam search): [source, destination] block id pairs the
+    # worker copies, in every layer, before this step's forward.
+    kv_block_copies: list[list[int]] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:

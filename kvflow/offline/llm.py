@@ -12,9 +12,20 @@ from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError, InvalidRequestError
 from kvflow.heap import heap_frozen_while, keep_freed_memory
 from kvflow.offline.engine import LLMEngine
-from kvflow.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from kvflow.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 from kvflow.pooling import PoolingParams, check_dimensions, embedding_vector
-from kvflow.sampling_params import SamplingParams, truncate_prompt, validate_sampling_params
+from kvflow.sampling_params import (
+    BeamSearchParams,
+    SamplingParams,
+    truncate_prompt,
+    validate_sampling_params,
+)
 from kvflow.tokenizer import Conversation, apply_chat_template
 
 # A text prompt, token ids, or {"prompt": text or ids, "multi_modal_data": {"image": a
@@ -171,6 +182,29 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: Sequence[Prompt | dict[str, Any]],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (a string, token ids, or vLLM's {"prompt": ...} /
+        {"prompt_token_ids": [...]}); every beam comes back, best first."""
+        prompt_list = [_unwrap_prompt(p) for p in prompts]
+        outputs = self.generate(prompt_list, params.to_sampling_params(), use_tqdm=use_tqdm)
+        results = []
+        for output in outputs:
+            sequences = []
+            for completion in output.outputs:
+                tokens = output.prompt_token_ids + completion.token_ids
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                logprob = completion.cumulative_logprob or 0.0
+                reason, stop = completion.finish_reason, completion.stop_reason
+                sequences.append(BeamSearchSequence(tokens, text, logprob, reason, stop))
+            results.append(BeamSearchOutput(sequences))
+        return results
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm)
@@ -195,6 +229,14 @@ class LLM:
 def _failure(message: str, param: str | None) -> Exception:
     """A request the engine failed: its own fault (a field named), else the engine's."""
     return InvalidRequestError(message, param=param) if param else RuntimeError(message)
+
+
+def _unwrap_prompt(prompt: Prompt | dict[str, Any]) -> Prompt:
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    return str(prompt["prompt"])
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -79,6 +79,8 @@ def _extend(sample: _Sample, delta: RequestOutputDelta) -> None:
         prompt += _logprob_dicts(delta.prompt_logprobs, delta.prompt_logprob_tokens)
         parent.prompt_logprobs = prompt
     parent.num_cached_tokens = delta.num_cached_tokens
+    if delta.cumulative_logprob is not None:
+        completion.cumulative_logprob = delta.cumulative_logprob
     if delta.finish_reason is not None:
         completion.finish_reason = delta.finish_reason
         completion.stop_reason = delta.stop_reason

@@ -137,6 +137,7 @@ class DetokenizerStreams:
             error_code=delta.error_code,
             error_param=delta.error_param,
             pooled=delta.pooled,
+            cumulative_logprob=delta.cumulative_logprob,
         )
         if delta.logprobs:
             out.logprobs = delta.logprobs

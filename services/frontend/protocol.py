@@ -22,7 +22,12 @@ from msgspec import Meta
 
 from kvflow.errors import InvalidRequestError
 from kvflow.proto.sampling import KVTransferParams
-from kvflow.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from kvflow.sampling_params import (
+    MAX_LOGPROBS,
+    BeamSearch,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from kvflow.services.frontend.json_limits import check_json_limits
 from kvflow.services.frontend.structured_fields import GuidedFields, resolve_structured_outputs
 from kvflow.services.frontend.tool_calling import ToolChoice, ToolSpec, tool_guide
@@ -96,6 +101,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # accepted and ignored: xgrammar decides
     speculative: bool = True  # kvflow: false opts this request out of speculative decoding
+    # Beam search (vLLM's names): best_of (completions) or n beams; n results.
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
     kv_transfer_params: KVTransferParams | None = None  # P/D: where the prompt's KV comes from
 
     @property
@@ -103,14 +112,21 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         return bool(self.stream_options is not None and self.stream_options.include_usage)
 
     def _sampling_params(
-        self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        best_of: int | None = None,
     ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        beam_search = self._beam_search(best_of)
         return SamplingParams(
             n=_or(self.n, 1),
             max_tokens=max_tokens,
             min_tokens=_or(self.min_tokens, 0),
-            temperature=_or(self.temperature, 1.0),
+            # Beam search ranks the model's logprobs: temperature 0 unless one is given.
+            temperature=_or(self.temperature, 1.0 if beam_search is None else 0.0),
             top_k=_or(self.top_k, 0),
             top_p=_or(self.top_p, 1.0),
             min_p=_or(self.min_p, 0.0),
@@ -132,6 +148,31 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             structured_outputs=self._structured_outputs(),
             speculative=self.speculative,
             kv_transfer_params=self.kv_transfer_params,
+            beam_search=beam_search,
+        )
+
+    def _beam_search(self, best_of: int | None) -> BeamSearch | None:
+        """The search vLLM's `use_beam_search` asks for (its other rules, such as
+        temperature 0 and n <= best_of, are the sampling parameters' checks)."""
+        if not self.use_beam_search:
+            for name, value, default in (
+                ("length_penalty", self.length_penalty, 1.0),
+                ("early_stopping", self.early_stopping, False),
+            ):
+                if value not in (None, default):
+                    raise InvalidRequestError(
+                        f"{name} is used only with use_beam_search", param=name
+                    )
+            if best_of is not None and best_of != _or(self.n, 1):
+                raise InvalidRequestError(
+                    "best_of other than n needs use_beam_search (it is the beam width)",
+                    param="best_of",
+                )
+            return None
+        return BeamSearch(
+            beam_width=_or(best_of, _or(self.n, 1)),
+            length_penalty=_or(self.length_penalty, 1.0),
+            early_stopping=_or(self.early_stopping, False),
         )
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
@@ -173,14 +214,15 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != _or(self.n, 1):
-            raise InvalidRequestError("best_of other than n is not supported", param="best_of")
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             # Echoed prompt tokens carry logprobs too (OpenAI's scoring idiom).
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         return self._sampling_params(
-            max_tokens=self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs
+            max_tokens=self.max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            best_of=self.best_of,
         )
 
 

@@ -141,11 +141,13 @@ class EngineCore:
             raise InvalidRequestError(
                 "this engine has no grammar compiler", param="structured_outputs"
             )
+        if guided is None:
+            self.scheduler.add_request(request)  # first: it may refuse (beam search)
+            self.owners[message.req_id] = message.frontend_id
+            self.queue_limits.on_added(now)
+            return
         self.owners[message.req_id] = message.frontend_id
         self.queue_limits.on_added(now)
-        if guided is None:
-            self.scheduler.add_request(request)
-            return
         assert self.grammars is not None
         request.status = RequestStatus.WAITING_FOR_GRAMMAR
         future = self.grammars.submit(guided)
@@ -218,8 +220,9 @@ class EngineCore:
         deltas = []
         for request in finished:
             self._forget(request.request_id)
+            owned = request.request_id in self.owners  # not a feature's own (a beam)
             frontend_id = self.owners.pop(request.request_id, "")
-            if not stopped:
+            if owned and not stopped:
                 deltas.append(self._final_delta(request, "abort", frontend_id))
         return deltas
 

@@ -1,7 +1,7 @@
 """Which step features a scheduler gets, from the engine configuration's pieces.
 
-Prompt logprobs are always on (a request asks for them); jump-forward when the
-scheduler config enables it; speculative decoding, KV transfer, pipeline
+Prompt logprobs and beam search are always on (a request asks for them); jump-forward
+when the scheduler config enables it; speculative decoding, KV transfer, pipeline
 micro-batches and pooling when the deployment has them. The order is the order of the hooks:
 micro-batches first (a busy request is held before a speculator counts a decode).
 Images always travel with their requests (image_inputs.py; a text request costs one
@@ -14,6 +14,7 @@ from kvflow.config import SchedulerConfig
 from kvflow.kv_transfer.scheduler.connector import KVConnectorScheduler
 from kvflow.kv_transfer.scheduler.step_feature import KVTransferFeature
 from kvflow.pooling import PoolingSpec
+from kvflow.services.scheduler.beam_feature import BeamSearchFeature
 from kvflow.services.scheduler.image_inputs import ImageInputsFeature
 from kvflow.services.scheduler.jump_forward import JumpForwardFeature
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
@@ -44,6 +45,7 @@ def make_step_features(
         features.append(KVTransferFeature(kv_connector, kv_cache))
     if config.grammar_jump_forward:
         features.append(JumpForwardFeature(max_model_len))
+    features.append(BeamSearchFeature(kv_cache, config.max_num_seqs))
     features.append(PromptLogprobsFeature())
     if pooling is not None:
         features.append(PoolingFeature(pooling))

@@ -155,6 +155,38 @@ class KVCacheManager:
             self._cache_full_blocks(request, block_ids, num_known, len(hit_ids))
         return appended
 
+    def fork(
+        self, parent: CacheableRequest, child_id: str, num_new_tokens: int = 1
+    ) -> list[list[int]] | None:
+        """Give `child_id` the KV of the parent's computed tokens, copy-on-write::
+
+            parent  [ full ][ full ][ part.. ]        the parent keeps its own blocks
+            child   [ full ][ full ][ copy.. ][ new ]  full blocks shared (one more ref),
+                                                    the partial one copied, room for
+                                                    `num_new_tokens` more
+
+        Returns the [source, destination] block copies the worker must make before the
+        child's first step, or None (nothing changed) when the pool lacks blocks."""
+        assert child_id not in self._req_block_ids, f"{child_id} already holds blocks"
+        num_computed = parent.num_computed_tokens
+        parent_ids = self._req_block_ids.get(parent.request_id, [])
+        num_full = num_computed // self.block_size
+        assert len(parent_ids) >= -(-num_computed // self.block_size), "parent lacks KV"
+        shared = [self.block_pool.blocks[block_id] for block_id in parent_ids[:num_full]]
+        num_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
+        new_blocks = self.block_pool.get_new_blocks(num_blocks - num_full)
+        if new_blocks is None:
+            return None
+        self.block_pool.touch(shared)
+        new_ids = [block.block_id for block in new_blocks]
+        self._req_block_ids[child_id] = parent_ids[:num_full] + new_ids
+        self._req_hashes[child_id] = list(self._req_hashes.get(parent.request_id, [])[:num_full])
+        num_cached = min(num_full, self._cache_marks.get(parent.request_id, (0, 0))[1])
+        self._cache_marks[child_id] = (num_cached, num_cached)
+        if num_computed % self.block_size == 0:
+            return []
+        return [[parent_ids[num_full], new_ids[0]]]
+
     def free(self, request_id: str, *, step_discarded: bool = False) -> None:
         """Release a request's blocks, tail first (its tail is evicted before its prefix).
 

@@ -216,7 +216,10 @@ class SchedulerLoop:
         except Exception as exc:
             if not isinstance(exc, InvalidRequestError):
                 logger.exception("admitting request %s failed", message.req_id)
-            self._send_deltas([self.core.error_delta(message, str(exc))])
+            delta = self.core.error_delta(message, str(exc))
+            if isinstance(exc, InvalidRequestError) and exc.param is not None:
+                delta.error_param = exc.param  # the request's own fault: a 400
+            self._send_deltas([delta])
 
     def _abort(self, message: AbortRequests) -> None:
         self._send_deltas(self.core.abort_requests(message.req_ids, message.finish_reason))

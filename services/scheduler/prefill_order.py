@@ -3,6 +3,9 @@
 Sans-IO: it reads request counters and returns an order; the scheduler allocates
 blocks and builds the plan.
 
+- Either order first tries the requests that are part of one already under way
+  (`Request.expedite`: a beam search's later beams, which its other beams wait for),
+  those that already hold their KV (and so take no blocks) first.
 - Order `fcfs` admits the waiting queue as it stands (arrival order, preempted first).
 - Order `shortest` admits the fewest remaining prompt tokens first within the step's
   budget: with mixed lengths, short prompts stop queueing behind long ones, which cuts
@@ -53,7 +56,9 @@ class PrefillOrder:
         it is the queue's head, read as the step pops it (no copy of a deep queue); under
         shortest, the head `WINDOW` deep, sorted."""
         if self.order == "fcfs":
-            return _queue_head(waiting)
+            expedited = [r for r in itertools.islice(waiting, WINDOW) if r.expedite]
+            expedited.sort(key=lambda r: r.num_computed_tokens == 0)  # KV held: no blocks
+            return itertools.chain(expedited, _queue_head(waiting))
         window = list(itertools.islice(waiting, WINDOW))
         self._window = window
         position = {id(r): index for index, r in enumerate(window)}
@@ -62,9 +67,11 @@ class PrefillOrder:
     def _sort_key(self, request: Request, position: int) -> tuple[int, int, int]:
         resuming = request.status != RequestStatus.WAITING or request.num_computed_tokens > 0
         starved = self._bypasses.get(request.request_id, 0) >= MAX_BYPASSES
-        if resuming or starved:
-            return (0, 0, position)  # queue order among the ones that go first
-        return (1, remaining_prompt_tokens(request), position)
+        if request.expedite:  # those holding KV (they take no blocks) first
+            return (0, int(request.num_computed_tokens == 0), position)
+        if resuming or starved:  # queue order among the ones that go next
+            return (1, 0, position)
+        return (2, remaining_prompt_tokens(request), position)
 
     def on_admitted(self, admitted: list[Request]) -> None:
         """After a step's admissions: each request still waiting that is ahead in the

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_BEAMS = -2  # a beam search's result, until the search ends (beam_feature.py)
     WAITING_FOR_REMOTE_KV = -1  # P/D: its prompt KV is on its way (kv_transfer/remote_loads.py)
     WAITING_FOR_GRAMMAR = 0  # guided: its grammar compiles in the pool (engine_core.py)
     WAITING = 1
@@ -49,6 +50,11 @@ class RequestStatus(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def is_parked(self) -> bool:
+        """Held by a step feature, in neither the waiting queue nor the running list."""
+        return self in (RequestStatus.WAITING_FOR_BEAMS, RequestStatus.WAITING_FOR_REMOTE_KV)
 
     @property
     def finish_reason(self) -> str | None:
@@ -101,6 +107,9 @@ class Request:
         # placeholder runs, which the prefix cache's block hashes cover.
         self.images: list[ImageInput] = images or []
         self.image_spans = [(i.offset, i.length, i.hash) for i in self.images]
+        # Part of a request already under way (a beam search's later beams): admitted
+        # before the queue's other requests (prefill_order.py), which it does not outrun.
+        self.expedite = False
 
     @property
     def num_tokens(self) -> int:

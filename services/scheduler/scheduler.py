@@ -1,15 +1,13 @@
 """The continuous-batching scheduler: a sans-IO core (messages in, messages out).
 
 One token budget per step and no prefill/decode modes: running requests first (each
-takes what it still needs to compute: 1 token for a decode, the rest of a prompt for
-a prefill, capped by `long_prefill_token_threshold`), then waiting requests in the
-prefill policy's order (prefill_order.py: queue order, or shortest prompt first), whose
-prompts are split into chunks when they do not fit the budget. When the KV pool is
-full, the lowest-priority running request (the newest under FCFS) is preempted by
-recompute: its blocks are freed and it goes back to the waiting queue. The scheduler
-never touches block internals; `KVCacheManager` does. Speculative decoding, KV
-transfer, pipeline micro-batches, jump-forward, prompt logprobs and pooling are step
-features (step_features.py), registered at assembly (features.py); this loop calls them.
+takes what it still needs: 1 token for a decode, the rest of a prompt, capped by
+`long_prefill_token_threshold`), then waiting requests in the prefill policy's order
+(prefill_order.py), their prompts chunked to fit the budget. When the KV pool is full,
+the lowest-priority running request (the newest under FCFS) is preempted by recompute.
+The scheduler never touches block internals; `KVCacheManager` does. Everything a request
+option or a deployment adds (speculative decoding, KV transfer, pipeline micro-batches,
+jump-forward, prompt logprobs, pooling, beam search) is a step feature (step_features.py).
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ from kvflow.services.scheduler.prefill_order import PrefillOrder
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
 from kvflow.services.scheduler.request_times import RequestTimes, error_delta
-from kvflow.services.scheduler.snapshot import FeatureStats, SchedulerSnapshot
+from kvflow.services.scheduler.snapshot import SchedulerSnapshot, take_snapshot
 from kvflow.services.scheduler.spec_decode.speculator import Speculator
 from kvflow.services.scheduler.spec_decode.step_feature import SpecDecodeFeature
 from kvflow.services.scheduler.step_features import StepBuilder, StepFeature
@@ -72,33 +70,37 @@ class Scheduler:
 
     @property
     def speculator(self) -> Speculator | None:
-        spec = self.feature(SpecDecodeFeature)
-        return None if spec is None else spec.speculator
+        return spec.speculator if (spec := self.feature(SpecDecodeFeature)) else None
 
     @property
     def num_jump_forward_tokens(self) -> int:
-        jump = self.feature(JumpForwardFeature)
-        return 0 if jump is None else jump.num_tokens
+        return jump.num_tokens if (jump := self.feature(JumpForwardFeature)) else 0
 
     # ---- requests in and out -------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queue a request (a feature may keep it and queue others: beam search)."""
         assert request.request_id not in self.requests, request.request_id
+        queued = next((q for f in self.features if (q := f.on_add(request)) is not None), None)
         self.requests[request.request_id] = request
-        self.waiting.push(request)
+        for queue in [request] if queued is None else queued:
+            self.requests[queue.request_id] = queue
+            self.waiting.push(queue)
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
         """Abort (or stop, for stop strings) requests from outside the step loop."""
-        finished = []
-        for req_id in req_ids:
-            request = self.requests.get(req_id)
-            if request is None:
-                continue  # already finished: aborts race with completion
-            # A parked request's blocks are its feature's until the transfer ends.
-            parked = request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+        finished: list[Request] = []
+        # A missing id already finished (aborts race completion); companions go too.
+        pending = [r for req_id in req_ids if (r := self.requests.get(req_id)) is not None]
+        while pending:
+            request = pending.pop(0)
+            if request.is_finished:
+                continue
+            pending += [c for f in self.features for c in f.companions(request)]
+            parked = request.status.is_parked  # its blocks are its feature's
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif not parked and not request.is_finished:
+            elif not parked:
                 self.waiting.remove(request)
             request.status = status
             self._release(request, keep_blocks=parked)
@@ -136,6 +138,8 @@ class Scheduler:
                 f.on_scheduled(request, num_tokens, step)
         for f in self.features:
             f.end_step(step)
+        for request in step.to_preempt:  # a feature's call (beams that would stall)
+            self._preempt(request, step)
         self._step_id += 1
         plan = StepPlan(
             step_id=self._step_id,
@@ -148,6 +152,7 @@ class Scheduler:
             spec_token_ids=step.spec_tokens,
             kv_connector=step.kv_connector,
             forced_token_ids=step.forced_token_ids,
+            kv_block_copies=step.kv_block_copies,
         )
         self._worker_forget = []
         return plan
@@ -206,9 +211,8 @@ class Scheduler:
             new_block_ids = self.kv_cache.allocate_slots(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
-            victim = self._pick_victim()
-            self._preempt(victim, step)
-            if victim is request:
+            self._preempt(self._pick_victim(), step)
+            if request.status != RequestStatus.RUNNING:  # the victim, or its companion
                 return None
 
     def _pick_victim(self) -> Request:
@@ -233,9 +237,11 @@ class Scheduler:
         step.preempted.append(request)
         logger.warning(
             "preempted request %s by recompute (KV cache full; %d preemptions so far)",
-            request.request_id,
-            self.num_preemptions,
-        )
+            request.request_id, self.num_preemptions,
+        )  # fmt: skip
+        for other in [c for f in self.features for c in f.companions(request)]:
+            if other in self.running:  # e.g. the other beams of a beam search
+                self._preempt(other, step)
 
     def _back_to_waiting(self, request: Request, step: StepBuilder | None) -> None:
         """Preemption by recompute, on both paths (KV cache full; worker lost)."""
@@ -269,16 +275,14 @@ class Scheduler:
         self.prefill.on_admitted(admitted)
 
     def _take_waiting(self, request: Request) -> None:
-        if self.waiting.peek() is request:
-            self.waiting.pop()
-        else:  # admitted ahead of its queue position (prefill order `shortest`)
-            self.waiting.remove(request)
+        # At the head, or admitted ahead of its queue position (prefill order `shortest`).
+        self.waiting.pop() if self.waiting.peek() is request else self.waiting.remove(request)
 
     def _allocate_waiting(self, request: Request, budget: int) -> tuple[int, bool] | None:
         """Blocks for a waiting request's next chunk (after its prefix-cache hit and
         what a feature loads from outside): (tokens to compute, parked until an
         asynchronous load ends), or None (nothing changed) when it cannot start now."""
-        if self.kv_cache.get_block_ids(request.request_id):  # its KV was loaded for it
+        if self.kv_cache.get_block_ids(request.request_id):  # KV loaded for it (or forked)
             num_new = self._num_new_tokens(request, budget)
             if self.kv_cache.allocate_slots(request, num_new) is None:
                 return None
@@ -325,12 +329,13 @@ class Scheduler:
     ) -> list[TokenDelta]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
         events = [e for f in self.features if (e := f.on_result(result)) is not None]
-        applied: list[tuple[Request, list[int]]] = []
-        logprobs: list[list[TokenLogprobs]] = []
+        taken = set().union(*(e.taken for e in events))
+        applied = [entry for e in events for entry in e.finished]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in applied]
         for index, req_id in enumerate(result.req_ids):
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if request is None or request.status != RequestStatus.RUNNING or req_id in taken:
+                continue  # aborted while the step ran, or a feature applied it
             sampled = result.sampled_token_ids[index]
             for f in self.features:
                 f.on_sampled(request, len(sampled))
@@ -346,10 +351,15 @@ class Scheduler:
                 f.on_delta(delta, first)
             deltas.append(delta)
             if request.is_finished:
-                self.running.remove(request)
+                if request in self.running:  # (not a feature's parked request)
+                    self.running.remove(request)
                 self._release(request)
         for event in events:  # a feature's decisions from the step's side outputs
+            for request in event.dropped:
+                self.running.remove(request)
+                self._release(request)
             for request in reversed(event.requeue):
+                self.requests[request.request_id] = request
                 self.waiting.push_front(request)
             for request in event.failed:
                 self._release(request)
@@ -368,9 +378,9 @@ class Scheduler:
         self._worker_forget.append(request.request_id)
 
     def preempt_all(self) -> int:
-        """The worker died with every KV block: put each running request back at the
-        front of the queue (in order) to recompute prompt and outputs, and forget every
-        cached prefix (its KV is gone). Returns how many requests were running."""
+        """The worker died with every KV block: each running request goes back to the
+        queue's front (in order) to recompute, every cached prefix is forgotten (its KV is
+        gone). Returns how many requests were running."""
         running, self.running = self.running, []
         for request in reversed(running):  # push_front: the oldest ends up first
             self.kv_cache.free(request.request_id, step_discarded=True)
@@ -385,15 +395,4 @@ class Scheduler:
 
     def snapshot(self) -> SchedulerSnapshot:
         """The counts for one stats message (the KV transfer times are taken)."""
-        stats = FeatureStats()
-        for f in self.features:
-            f.add_stats(stats)
-        return SchedulerSnapshot(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_cache_usage=self.kv_cache.usage,
-            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
-            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            features=stats,
-        )
+        return take_snapshot(self)

@@ -7,13 +7,15 @@ when the scheduler is assembled (features.py). Each hook is a no-op here, so a f
 overrides only the points it needs, and a scheduler without features pays one loop
 over an empty list per point::
 
+    arriving     on_add (a feature may keep a request out of the queue)
     schedule()   begin_step ─▶ running: holds_back ─▶ plan_running ─▶ on_scheduled_running
                              waiting: stops_admission ─▶ reads_prefix_cache ─▶ admission
                                       ─▶ on_allocated
                  every scheduled request: on_scheduled ─▶ end_step (the plan's extras)
     results      on_result (the step's side outputs) ─▶ on_sampled (per request, before
                  its tokens) ─▶ on_tokens (all applied requests) ─▶ on_delta
-    leaving      on_preempt (recompute; step None: the worker was lost) ─▶ on_worker_lost
+    leaving      companions (requests that share a leaving request's fate)
+                 on_preempt (recompute; step None: the worker was lost) ─▶ on_worker_lost
                  on_finish (finished or aborted)
 
 Hooks run in registration order. A feature depends on the scheduler's public types
@@ -45,9 +47,11 @@ class StepBuilder:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     scheduled: dict[str, int] = field(default_factory=dict)  # req_id -> tokens, batch order
     preempted: list[Request] = field(default_factory=list)
+    to_preempt: list[Request] = field(default_factory=list)  # running; by features, at the end
     # The plan's feature fields, filled by the features.
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> drafts
     forced_token_ids: dict[str, list[int]] = field(default_factory=dict)  # jump-forward
+    kv_block_copies: list[list[int]] = field(default_factory=list)  # [src, dst] (beam search)
     kv_connector: KVConnectorMeta | None = None
 
     def add(self, request: Request, num_tokens: int) -> None:
@@ -81,15 +85,27 @@ NOTHING_EXTERNAL = External()
 
 @dataclass
 class ResultEvents:
-    """Requests a step's side outputs decided about (not the sampled tokens)."""
+    """What a feature decided from a step's result, besides the plain sampled tokens."""
 
-    requeue: list[Request] = field(default_factory=list)  # to the waiting queue's front
+    # To the waiting queue's front (new ones, e.g. a beam's fork, are registered too).
+    requeue: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)  # finished with an error
     error: str = ""  # the failed requests' message
+    taken: set[str] = field(default_factory=set)  # samples the feature applied itself
+    dropped: list[Request] = field(default_factory=list)  # leave without a delta
+    # Finished by the feature, with the tokens their last delta carries.
+    finished: list[tuple[Request, list[int]]] = field(default_factory=list)
 
 
 class StepFeature:
     """Base class: every hook does nothing (see the module docstring for the order)."""
+
+    # ---- arrival -------------------------------------------------------------------
+
+    def on_add(self, request: Request) -> list[Request] | None:
+        """A request arrives: None to queue it as usual, or the requests to queue
+        instead (the feature keeps `request`; it may raise InvalidRequestError)."""
+        return None
 
     # ---- schedule time -------------------------------------------------------------
 
@@ -152,6 +168,10 @@ class StepFeature:
         """A request's delta is about to go out (`first`: its first one)."""
 
     # ---- leaving -------------------------------------------------------------------
+
+    def companions(self, request: Request) -> list[Request]:
+        """Requests that are preempted or finished together with `request`."""
+        return []
 
     def on_preempt(self, request: Request, step: StepBuilder | None) -> None:
         """`request` goes back to waiting to recompute (step None: the worker was lost)."""

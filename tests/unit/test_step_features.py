@@ -10,6 +10,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
+from kvflow.gpu_worker.block_copy import BlockCopyFeature
 from kvflow.gpu_worker.draft_feature import DraftModelFeature
 from kvflow.gpu_worker.forward_paths import GraphForward, eager_forward
 from kvflow.gpu_worker.grammar_feature import GrammarFeature
@@ -235,19 +236,20 @@ def test_graph_forward_replays_decodes_and_runs_the_rest_eagerly() -> None:
 
 
 def test_a_runner_registers_only_what_is_configured(tiny_model_dir: Any) -> None:
-    """No option: the per-request features only (grammar, prompt logprobs), an eager
-    forward; a KV connector bound later becomes a feature, and unbinds."""
+    """No option: the per-request features only (grammar, prompt logprobs, block copies),
+    an eager forward; a KV connector bound later becomes a feature, and unbinds."""
     llm = LLM(str(tiny_model_dir("llama")), num_threads=1, enforce_eager=True, num_blocks=16)
     runner = llm.engine.runner
     features = runner.features.features
-    assert [type(f) for f in features] == [GrammarFeature, PromptLogprobsFeature]
+    assert [type(f) for f in features] == [GrammarFeature, PromptLogprobsFeature, BlockCopyFeature]
     assert runner.forward_path is eager_forward
-    assert runner.features.on_plan == () and runner.features.before_forward == ()
+    assert runner.features.on_plan == (features[2].on_plan,)
+    assert runner.features.before_forward == ()
     assert runner.features.layer_hook(_plan()) is None
     connector = _FakeConnector()
     runner.kv_connector = connector
     assert runner.kv_connector is connector
-    assert [type(f) for f in runner.features.features][2:] == [KVConnectorFeature]
+    assert [type(f) for f in runner.features.features][3:] == [KVConnectorFeature]
     assert len(runner.features.before_forward) == 1
     runner.kv_connector = None
     assert runner.features.features == features
