@@ -55,6 +55,7 @@ class MLAAttention(nn.Module):
     num_kv_heads = 1
     sliding_window = None
     softcap = None
+    sinks = None
 
     def __init__(
         self, num_heads: int, latent_width: int, scale: float, backend: AttentionBackend
