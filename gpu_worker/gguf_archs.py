@@ -13,10 +13,12 @@ architecture back into the Hugging Face directory one of kvflow's families loads
                            experts as ffn_{gate,up,down}_exps [n_expert, rows, cols]
     row_vectors            1-D GGUF tensors HF holds as [1, n] (Qwen2-MoE's shared-expert gate)
     config_tensors         tensors that are metadata to HF (Phi-3's LongRoPE factors)
+    hooks                  GGUF tensors that make one HF tensor of another name or layout
+                           (gguf_joins.py: DeepSeek's split kv_b, gpt-oss's fused experts)
     config                 (metadata, common fields) -> the architecture's own HF config fields
 
-llama.cpp has no architecture of its own for Mixtral: it is `llama` with experts
-(EXPERT_VARIANTS). Adding an architecture is a row here plus a row in the test table
+One llama.cpp architecture can stand for two HF ones (VARIANTS): Mixtral is `llama` with
+experts, DeepSeek-V3 is `deepseek2` with sigmoid routing. Adding an architecture is a row here plus a row in the test table
 of tests/models/test_gguf_families.py.
 """
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import UnsupportedModelError
+from kvflow.gpu_worker.gguf_joins import TensorHook, interleaved, kv_b_joined, same, transposed
 from kvflow.gpu_worker.gguf_metadata import Metadata
 
 GLOBAL_TENSORS = {
@@ -68,6 +71,39 @@ QWEN2_MOE_BLOCKS = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 MIXTRAL_BLOCKS = {**LLAMA_BLOCKS, "ffn_gate_inp": "block_sparse_moe.gate"}
+DEEPSEEK2_BLOCKS = {
+    **{k: v for k, v in LLAMA_BLOCKS.items() if k not in ("attn_k", "attn_v")},
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+DEEPSEEK2_HOOKS = (
+    TensorHook(("attn_k_b", "attn_v_b"), "weight", "self_attn.kv_b_proj.weight", kv_b_joined),
+    TensorHook(("exp_probs_b",), "bias", "mlp.gate.e_score_correction_bias", same),
+)
+GPT_OSS_BLOCKS = {
+    **{k: v for k, v in LLAMA_BLOCKS.items() if not k.startswith("ffn")},
+    "post_attention_norm": "post_attention_layernorm",  # the pre-MLP norm
+    "ffn_gate_inp": "mlp.router",
+}
+GPT_OSS_HOOKS = (
+    TensorHook(("attn_sinks",), "weight", "self_attn.sinks", same),
+    *(
+        TensorHook(
+            ("ffn_gate_exps", "ffn_up_exps"), suffix, f"mlp.experts.gate_up_proj{hf}", interleaved
+        )
+        for suffix, hf in (("weight", ""), ("bias", "_bias"))
+    ),
+    TensorHook(("ffn_down_exps",), "weight", "mlp.experts.down_proj", transposed),
+    TensorHook(("ffn_down_exps",), "bias", "mlp.experts.down_proj_bias", same),
+)
 
 # Where llama.cpp fixes a Gemma's attention scale by model size (its 27B uses
 # hidden / heads, the others head_dim): the block count that identifies that size.
@@ -97,6 +133,7 @@ class GGUFArch:
     experts: ExpertNames | None = None
     row_vectors: tuple[str, ...] = ()
     config_tensors: tuple[str, ...] = ()
+    hooks: tuple[TensorHook, ...] = ()
     config: ConfigHook | None = None
 
 
@@ -202,6 +239,70 @@ def _smollm3(md: Metadata, base: dict[str, Any]) -> dict[str, Any]:
     return dict(no_rope_layers=uses_rope, use_sliding_window=False, sliding_window=None)
 
 
+SIGMOID_GATING = 2  # llama.cpp's expert_gating_func: 1 softmax (V2), 2 sigmoid (V3)
+YARN_LOG_MUL = 0.1  # llama.cpp stores DeepSeek's mscale_all_dim as 0.1 * it
+
+
+def _deepseek_experts(md: Metadata) -> dict[str, Any]:
+    return dict(
+        n_routed_experts=int(md.get("expert_count")),
+        num_experts_per_tok=int(md.get("expert_used_count")),
+        moe_intermediate_size=int(md.get("expert_feed_forward_length")),
+        n_shared_experts=int(md.get("expert_shared_count", 0)),
+        first_k_dense_replace=int(md.get("leading_dense_block_count", 0)),
+        routed_scaling_factor=float(md.get("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(md.get("expert_weights_norm", False)),
+        n_group=int(md.get("expert_group_count", 1)),
+        topk_group=int(md.get("expert_group_used_count", 1)),
+    )
+
+
+def _deepseek2(md: Metadata, base: dict[str, Any]) -> dict[str, Any]:
+    # Files that split kv_b store the MLA head sizes apart (key_length is then the
+    # latent's r + R, with one KV head); older ones only in key_length / value_length.
+    key = int(md.get("attention.key_length_mla") or md.get("attention.key_length"))
+    value = int(md.get("attention.value_length_mla") or md.get("attention.value_length"))
+    rope = int(md.get("rope.dimension_count"))
+    out = dict(
+        num_key_value_heads=base["num_attention_heads"],
+        head_dim=rope,  # the RoPE table's width
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=key - rope,
+        v_head_dim=value,
+        q_lora_rank=md.get("attention.q_lora_rank"),
+        kv_lora_rank=int(md.get("attention.kv_lora_rank")),
+        **_deepseek_experts(md),
+    )
+    if md.get("expert_gating_func") != SIGMOID_GATING:  # V2's softmax routing
+        out["topk_method"] = "group_limited_greedy" if out["n_group"] > 1 else "greedy"
+    log_mul = md.get("rope.scaling.yarn_log_multiplier")
+    if base["rope_parameters"]["rope_type"] == "yarn" and log_mul:
+        # llama.cpp's DeepSeek YaRN takes mscale as 1 (DeepSeek's own value)
+        mscales = {"mscale": 1.0, "mscale_all_dim": round(float(log_mul) / YARN_LOG_MUL, 6)}
+        out["rope_parameters"] = {**base["rope_parameters"], **mscales}
+    return out
+
+
+def _gpt_oss(md: Metadata, base: dict[str, Any]) -> dict[str, Any]:
+    window = md.get("attention.sliding_window") or None
+    rope = base["rope_parameters"]
+    if rope["rope_type"] == "yarn":  # gpt-oss's YaRN keeps its correction range unrounded
+        rope = {**rope, "truncate": False}
+    return dict(
+        num_local_experts=int(md.get("expert_count")),
+        num_experts_per_tok=int(md.get("expert_used_count")),
+        intermediate_size=int(md.get("expert_feed_forward_length")),
+        sliding_window=window,
+        layer_types=_layer_types(md, window, pattern=2),  # llama.cpp: even layers slide
+        rope_parameters=rope,
+        attention_bias=True,
+    )
+
+
+DEEPSEEK3 = GGUFArch(
+    "deepseek_v3", "DeepseekV3ForCausalLM", DEEPSEEK2_BLOCKS, experts=ExpertNames(),
+    hooks=DEEPSEEK2_HOOKS, config=_deepseek2,
+)  # fmt: skip
 MIXTRAL = GGUFArch(
     "mixtral", "MixtralForCausalLM", MIXTRAL_BLOCKS, permuted_qk=True,
     experts=ExpertNames("block_sparse_moe", "w1", "w3", "w2"), config=_mixtral,
@@ -240,16 +341,48 @@ ARCHS: dict[str, GGUFArch] = {
     "olmo2": GGUFArch("olmo2", "Olmo2ForCausalLM", OLMO2_BLOCKS),
     "granite": GGUFArch("granite", "GraniteForCausalLM", permuted_qk=True, config=_granite),
     "smollm3": GGUFArch("smollm3", "SmolLM3ForCausalLM", permuted_qk=True, config=_smollm3),
+    "deepseek2": GGUFArch(
+        "deepseek_v2",
+        "DeepseekV2ForCausalLM",
+        DEEPSEEK2_BLOCKS,
+        experts=ExpertNames(),
+        hooks=DEEPSEEK2_HOOKS,
+        config=_deepseek2,
+    ),
+    "gpt-oss": GGUFArch(
+        "gpt_oss", "GptOssForCausalLM", GPT_OSS_BLOCKS, hooks=GPT_OSS_HOOKS, config=_gpt_oss
+    ),
 }
-EXPERT_VARIANTS = {"llama": MIXTRAL}  # llama.cpp arch with experts -> its row
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A second HF architecture behind one llama.cpp architecture, told by the metadata."""
+
+    arch: str  # llama.cpp's
+    when: str  # in words (README's GGUF column)
+    row: GGUFArch
+    applies: Callable[[Metadata], bool]
+
+
+VARIANTS = (
+    Variant("llama", "with experts", MIXTRAL, lambda md: bool(md.get("expert_count", 0))),
+    Variant(
+        "deepseek2",
+        "with sigmoid routing",
+        DEEPSEEK3,
+        lambda md: md.get("expert_gating_func") == SIGMOID_GATING,
+    ),
+)
 
 
 def arch_of(md: Metadata) -> GGUFArch:
-    """The row of the file's `general.architecture` (Mixtral: llama with experts)."""
+    """The row of the file's `general.architecture`, or of its variant (VARIANTS)."""
     if md.arch not in ARCHS:
         raise UnsupportedModelError(
             f"GGUF architecture {md.arch!r} is not supported (supported: {sorted(ARCHS)})"
         )
-    if md.arch in EXPERT_VARIANTS and md.get("expert_count", 0):
-        return EXPERT_VARIANTS[md.arch]
+    for variant in VARIANTS:
+        if variant.arch == md.arch and variant.applies(md):
+            return variant.row
     return ARCHS[md.arch]

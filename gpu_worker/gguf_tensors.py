@@ -7,6 +7,7 @@ Per tensor, by the architecture's row (gguf_archs.py):
     attn_q / attn_k (permuted_qk) ──un-permute rows──▶ HF's rotate-half order
     *norm (norm_shift) ──minus the shift──▶ Gemma's w of (1 + w)
     row_vectors [n] ──▶ [1, n]
+    hooks (gguf_joins.py): one or two GGUF tensors ──combine──▶ one HF tensor
 
 Every tensor is dequantized to float32 (the values the GGUF encodes). The raw blocks of
 a matrix in a format the CPU block kernels read (block_weights.py) come along, in HF row
@@ -24,6 +25,7 @@ import torch
 from kvflow.errors import UnsupportedModelError
 from kvflow.gpu_worker.block_weights import BLOCK_FORMATS
 from kvflow.gpu_worker.gguf_archs import GLOBAL_TENSORS, ExpertNames, GGUFArch
+from kvflow.gpu_worker.gguf_joins import TensorHook
 from kvflow.gpu_worker.gguf_metadata import BLOCK_NAME
 from kvflow.gpu_worker.gguf_rope import ROPE_FREQS
 
@@ -79,12 +81,31 @@ def _experts(tensor: Any, weight: np.ndarray, names: ExpertNames) -> Iterator[Co
         )
 
 
-def _convert(tensor: Any, arch: GGUFArch, heads: dict[str, int]) -> Iterator[ConvertedTensor]:
+def _dequantized(tensor: Any) -> np.ndarray:
     from gguf.quants import dequantize
 
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists ne0 first
-    weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-    weight = weight.reshape(shape)
+    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+
+
+def _hooked(
+    layer: str, kind: str, hook: TensorHook, by_name: dict[str, Any]
+) -> Iterator[ConvertedTensor]:
+    """The hook's HF tensor, made when its first GGUF tensor comes (the others are read
+    then, by name, and skipped when they come)."""
+    if kind != hook.kinds[0]:
+        return
+    names = [f"blk.{layer}.{part}.{hook.suffix}" for part in hook.kinds]
+    missing = [name for name in names if name not in by_name]
+    if missing:
+        raise UnsupportedModelError(f"GGUF tensor {names[0]!r} comes without {missing}")
+    weight = hook.combine([_dequantized(by_name[name]) for name in names])
+    yield ConvertedTensor(f"model.layers.{layer}.{hook.target}", _owned(weight), None, None)
+
+
+def _convert(tensor: Any, arch: GGUFArch, heads: dict[str, int]) -> Iterator[ConvertedTensor]:
+    weight = _dequantized(tensor)
+    shape = weight.shape
     match = BLOCK_NAME.fullmatch(tensor.name)
     kind = match.group(2) if match else ""
     if kind in EXPERT_KINDS and arch.experts is not None:
@@ -117,7 +138,14 @@ def converted_tensors(
     from tqdm import tqdm
 
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    hooks = {(kind, hook.suffix): hook for hook in arch.hooks for kind in hook.kinds}
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
     for tensor in tqdm(reader.tensors, desc="Converting GGUF", unit="tensor"):
         if tensor.name in arch.config_tensors or tensor.name == ROPE_FREQS:
             continue  # read into config.json (gguf_config.py)
-        yield from _convert(tensor, arch, heads)
+        match = BLOCK_NAME.fullmatch(tensor.name)
+        hook = hooks.get((match.group(2), match.group(3))) if match else None
+        if match is not None and hook is not None:
+            yield from _hooked(match.group(1), match.group(2), hook, by_name)
+        else:
+            yield from _convert(tensor, arch, heads)

@@ -11,10 +11,14 @@ converter:
 - Qwen2-MoE's shared-expert gate [1, n_embd] stored as [n_embd];
 - Llama 3.1's RoPE schedule as its result, a divisor per frequency (rope_freqs);
 - Phi-3's LongRoPE factors as tensors rope_factors_long / rope_factors_short;
+- DeepSeek's kv_b_proj split into k_b (transposed per head) and v_b, as newer files do
+  (`split_kv_b`), its V3 score-correction bias as exp_probs_b.bias;
+- gpt-oss's fused interleaved gate_up_proj split into gate and up, its stacked experts
+  transposed back to [E, rows, cols] and written in MXFP4, the sinks as attn_sinks.weight;
 - the metadata keys of each architecture (`_arch_metadata`).
 
-Matrices whose columns fill whole blocks of 32 are quantized to `fmt`; `roundtrip`
-gives the float values such a file encodes, for the safetensors twin.
+Matrices whose columns fill whole blocks of 32 are quantized to `fmt`; `encoded`
+gives the float values such a file encodes for an HF tensor, for the safetensors twin.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 PERMUTED = {"llama", "granite", "smollm3"}  # llama.cpp's "normal" RoPE
 NORM_SHIFTED = {"gemma2", "gemma3"}
 VECTORS = ("shared_expert_gate.weight",)  # HF [1, n], llama.cpp [n] (Qwen2-MoE)
+TRANSPOSED = ("experts.gate_up_proj", "experts.down_proj")  # gpt-oss: [E, cols, rows] in HF
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight")
 
 
@@ -37,6 +42,7 @@ def quantizable(name: str, array: np.ndarray) -> bool:
     """Whether write_gguf quantizes this HF tensor (a matrix of whole blocks)."""
     return (
         not name.endswith(VECTORS)
+        and not name.endswith("bias")
         and array.ndim >= 2
         and array.shape[-1] % 32 == 0
         and "norm" not in name
@@ -46,6 +52,23 @@ def quantizable(name: str, array: np.ndarray) -> bool:
 def roundtrip(array: np.ndarray, fmt: str) -> np.ndarray:
     qtype = gguf.GGMLQuantizationType[fmt]
     return gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype).reshape(array.shape)
+
+
+def tensor_format(arch: str, name: str, fmt: str) -> str:
+    """llama.cpp writes gpt-oss's experts in MXFP4 whatever the other matrices are."""
+    return "MXFP4" if arch == "gpt-oss" and ".experts." in name else fmt
+
+
+def encoded(arch: str, name: str, array: np.ndarray, fmt: str) -> np.ndarray:
+    """The float values the GGUF holds for the HF tensor `name` (quantized along the GGUF's
+    rows, which for gpt-oss's stacked experts are HF's columns)."""
+    fmt = tensor_format(arch, name, fmt)
+    if arch == "gpt-oss" and name.endswith(TRANSPOSED):
+        rows = array.swapaxes(-1, -2)
+        if not quantizable(name, rows):
+            return array
+        return np.ascontiguousarray(roundtrip(rows, fmt).swapaxes(-1, -2))  # (safetensors)
+    return roundtrip(array, fmt) if fmt != "F32" and quantizable(name, array) else array
 
 
 def permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -69,6 +92,51 @@ def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         experts.setdefault(merged, {})[int(expert)] = array
     for merged, by_expert in experts.items():
         out[merged] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
+def _gpt_oss_tensors(name: str, array: np.ndarray) -> dict[str, np.ndarray]:
+    stem = name.rpartition(".")[0]
+    if name.endswith("sinks"):
+        return {f"{name}.weight": array}
+    if name.endswith("gate_up_proj"):  # [E, H, 2I], gate j at column 2j, up j at 2j + 1
+        rows = array.swapaxes(1, 2)
+        return {f"{stem}.gate_proj.weight": rows[:, ::2], f"{stem}.up_proj.weight": rows[:, 1::2]}
+    if name.endswith("gate_up_proj_bias"):
+        return {f"{stem}.gate_proj.bias": array[:, ::2], f"{stem}.up_proj.bias": array[:, 1::2]}
+    if name.endswith("down_proj"):
+        return {f"{name}.weight": array.swapaxes(1, 2)}
+    if name.endswith("down_proj_bias"):
+        return {f"{stem}.down_proj.bias": array}
+    return {name: array}
+
+
+def _deepseek2_tensors(
+    config: Any, name: str, array: np.ndarray, split_kv_b: bool
+) -> dict[str, np.ndarray]:
+    if name.endswith("e_score_correction_bias"):
+        return {name.replace("_bias", ".bias"): array}
+    if split_kv_b and name.endswith("kv_b_proj.weight"):  # per head [k_b^T; v_b]
+        nope = config.qk_nope_head_dim
+        heads = array.reshape(config.num_attention_heads, nope + config.v_head_dim, -1)
+        return {
+            name.replace("kv_b_proj", "k_b_proj"): heads[:, :nope].swapaxes(1, 2),
+            name.replace("kv_b_proj", "v_b_proj"): heads[:, nope:],
+        }
+    return {name: array}
+
+
+def _llama_cpp_layout(
+    arch: str, config: Any, tensors: dict[str, np.ndarray], split_kv_b: bool
+) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for name, array in _stack_experts(tensors).items():
+        if arch == "gpt-oss":
+            out.update(_gpt_oss_tensors(name, array))
+        elif arch == "deepseek2":
+            out.update(_deepseek2_tensors(config, name, array, split_kv_b))
+        else:
+            out[name] = array
     return out
 
 
@@ -133,16 +201,65 @@ def _arch_metadata(writer: gguf.GGUFWriter, arch: str, config: Any) -> None:
         writer.add_logit_scale(config.logits_scaling)
 
 
-def _common_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+def _yarn_metadata(writer: gguf.GGUFWriter, rope: dict[str, Any]) -> None:
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if "mscale_all_dim" in rope:  # DeepSeek's
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _deepseek2_metadata(writer: gguf.GGUFWriter, config: Any, split_kv_b: bool) -> None:
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    if config.q_lora_rank:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(config.kv_lora_rank)
+    qk_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if split_kv_b:  # multi-query attention over the latent, the MLA sizes apart
+        writer.add_head_count_kv(1)
+        writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+        writer.add_value_length(config.kv_lora_rank)
+        writer.add_key_length_mla(qk_dim)
+        writer.add_value_length_mla(config.v_head_dim)
+    else:
+        writer.add_head_count_kv(config.num_attention_heads)
+        writer.add_key_length(qk_dim)
+        writer.add_value_length(config.v_head_dim)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    v3 = config.model_type == "deepseek_v3"
+    gating = gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX
+    writer.add_expert_gating_func(gating)
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+    writer.add_rope_dimension_count(config.qk_rope_head_dim)
+    if config.rope_parameters.get("rope_type") == "yarn":
+        _yarn_metadata(writer, config.rope_parameters)
+
+
+def _gpt_oss_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    if config.rope_parameters.get("rope_type") == "yarn":
+        _yarn_metadata(writer, config.rope_parameters)
+
+
+def _common_metadata(writer: gguf.GGUFWriter, arch: str, config: Any) -> None:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if arch != "deepseek2":  # (MLA's head sizes: _deepseek2_metadata)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_vocab_size(config.vocab_size)
@@ -166,10 +283,15 @@ def write_gguf(
     tensors: dict[str, np.ndarray],  # the HF checkpoint's (per-expert names)
     fmt: str | dict[str, str] = "F32",  # one format, or HF name -> format (default F32)
     tokenizer_from: Path | None = None,  # a GGUF whose tokenizer.* fields are copied
+    split_kv_b: bool = False,  # DeepSeek: newer llama.cpp's attn_k_b + attn_v_b
 ) -> None:
     writer = gguf.GGUFWriter(path, arch)
-    _common_metadata(writer, config)
+    _common_metadata(writer, arch, config)
     _arch_metadata(writer, arch, config)
+    if arch == "deepseek2":
+        _deepseek2_metadata(writer, config, split_kv_b)
+    if arch == "gpt-oss":
+        _gpt_oss_metadata(writer, config)
     if tokenizer_from is not None:
         for key, field in gguf.GGUFReader(tokenizer_from).fields.items():
             if key.startswith("tokenizer."):
@@ -178,14 +300,14 @@ def write_gguf(
                 writer.add_key_value(key, field.contents(), value_type, sub_type=sub_type)
     else:
         writer.add_eos_token_id(3)
-    names = gguf.get_tensor_name_map(
-        getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers
-    )
-    for name, array in _stack_experts(tensors).items():
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    for name, array in _llama_cpp_layout(arch, config, tensors, split_kv_b).items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"llama.cpp has no name for {name} in {arch}"
         array = _llama_cpp_tensor(arch, config, name, array)
         tensor_fmt = fmt if isinstance(fmt, str) else fmt.get(name, "F32")
+        tensor_fmt = tensor_format(arch, name, tensor_fmt)
         if tensor_fmt != "F32" and quantizable(name, array):
             qtype = gguf.GGMLQuantizationType[tensor_fmt]
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf_writer import llama3_rope_freqs, quantizable, roundtrip, write_gguf
+from gguf_writer import encoded, llama3_rope_freqs, write_gguf
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -45,6 +45,8 @@ class Family:
     config: Callable[[], PretrainedConfig]
     hf_reads_gguf: bool  # transformers' GGUF loader knows the architecture
     fmt: str = "Q8_0"
+    split_kv_b: bool = False  # DeepSeek: newer llama.cpp's attn_k_b + attn_v_b
+    holds: tuple[tuple[str, str], ...] = ()  # (GGUF tensor, its type) the file must have
 
 
 def _config(name: str, **kwargs: Any) -> Callable[[], PretrainedConfig]:
@@ -54,6 +56,19 @@ def _config(name: str, **kwargs: Any) -> Callable[[], PretrainedConfig]:
 LLAMA3_ROPE = {
     "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
     "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+}  # fmt: skip
+
+# DeepSeek's latent attention (a 24-wide latent + 8 rope dims) and routing (4 experts in
+# 2 groups, a shared one, a dense first layer), as tests/conftest.py's tiny configs.
+MLA = dict(
+    num_key_value_heads=4, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+    v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+    tie_word_embeddings=False,
+)  # fmt: skip
+DEEPSEEK_YARN = {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+    "mscale_all_dim": 0.8, "original_max_position_embeddings": 128,
 }  # fmt: skip
 
 FAMILIES = {
@@ -130,6 +145,50 @@ FAMILIES = {
         False,
     ),
     "smollm3": Family("smollm3", _config("SmolLM3Config", num_hidden_layers=4), False),
+    "deepseekv2": Family(  # no q bottleneck, group-limited softmax routing, kv_b whole
+        "deepseek2",
+        _config(
+            "DeepseekV2Config",
+            q_lora_rank=None,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+            **MLA,
+        ),
+        False,
+    ),
+    "deepseekv3": Family(  # q bottleneck, sigmoid routing, YaRN, kv_b split in two
+        "deepseek2",
+        _config(
+            "DeepseekV3Config",
+            q_lora_rank=16,
+            routed_scaling_factor=2.5,
+            rope_parameters=DEEPSEEK_YARN,
+            **{**MLA, "max_position_embeddings": 512},
+        ),
+        False,
+        fmt="Q4_0",
+        split_kv_b=True,
+        holds=(("blk.1.attn_k_b.weight", "F32"), ("blk.1.exp_probs_b.bias", "F32")),
+    ),
+    "gptoss": Family(  # alternating window (shorter than the prompts), YaRN, MXFP4 experts
+        "gpt-oss",
+        _config(
+            "GptOssConfig",
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            tie_word_embeddings=False,
+            intermediate_size=32,
+        ),
+        False,
+        holds=(
+            ("blk.1.ffn_gate_exps.weight", "MXFP4"),
+            ("blk.1.ffn_down_exps.weight", "MXFP4"),
+            ("blk.1.ffn_up_exps.bias", "F32"),
+            ("blk.0.attn_sinks.weight", "F32"),
+        ),
+    ),
 }
 
 
@@ -141,7 +200,9 @@ def _randomize(model: torch.nn.Module) -> None:
             noise = torch.randn(param.shape, generator=generator)
             if "norm" in name:
                 param.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            elif name.endswith(
+                ("mlp.gate.weight", "block_sparse_moe.gate.weight", "router.weight")
+            ):
                 param.copy_(0.6 * noise)
             else:
                 param.copy_(0.15 * noise)
@@ -169,11 +230,15 @@ def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     _randomize(hf_model)
     hf_model.save_pretrained(tmp / "hf")
     tensors = load_file(tmp / "hf" / "model.safetensors")
-    write_gguf(tmp / "m.gguf", family.arch, hf_model.config, tensors, family.fmt)
-    twin = {
-        name: roundtrip(array, family.fmt) if quantizable(name, array) else array
-        for name, array in tensors.items()
-    }
+    write_gguf(
+        tmp / "m.gguf",
+        family.arch,
+        hf_model.config,
+        tensors,
+        family.fmt,
+        split_kv_b=family.split_kv_b,
+    )
+    twin = {name: encoded(family.arch, name, array, family.fmt) for name, array in tensors.items()}
     (tmp / "twin").mkdir()
     save_file(twin, tmp / "twin" / "model.safetensors", {"format": "pt"})
     (tmp / "twin" / "config.json").write_text((tmp / "hf" / "config.json").read_text())
@@ -199,7 +264,10 @@ FIELDS = (
     "no_rope_layers", "num_experts", "num_local_experts", "num_experts_per_tok",
     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
     "mlp_only_layers", "attention_multiplier", "embedding_multiplier",
-    "residual_multiplier", "logits_scaling",
+    "residual_multiplier", "logits_scaling", "num_key_value_heads",
+    "intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+    "v_head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "n_group",
+    "topk_group", "routed_scaling_factor", "topk_method",
 )  # fmt: skip
 
 
@@ -211,6 +279,14 @@ def test_the_converted_config_is_the_models(built: Built) -> None:
         if isinstance(expected, float):
             expected = pytest.approx(expected, rel=1e-6)
         assert converted.get(field) == expected, field
+
+
+def test_the_gguf_is_in_llama_cpps_layout(built: Built) -> None:
+    """The tensors a family's hooks read are in the file as llama.cpp writes them."""
+    from gguf import GGUFReader
+
+    types = {t.name: t.tensor_type.name for t in GGUFReader(built.gguf_path).tensors}
+    assert all(types.get(name) == kind for name, kind in built.family.holds), types
 
 
 def test_prefill_logits_match_the_safetensors_twin(built: Built, prefill_logits) -> None:
@@ -255,7 +331,11 @@ def test_transformers_reading_the_gguf_agrees(built: Built, prefill_logits) -> N
 def test_attention_reads_the_gguf_blocks(built: Built) -> None:
     """The block kernels serve the GGUF's matrices (Phi-3's fused qkv split by rows)."""
     attention = built.kv_gguf.model.layers[0].self_attn
-    for layer in (attention.qkv_proj, attention.o_proj):
+    names = [
+        name for name in ("qkv_proj", "kv_a_proj_with_mqa", "o_proj") if hasattr(attention, name)
+    ]
+    assert "o_proj" in names
+    for layer in (getattr(attention, name) for name in names):
         assert layer.blocks is not None and layer.blocks.format == built.family.fmt
 
 
@@ -284,8 +364,8 @@ def test_the_tokenizer_converts_where_transformers_reads_no_model(tmp_path) -> N
 def test_an_architecture_without_a_row_is_refused_naming_the_rows(tmp_path) -> None:
     from kvflow.errors import UnsupportedModelError
 
-    write_gguf(tmp_path / "m.gguf", "deepseek2", FAMILIES["olmo2"].config(), {})
-    with pytest.raises(UnsupportedModelError, match=r"'deepseek2' is not supported.*'qwen3moe'"):
+    write_gguf(tmp_path / "m.gguf", "falcon", FAMILIES["olmo2"].config(), {})
+    with pytest.raises(UnsupportedModelError, match=r"'falcon' is not supported.*'qwen3moe'"):
         gguf_convert.convert_gguf(tmp_path / "m.gguf", tmp_path / "converted")
     assert not (tmp_path / "converted").exists()
 

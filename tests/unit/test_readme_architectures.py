@@ -27,7 +27,7 @@ def test_readme_table_lists_exactly_the_registry() -> None:
 def test_readme_gguf_column_is_the_converters_table() -> None:
     """The GGUF column names, for each class, the llama.cpp architectures that convert to it
     (gpu_worker/gguf_archs.py; Mixtral is `llama` with experts)."""
-    from kvflow.gpu_worker.gguf_archs import ARCHS, EXPERT_VARIANTS
+    from kvflow.gpu_worker.gguf_archs import ARCHS, VARIANTS
 
     section = README.read_text().split("### Supported architectures", 1)[1].split("\n#", 1)[0]
     column: dict[str, str] = {}
@@ -38,7 +38,7 @@ def test_readme_gguf_column_is_the_converters_table() -> None:
     expected: dict[str, list[str]] = {}
     for name, arch in ARCHS.items():
         expected.setdefault(arch.hf_class, []).append(f"`{name}`")
-    for name, arch in EXPERT_VARIANTS.items():
-        expected.setdefault(arch.hf_class, []).append(f"`{name}` with experts")
+    for variant in VARIANTS:
+        expected.setdefault(variant.row.hf_class, []).append(f"`{variant.arch}` {variant.when}")
     listed = {cls: cell for cls, cell in column.items() if cell != "—"}
     assert listed == {cls: ", ".join(names) for cls, names in expected.items()}
