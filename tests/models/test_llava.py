@@ -6,7 +6,9 @@ images: tests/unit/test_chat_images.py.)"""
 
 from __future__ import annotations
 
+import base64
 import functools
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -159,3 +161,27 @@ def test_different_images_never_share_kv(llm: LLM, llava_dir: Path) -> None:
     assert list(out.outputs[0].token_ids) == hf_greedy(llava_dir, prompt, [image_b])[1]
     again = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image_b}}, GREEDY)[0]
     assert again.num_cached_tokens > first_image_token
+
+
+def test_chat_takes_image_parts_as_the_server_does(llm: LLM, llava_dir: Path) -> None:
+    """LLM.chat: an image as a data: URL and one as a PIL image, in the parts' order,
+    give transformers' greedy tokens on the chat template's text."""
+    image_a, image_b = random_image(11, 40, 30), random_image(12, 60, 50)
+    buffer = io.BytesIO()
+    image_a.save(buffer, format="PNG")  # type: ignore[attr-defined]
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    parts = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "and"},
+        {"type": "image_pil", "image_pil": image_b},
+        {"type": "text", "text": "How do they differ?"},
+    ]
+    out = llm.chat([{"role": "user", "content": parts}], GREEDY)[0]
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<image>\nand\n<image>\nHow do they differ?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    prompt_ids, tokens = hf_greedy(llava_dir, text, [image_a, image_b])
+    assert out.prompt_token_ids == prompt_ids
+    assert list(out.outputs[0].token_ids) == tokens
