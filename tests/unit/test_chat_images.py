@@ -152,3 +152,18 @@ def test_offline_chat_parts_render_as_the_servers_and_keep_their_order() -> None
     remote = [{"role": "user", "content": [{"type": "image_url", "image_url": "http://x/a.png"}]}]
     with pytest.raises(InvalidRequestError, match="allowed-media-domains"):
         split_images(remote, "<image>", MediaOptions())
+
+
+def test_the_web_ui_offers_images_only_for_a_vision_model(vision: Harness, tmp_path: Path) -> None:
+    """The playground shows its image input when /ui/config says the model reads images
+    (the browser test: tests/ui/test_web_ui_images.py)."""
+    assert vision.http.get("/ui/config").json() == {"images": True, "max_images": 2}
+    page = vision.http.get("/").text
+    assert 'id="image-input"' in page and 'accept="image/png,image/jpeg,image/webp"' in page
+    text_only = start_harness(tmp_path, api_key="k")
+    try:
+        assert text_only.http.get("/ui/config").status_code == 401  # behind the API key
+        config = text_only.http.get("/ui/config", headers={"Authorization": "Bearer k"})
+        assert config.json() == {"images": False, "max_images": 0}
+    finally:
+        text_only.stop()
