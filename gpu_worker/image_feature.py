@@ -82,6 +82,11 @@ class ImageFeature(StepFeature):
         self.cache = cache
         self._images: dict[str, list[ImageInput]] = {}  # requests with runs still to compute
         self._active = False
+        # Images placed (their run's first row this step) and those of them found in
+        # the cache, since the last take_counts: the engine's encoder-cache metrics.
+        # Counted per image, not per chunk, so a run split by chunked prefill counts once.
+        self.num_queries = 0
+        self.num_hits = 0
 
     def on_plan(self, plan: StepPlan) -> None:
         self._set(None, None)  # a failed step's rows must never reach a later one
@@ -114,14 +119,21 @@ class ImageFeature(StepFeature):
             self._place(wanted)
 
     def _place(self, wanted: list[tuple[int, ImageInput, int, int]]) -> None:
-        features = self._features([image for _, image, _, _ in wanted])
+        features, encoded = self._features([image for _, image, _, _ in wanted])
+        for _, image, lo, _ in wanted:
+            if lo == 0:  # the image's first rows: one lookup of it
+                self.num_queries += 1
+                if image.hash in encoded:
+                    encoded.discard(image.hash)  # a second copy this step reuses it
+                else:
+                    self.num_hits += 1
         rows = [torch.arange(first, first + hi - lo) for first, _, lo, hi in wanted]
         parts = [features[image.hash][lo:hi] for _, image, lo, hi in wanted]
         self._set(torch.cat(rows).to(self.device), torch.cat(parts))
 
-    def _features(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
+    def _features(self, images: list[ImageInput]) -> tuple[dict[str, torch.Tensor], set[str]]:
         """Each image's features: from the cache, or encoded (the misses in one batch
-        per pixel shape)."""
+        per pixel shape); and the hashes encoded."""
         found: dict[str, torch.Tensor] = {}
         missing: dict[str, ImageInput] = {}
         for image in images:
@@ -145,7 +157,13 @@ class ImageFeature(StepFeature):
                     )
                 self.cache.put(image.hash, out)
                 found[image.hash] = out
-        return found
+        return found, set(missing)
+
+    def take_counts(self) -> tuple[int, int]:
+        """(queries, hits) since the last call."""
+        counts = (self.num_queries, self.num_hits)
+        self.num_queries = self.num_hits = 0
+        return counts
 
     def _set(self, rows: torch.Tensor | None, features: torch.Tensor | None) -> None:
         self.model.set_image_embeddings(rows, features)  # type: ignore[operator]

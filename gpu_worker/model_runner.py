@@ -283,6 +283,8 @@ class ModelRunner:
                 result = self._sample(plan, inputs, self.model.compute_logits(hidden))
         result.step_id = plan.step_id
         result.execute_time_s = time.perf_counter() - start
+        if self.images is not None:
+            result.encoder_cache_queries, result.encoder_cache_hits = self.images.take_counts()
         return result
 
     def _sample(self, plan: StepPlan, inputs: ModelInputs, logits: torch.Tensor) -> StepResult:

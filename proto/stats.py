@@ -59,6 +59,10 @@ class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tr
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0
+    # Images looked up in the worker's encoder cache (once per image of a request, when
+    # its placeholder run is first computed) and those found there.
+    mm_encoder_cache_queries: int = 0
+    mm_encoder_cache_hits: int = 0
     # Tokens of each step since the last stats message (kvflow:iteration_tokens_total).
     step_tokens: list[int] = []
     # Estimated work per step phase since start (kvflow:estimated_flops_total, ...).

@@ -104,6 +104,10 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, 
     # The pooling runner: each request's pooled hidden state, aligned with req_ids (its
     # sampled_token_ids entry is empty), float32 little-endian [hidden_size] as raw bytes.
     pooled: list[bytes] = []
+    # A model that reads images: the images whose placeholder runs began this step, and
+    # those of them whose features came from the encoder cache (not the encoder).
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):

@@ -176,6 +176,10 @@ class LLMEngine:
             self.abort_request(request_id)
             raise
 
+    def image_token(self) -> str | None:
+        """The prompt's image token; None for a model that takes text only."""
+        return self._image_prompter().image_token if is_vision_model(self.model_dir) else None
+
     def _image_prompter(self) -> ImagePrompter:
         if self._prompter is None:
             if not is_vision_model(self.model_dir):

@@ -11,6 +11,8 @@ from tqdm import tqdm
 from kvflow.config import EngineConfig
 from kvflow.errors import ConfigError, InvalidRequestError
 from kvflow.heap import heap_frozen_while, keep_freed_memory
+from kvflow.media import MediaOptions
+from kvflow.offline.chat_messages import split_images
 from kvflow.offline.engine import LLMEngine
 from kvflow.outputs import (
     BeamSearchOutput,
@@ -171,15 +173,19 @@ class LLM:
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate. A
+        message's content may be a list of text and image parts (chat_messages.py)."""
         conversations: list[Conversation]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
         else:
             conversations = list(messages)  # type: ignore[arg-type]
-        prompts: list[Prompt] = [
-            apply_chat_template(self.tokenizer, c, add_generation_prompt) for c in conversations
-        ]
+        image_token = self.engine.image_token()
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            rendered, images = split_images(list(conversation), image_token, MediaOptions())
+            text = apply_chat_template(self.tokenizer, rendered, add_generation_prompt)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(

@@ -52,7 +52,7 @@ from kvflow.services.frontend.serving_embeddings import create_embedding, create
 from kvflow.services.frontend.serving_responses import ResponsesAPI
 from kvflow.services.frontend.serving_tokenize import detokenize, list_models, tokenize
 from kvflow.services.frontend.sse import read_body
-from kvflow.services.frontend.web_ui import ASSETS, WebUI
+from kvflow.services.frontend.web_ui import ASSETS, UIConfig, WebUI
 from kvflow.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,8 @@ def build_app(
         config = dataclasses.replace(config, reasoning_parser=chosen)
     kv_params = KVParamsGate(cluster_settings().secret, metrics.count_kv_params_rejected)
     ctx = ServingContext(config, engine_client, tokenizer, metrics, kv_params)
-    web_ui = WebUI(view)
+    images = config.vision_model_dir is not None
+    web_ui = WebUI(view, UIConfig(images, config.media.limits.max_images if images else 0))
 
     shared = None
     if config.metrics_dir is not None:  # one of several API servers on the port
@@ -192,6 +193,7 @@ def _routes(ctx: ServingContext, web_ui: WebUI) -> list[Route]:
         ("GET", "/version", e.version),
         ("GET", "/openapi.json", e.openapi_json),
         ("GET", "/ui/stats", web_ui.stats),
+        ("GET", "/ui/config", web_ui.ui_config),
         *[("GET", path, web_ui.asset) for path in ASSETS],
     ]
     api_key = ctx.config.api_key

@@ -68,6 +68,8 @@ _CUMULATIVE = {
     "spec_decode_num_drafts": "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
+    "mm_encoder_cache_queries": "mm_encoder_cache_queries",
+    "mm_encoder_cache_hits": "mm_encoder_cache_hits",
 }
 
 
@@ -85,6 +87,7 @@ class FrontendMetrics:
         self._last_cumulative: dict[tuple[str, str], float] = {}
         labels = ["model_name", "engine"]
         self._define_engine_metrics(labels)
+        self._define_media_metrics(labels)
         self._define_grammar_metrics(labels)
         self._define_kv_transfer_metrics(labels)
         self.perf = PerfMetrics(self.registry, model_name)  # roofline, peaks, start-up
@@ -172,6 +175,17 @@ class FrontendMetrics:
             labels,
             buckets=ITERATION_TOKEN_BUCKETS,
             registry=self.registry,
+        )
+
+    def _define_media_metrics(self, labels: list[str]) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"kvflow:{name}", doc, labels, registry=self.registry)
+
+        self.mm_encoder_cache_queries = counter(
+            "mm_encoder_cache_queries", "Images looked up in the vision encoder's cache."
+        )
+        self.mm_encoder_cache_hits = counter(
+            "mm_encoder_cache_hits", "Images whose features came from the encoder cache."
         )
 
     def _define_grammar_metrics(self, labels: list[str]) -> None:

@@ -5,6 +5,7 @@ the engine view's stats stream.
     GET /ui/app.js    the whole app         open
     GET /ui/app.css   its styles            open
     GET /ui/stats     SSE: engine_view snapshots, at most 2 a second   API key
+    GET /ui/config    what the playground offers: {"images": bool, "max_images": int}   API key
 
 The files are package data, read once at start-up: no build step, no framework, no
 network at run time (docs/design.md, "Web UI").
@@ -38,9 +39,17 @@ _HEADERS = {
 }
 
 
+class UIConfig(msgspec.Struct, frozen=True):
+    """What the playground offers for this server's model."""
+
+    images: bool = False  # the model reads images: the composer takes them
+    max_images: int = 0  # per request (--limit-mm-per-prompt)
+
+
 class WebUI:
-    def __init__(self, view: EngineView) -> None:
+    def __init__(self, view: EngineView, config: UIConfig | None = None) -> None:
         self.view = view
+        self.config = msgspec.json.encode(config or UIConfig())
         folder = resources.files("kvflow.services.frontend") / "ui"
         self.files = {name: (folder / name).read_bytes() for name, _ in ASSETS.values()}
         self._closing = asyncio.Event()
@@ -48,6 +57,9 @@ class WebUI:
     async def asset(self, request: Request) -> Response:
         name, media_type = ASSETS[request.url.path.rstrip("/") or "/"]
         return Response(self.files[name], media_type=media_type, headers=_HEADERS)
+
+    async def ui_config(self, request: Request) -> Response:
+        return Response(self.config, media_type="application/json", headers=_HEADERS)
 
     async def stats(self, request: Request) -> Response:
         return SSEResponse(self._snapshots())

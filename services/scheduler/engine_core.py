@@ -67,10 +67,14 @@ class TokenCounters:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0
+    mm_encoder_cache_queries: int = 0  # images looked up in the worker's encoder cache
+    mm_encoder_cache_hits: int = 0
     step_tokens: list[int] = field(default_factory=list)  # since the last take_step_tokens
     started: set[str] = field(default_factory=set)  # requests with a first token
 
-    def on_step(self, plan: StepPlan, deltas: list[TokenDelta]) -> None:
+    def on_step(self, plan: StepPlan, result: StepResult, deltas: list[TokenDelta]) -> None:
+        self.mm_encoder_cache_queries += result.encoder_cache_queries
+        self.mm_encoder_cache_hits += result.encoder_cache_hits
         if plan.scheduled_req_ids:
             self.num_steps += 1
             self.step_tokens.append(plan.total_num_scheduled_tokens)
@@ -271,7 +275,7 @@ class EngineCore:
         if len(step.live) < len(result.req_ids):
             result = _only_live(result, step.live)
         deltas = self.scheduler.update_from_output(step.plan, result, now=now)
-        self.counters.on_step(step.plan, deltas)
+        self.counters.on_step(step.plan, result, deltas)
         for delta in deltas:
             if delta.finish_reason is None:
                 delta.frontend_id = self.owners.get(delta.req_id, "")
@@ -342,4 +346,6 @@ def _only_live(result: StepResult, live: set[str]) -> StepResult:
         kv_transfer=result.kv_transfer,
         stage_spans=result.stage_spans,
         pooled=[result.pooled[i] for i in keep] if result.pooled else [],
+        encoder_cache_queries=result.encoder_cache_queries,
+        encoder_cache_hits=result.encoder_cache_hits,
     )

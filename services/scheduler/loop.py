@@ -366,6 +366,8 @@ class SchedulerLoop:
             num_prompt_tokens=counters.num_prompt_tokens,
             num_generation_tokens=counters.num_generation_tokens,
             num_steps=counters.num_steps,
+            mm_encoder_cache_queries=counters.mm_encoder_cache_queries,
+            mm_encoder_cache_hits=counters.mm_encoder_cache_hits,
             step_tokens=step_tokens,
             # Copies: the meter keeps counting while an in-process receiver holds these.
             roofline={

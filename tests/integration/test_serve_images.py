@@ -1,6 +1,7 @@
 """A tiny LLaVA served by `kvflow serve`, driven by the openai client: a chat message
 with an image as a data: URL gives transformers' greedy tokens; a refused image is a 400
-and the server keeps serving; the second turn with the same image hits the prefix cache."""
+and the server keeps serving; the second turn with the same image hits the prefix cache,
+and with other text before it, the encoder cache (kvflow:mm_encoder_cache_hits_total)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from llava_fixture import make_llava_dir, random_image
-from serve_harness import MODEL_NAME, Server, start_server, stop_server
+from serve_harness import MODEL_NAME, Server, metric_values, start_server, stop_server, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -60,10 +61,10 @@ def test_chat_with_a_data_url_image(server: Server, llava_dir: Path) -> None:
     url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
     parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}]
 
-    def ask() -> Any:
+    def ask(*before: dict[str, str]) -> Any:
         return client.chat.completions.create(
             model=MODEL_NAME,
-            messages=[{"role": "user", "content": parts}],
+            messages=[*before, {"role": "user", "content": parts}],
             max_tokens=MAX_TOKENS,
             temperature=0.0,
             extra_body={"ignore_eos": True},
@@ -89,3 +90,12 @@ def test_chat_with_a_data_url_image(server: Server, llava_dir: Path) -> None:
     again = ask()  # still serving; the same image and text share the KV of the first
     assert again.choices[0].message.content == text
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+    # Other text before the same image: its KV is computed again, its features are not.
+    ask({"role": "system", "content": "Be brief."})
+
+    def counted() -> bool:
+        values = metric_values(server.base_url)
+        hits = values.get("kvflow:mm_encoder_cache_hits_total", 0.0)
+        return hits == 1 and values["kvflow:mm_encoder_cache_queries_total"] == 2
+
+    assert wait_for(counted, timeout_s=10.0), metric_values(server.base_url)

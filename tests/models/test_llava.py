@@ -6,7 +6,9 @@ images: tests/unit/test_chat_images.py.)"""
 
 from __future__ import annotations
 
+import base64
 import functools
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -109,6 +111,8 @@ def test_second_turn_hits_both_caches(llm: LLM, llava_dir: Path) -> None:
     cache = llm.engine.runner.images.cache  # type: ignore[union-attr]
     image_token = llm.engine.runner.model.image_token_id
     hits, misses = cache.hits, cache.misses
+    counters = llm.engine.core.counters  # what the engine's stats export as metrics
+    queries, counted_hits = counters.mm_encoder_cache_queries, counters.mm_encoder_cache_hits
     image = random_image(7, 60, 50)
     first = llm.generate({"prompt": ONE, "multi_modal_data": {"image": image}}, GREEDY)[0]
     assert (cache.hits - hits, cache.misses - misses) == (0, 1)
@@ -124,6 +128,26 @@ def test_second_turn_hits_both_caches(llm: LLM, llava_dir: Path) -> None:
     other_text = "SYSTEM: be brief. " + ONE
     llm.generate({"prompt": other_text, "multi_modal_data": {"image": image}}, GREEDY)
     assert (cache.hits - hits, cache.misses - misses) == (1, 1)
+    # The prefix-cached second turn looked nothing up.
+    assert counters.mm_encoder_cache_queries - queries == 2
+    assert counters.mm_encoder_cache_hits - counted_hits == 1
+
+
+def test_encoder_cache_counts_an_image_once_when_chunked(llava_dir: Path) -> None:
+    """A 5-token budget splits each 9-row placeholder run over steps: one query per image
+    a request places (the later chunks read the features the first one encoded); the
+    same image again, twice in one prompt, is two hits."""
+    llm = LLM(
+        str(llava_dir), dtype="float32", device="cpu", max_num_batched_tokens=5,
+        block_size=4, enable_prefix_caching=False,
+    )  # fmt: skip
+    image = random_image(10, 40, 30)
+    llm.generate({"prompt": ONE, "multi_modal_data": {"image": image}}, GREEDY)
+    counters = llm.engine.core.counters
+    assert (counters.mm_encoder_cache_queries, counters.mm_encoder_cache_hits) == (1, 0)
+    llm.generate({"prompt": TWO, "multi_modal_data": {"image": [image, image]}}, GREEDY)
+    assert (counters.mm_encoder_cache_queries, counters.mm_encoder_cache_hits) == (3, 2)
+    llm.close()
 
 
 def test_different_images_never_share_kv(llm: LLM, llava_dir: Path) -> None:
@@ -137,3 +161,27 @@ def test_different_images_never_share_kv(llm: LLM, llava_dir: Path) -> None:
     assert list(out.outputs[0].token_ids) == hf_greedy(llava_dir, prompt, [image_b])[1]
     again = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image_b}}, GREEDY)[0]
     assert again.num_cached_tokens > first_image_token
+
+
+def test_chat_takes_image_parts_as_the_server_does(llm: LLM, llava_dir: Path) -> None:
+    """LLM.chat: an image as a data: URL and one as a PIL image, in the parts' order,
+    give transformers' greedy tokens on the chat template's text."""
+    image_a, image_b = random_image(11, 40, 30), random_image(12, 60, 50)
+    buffer = io.BytesIO()
+    image_a.save(buffer, format="PNG")  # type: ignore[attr-defined]
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    parts = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "and"},
+        {"type": "image_pil", "image_pil": image_b},
+        {"type": "text", "text": "How do they differ?"},
+    ]
+    out = llm.chat([{"role": "user", "content": parts}], GREEDY)[0]
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<image>\nand\n<image>\nHow do they differ?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    prompt_ids, tokens = hf_greedy(llava_dir, text, [image_a, image_b])
+    assert out.prompt_token_ids == prompt_ids
+    assert list(out.outputs[0].token_ids) == tokens

@@ -64,6 +64,7 @@ def test_chat_streams_token_by_token(page: Any, screenshots: Path) -> None:
     page.evaluate(WATCH_GROWTH)
     answer = send(page, "Write **a** story about `code`.")
     text = finished(answer)
+    assert page.locator("#attach").is_hidden()  # a text-only model takes no images
     lengths = page.evaluate("window.__lengths")
     growth = sorted(set(lengths))
     assert text.strip() and len(growth) >= 10, f"the text did not grow token by token: {lengths}"

@@ -127,3 +127,43 @@ def test_huge_header_is_refused_before_decoding() -> None:
     # Below PIL's own decompression-bomb threshold: our limit decides, from the header.
     with pytest.raises(InvalidRequestError, match="exceeds the limit"):
         decode_image(png_header(4000, 4000), "image/png", ImageLimits(max_pixels=1 << 20))
+
+
+def test_offline_chat_parts_render_as_the_servers_and_keep_their_order() -> None:
+    from kvflow.offline.chat_messages import split_images
+
+    image_a, image_b = random_image(1, 8, 8), random_image(2, 8, 8)
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_pil", "image_pil": image_a},
+                {"type": "text", "text": "vs"},
+                {"type": "image_url", "image_url": {"url": data_url(image_b)}},
+            ],
+        },
+    ]
+    messages, images = split_images(conversation, "<image>", MediaOptions())
+    assert messages == [conversation[0], {"role": "user", "content": "<image>\nvs\n<image>"}]
+    assert [i.tobytes() for i in images] == [image_a.tobytes(), image_b.tobytes()]  # type: ignore[attr-defined]
+    with pytest.raises(InvalidRequestError, match="text only"):
+        split_images(conversation, None, MediaOptions())
+    remote = [{"role": "user", "content": [{"type": "image_url", "image_url": "http://x/a.png"}]}]
+    with pytest.raises(InvalidRequestError, match="allowed-media-domains"):
+        split_images(remote, "<image>", MediaOptions())
+
+
+def test_the_web_ui_offers_images_only_for_a_vision_model(vision: Harness, tmp_path: Path) -> None:
+    """The playground shows its image input when /ui/config says the model reads images
+    (the browser test: tests/ui/test_web_ui_images.py)."""
+    assert vision.http.get("/ui/config").json() == {"images": True, "max_images": 2}
+    page = vision.http.get("/").text
+    assert 'id="image-input"' in page and 'accept="image/png,image/jpeg,image/webp"' in page
+    text_only = start_harness(tmp_path, api_key="k")
+    try:
+        assert text_only.http.get("/ui/config").status_code == 401  # behind the API key
+        config = text_only.http.get("/ui/config", headers={"Authorization": "Bearer k"})
+        assert config.json() == {"images": False, "max_images": 0}
+    finally:
+        text_only.stop()

@@ -109,3 +109,18 @@ def test_promtool_accepts_them() -> None:
     text = metrics.render().decode()
     assert "kvflow:estimated_flops_total{" in text
     promtool_check(text)
+
+
+def test_encoder_cache_counters_follow_the_engine_totals() -> None:
+    metrics = FrontendMetrics("m", 64)
+    metrics.observe_scheduler_stats(SchedulerStats(1.0, "0", 0, 0, 0.0))
+    assert at(samples(metrics), "kvflow:mm_encoder_cache_hits_total") == 0.0
+    for queries, hits in ((1, 0), (3, 1)):
+        metrics.observe_scheduler_stats(
+            SchedulerStats(
+                1.0, "0", 0, 0, 0.0, mm_encoder_cache_queries=queries, mm_encoder_cache_hits=hits
+            )
+        )
+    values = samples(metrics)
+    assert at(values, "kvflow:mm_encoder_cache_queries_total") == 3
+    assert at(values, "kvflow:mm_encoder_cache_hits_total") == 1

@@ -65,6 +65,8 @@ async function checkKey() {
     const models = await (await api("/v1/models")).json();
     $("model-name").textContent = models.data.length ? "model: " + models.data[0].id : "";
     state.model = models.data.length ? models.data[0].id : undefined;
+    state.ui = await (await api("/ui/config")).json();
+    updateAttach();
     $("key-dialog").hidden = true;
     return true;
   } catch (error) {
@@ -164,6 +166,8 @@ const state = {
   lastRequest: null,  // { mode, prompt } of the last turn, for Regenerate
   controller: null,   // AbortController of the stream in flight
   messages: [],       // rendered assistant messages (for the heat-map toggle)
+  ui: { images: false, max_images: 0 },  // /ui/config: what this server's model takes
+  pending: [],        // data: URLs of the images the next chat message sends
 };
 
 function numberField(id, parse = parseFloat) {
@@ -186,10 +190,11 @@ function samplingBody() {
   return body;
 }
 
-function addUserMessage(text) {
+function addUserMessage(text, images = []) {
   const node = document.createElement("div");
   node.className = "msg user";
   node.innerHTML = '<div class="role">You</div>';
+  images.forEach((url, i) => node.append(imageNode(url, `image ${i + 1} sent`)));
   node.append(document.createTextNode(text));
   $("transcript").append(node);
   return node;
@@ -311,8 +316,10 @@ async function generate(mode, prompt) {
 
 async function send(text) {
   const mode = $("mode").value;
-  addUserMessage(text);
-  if (mode === "chat") state.history.push({ role: "user", content: text });
+  const images = mode === "chat" ? state.pending.splice(0) : [];
+  renderAttachments();
+  addUserMessage(text, images);
+  if (mode === "chat") state.history.push({ role: "user", content: images.length ? withImages(text, images) : text });
   state.lastRequest = { mode, prompt: text };
   await generate(mode, text);
 }
@@ -320,7 +327,7 @@ async function send(text) {
 $("composer").addEventListener("submit", (event) => {
   event.preventDefault();
   const text = $("prompt").value;
-  if (!text.trim() || state.controller) return;
+  if ((!text.trim() && !state.pending.length) || state.controller) return;
   $("prompt").value = "";
   send(text);
 });
@@ -349,7 +356,8 @@ $("regenerate").addEventListener("click", () => {
 $("clear").addEventListener("click", () => {
   if (state.controller) state.controller.abort();
   $("transcript").replaceChildren();
-  Object.assign(state, { history: [], lastRequest: null, messages: [] });
+  Object.assign(state, { history: [], lastRequest: null, messages: [], pending: [] });
+  renderAttachments();
   setBusy(false);
   $("status").textContent = "";
 });
@@ -358,6 +366,95 @@ $("mode").addEventListener("change", () => {
   const chat = $("mode").value === "chat";
   $("system").disabled = !chat;
   $("prompt").placeholder = chat ? "Message (Enter to send, Shift+Enter for a new line)" : "Raw prompt, sent as is (Enter to send)";
+  updateAttach();
+});
+
+// ---- Images: a model that reads them (/ui/config) takes them in chat mode, from the file
+// input, a drop on the composer or a paste, each sent as an image_url part (a data: URL).
+
+const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp"];  // what the server decodes
+
+function imageNode(url, alt) {
+  const img = document.createElement("img");
+  img.src = url;  // a data: URL (the page's CSP allows those images only)
+  img.alt = alt;
+  return img;
+}
+
+function withImages(text, images) {  // the chat message's content parts
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return text.trim() ? parts.concat([{ type: "text", text }]) : parts;
+}
+
+function updateAttach() {
+  const on = state.ui.images && $("mode").value === "chat";
+  $("attach").hidden = !on;
+  if (!on) state.pending = [];
+  renderAttachments();
+}
+
+function renderAttachments() {
+  const box = $("attachments");
+  box.replaceChildren(...state.pending.map((url, i) => {
+    const figure = document.createElement("figure");
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.textContent = "×";
+    remove.setAttribute("aria-label", `Remove image ${i + 1}`);
+    remove.addEventListener("click", () => { state.pending.splice(i, 1); renderAttachments(); });
+    figure.append(imageNode(url, `image ${i + 1} to send`), remove);
+    return figure;
+  }));
+  box.hidden = !state.pending.length;
+}
+
+function readDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function addImages(files) {
+  if ($("attach").hidden) return;
+  for (const file of files) {
+    if (!IMAGE_TYPES.includes(file.type)) {
+      $("status").textContent = `${file.name || "The file"} is not a PNG, JPEG or WebP image.`;
+    } else if (state.pending.length >= state.ui.max_images) {
+      $("status").textContent = `At most ${state.ui.max_images} images per message.`;
+    } else {
+      state.pending.push(await readDataURL(file));
+    }
+  }
+  renderAttachments();
+}
+
+$("image-input").addEventListener("change", async (event) => {
+  await addImages([...event.target.files]);
+  event.target.value = "";  // the same file may be chosen again
+});
+
+$("prompt").addEventListener("paste", (event) => {
+  const files = [...((event.clipboardData && event.clipboardData.files) || [])].filter((f) => f.type.startsWith("image/"));
+  if (files.length && !$("attach").hidden) {
+    event.preventDefault();
+    addImages(files);
+  }
+});
+
+$("composer").addEventListener("dragover", (event) => {
+  if ($("attach").hidden || !event.dataTransfer.types.includes("Files")) return;
+  event.preventDefault();
+  $("composer").classList.add("dropping");
+});
+$("composer").addEventListener("dragleave", () => $("composer").classList.remove("dropping"));
+$("composer").addEventListener("drop", (event) => {
+  $("composer").classList.remove("dropping");
+  if ($("attach").hidden) return;
+  event.preventDefault();
+  addImages([...event.dataTransfer.files]);
 });
 
 $("logprobs").addEventListener("change", () => {
