@@ -138,14 +138,18 @@ async def _run_lines(llm: Any, lines: list[bytes]) -> list[bytes]:
 
 def _serving_context(engine: Any, client: Any) -> ServingContext:
     from kvflow.services.frontend.engine_client import EngineClient
+    from kvflow.services.frontend.kv_params import KVParamsGate
     from kvflow.services.frontend.metrics import FrontendMetrics
     from kvflow.services.frontend.serving_common import ServingContext
     from kvflow.services.launch.launcher import ServeOptions, make_frontend_config
 
     config = make_frontend_config(engine.config, engine.model_dir, ServeOptions())
     metrics = FrontendMetrics(config.served_model_name, config.max_model_len)
+    # No proxy signs for an offline batch: a line's remote kv_transfer_params are refused.
+    kv_params = KVParamsGate(None, metrics.count_kv_params_rejected)
     # The handlers use only generate/health_problem/check_rank of the client.
-    return ServingContext(config, cast(EngineClient, client), engine.tokenizer, metrics)
+    client = cast(EngineClient, client)
+    return ServingContext(config, client, engine.tokenizer, metrics, kv_params)
 
 
 async def _answer(ctx: ServingContext, raw_line: bytes) -> bytes:
