@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Sequence
 from kvflow.errors import InvalidRequestError
 from kvflow.offline.engine import LLMEngine
 from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.multimodal import ImageInput
 from kvflow.sampling_params import SamplingParams, child_request_ids
 from kvflow.services.frontend.request_deadline import Deadline
 
@@ -36,6 +37,10 @@ class OfflineEngineClient:
                 param="data_parallel_rank",
             )
 
+    def engine_label(self, delta: RequestOutputDelta) -> str | None:
+        """One engine: the request-level metrics keep their configured label."""
+        return None
+
     async def generate(
         self,
         request_id: str,
@@ -46,8 +51,11 @@ class OfflineEngineClient:
         arrival_time: float | None = None,
         data_parallel_rank: int | None = None,
         deadline: Deadline | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as the steps make them; ends when every one finished."""
+        if images:  # the offline engine takes PIL images (LLM.generate), not wire inputs
+            raise InvalidRequestError("run-batch lines take no images", param="messages")
         child_ids = child_request_ids(request_id, params.n)
         queue: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()
         unfinished = set(child_ids)
