@@ -29,6 +29,9 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
 
 @dataclass(frozen=True)
 class KVCacheSpec:
+    # Cache tensors: one per layer, or with a hybrid KV cache one per layer of a group,
+    # each shared by one layer of every group (kvflow/kv_groups.py), so that a block id
+    # holds `num_layers` layers' K/V whichever group holds it.
     num_layers: int
     block_size: int
     num_kv_heads: int
@@ -58,7 +61,7 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of every layer for one block."""
+        """K and V of every cache tensor (layer, or layer of a group) for one block."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row_width * elem
 

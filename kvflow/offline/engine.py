@@ -72,7 +72,11 @@ class LLMEngine:
         self.executor = self._start_executor()
         self.vocab_size = self.executor.vocab_size
         shape = EngineShape(
-            self.vocab_size, self.max_model_len, self.executor.num_blocks, self.eos_token_ids
+            self.vocab_size,
+            self.max_model_len,
+            self.executor.num_blocks,
+            self.eos_token_ids,
+            self.executor.kv_group_windows,
         )
         self.core = build_engine_core(config, shape, lambda: self.tokenizer)
         self.streams = DetokenizerStreams(self.tokenizer)

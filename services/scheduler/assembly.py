@@ -35,6 +35,8 @@ class EngineShape:
     max_model_len: int
     num_blocks: int
     eos_token_ids: frozenset[int]
+    # The KV cache groups' windows (kvflow/kv_groups.py; None = full attention).
+    kv_group_windows: tuple[int | None, ...] = (None,)
 
 
 def build_engine_core(
@@ -50,7 +52,12 @@ def build_engine_core(
         num_blocks=shape.num_blocks,
         eos_token_ids=shape.eos_token_ids,
     )
-    kv_cache = KVCacheManager(shape.num_blocks, block_size, config.cache.enable_prefix_caching)
+    kv_cache = KVCacheManager(
+        shape.num_blocks,
+        block_size,
+        config.cache.enable_prefix_caching,
+        group_windows=shape.kv_group_windows,
+    )
     return EngineCore(
         build_scheduler(config, kv_cache, shape),
         limits,

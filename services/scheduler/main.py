@@ -39,6 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvflow.config import EngineConfig
 from kvflow.errors import KvflowError
+from kvflow.kv_groups import group_windows_from_wire
 from kvflow.metrics.roofline import ModelShape, RooflineMeter
 from kvflow.proto.addresses import ServiceAddresses, bind_address
 from kvflow.proto.control import ProcessFailed, WorkerHeartbeat, WorkerInfo, WorkerOutput
@@ -133,7 +134,13 @@ def _serve(
     info, early = started
     instruments.startup_phases.update(info.startup_phases)
     instruments.peak_flops, instruments.peak_bandwidth = info.peak_flops, info.peak_bandwidth
-    shape = EngineShape(info.vocab_size, info.max_model_len, info.num_blocks, eos_token_ids)
+    shape = EngineShape(
+        info.vocab_size,
+        info.max_model_len,
+        info.num_blocks,
+        eos_token_ids,
+        group_windows_from_wire(info.kv_group_windows),
+    )
     core = build_engine_core(config, shape, lambda: load_tokenizer(model_dir))
     ranks = range(config.parallel.world_size)
     liveness = Liveness(heartbeat_timeout_s, dict.fromkeys(ranks, time.monotonic()))

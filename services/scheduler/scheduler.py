@@ -6,10 +6,10 @@ a prefill, capped by `long_prefill_token_threshold`), then waiting requests in t
 prefill policy's order (prefill_order.py: queue order, or shortest prompt first), whose
 prompts are split into chunks when they do not fit the budget. When the KV pool is
 full, the lowest-priority running request (the newest under FCFS) is preempted by
-recompute: its blocks are freed and it goes back to the waiting queue. The scheduler
-never touches block internals; `KVCacheManager` does. Speculative decoding, KV
-transfer, pipeline micro-batches, jump-forward and prompt logprobs are step features
-(step_features.py), registered at assembly (features.py); this loop calls their hooks.
+recompute: its blocks are freed and it goes back to the waiting queue. Block internals
+are `KVCacheManager`'s alone. Speculative decoding, KV transfer, pipeline micro-batches,
+jump-forward and prompt logprobs are step features (step_features.py), registered at
+assembly (features.py); this loop calls their hooks.
 """
 
 from __future__ import annotations
@@ -191,8 +191,9 @@ class Scheduler:
             else:
                 num_new, new_block_ids = planned.num_tokens, planned.block_ids
             cached = CachedRequestData(
-                request.request_id, new_block_ids, request.num_computed_tokens
-            )
+                request.request_id, new_block_ids, request.num_computed_tokens,
+                new_group_block_ids=self.kv_cache.take_new_group_block_ids(request.request_id),
+            )  # fmt: skip
             for f in self.features:
                 f.on_scheduled_running(request, cached, step)
             step.cached_requests.append(cached)
@@ -269,10 +270,8 @@ class Scheduler:
         self.prefill.on_admitted(admitted)
 
     def _take_waiting(self, request: Request) -> None:
-        if self.waiting.peek() is request:
-            self.waiting.pop()
-        else:  # admitted ahead of its queue position (prefill order `shortest`)
-            self.waiting.remove(request)
+        # `remove` when admitted ahead of its queue position (prefill order `shortest`)
+        self.waiting.pop() if self.waiting.peek() is request else self.waiting.remove(request)
 
     def _allocate_waiting(self, request: Request, budget: int) -> tuple[int, bool] | None:
         """Blocks for a waiting request's next chunk (after its prefix-cache hit and
@@ -314,8 +313,9 @@ class Scheduler:
             token_ids=list(request.all_token_ids),
             num_prompt_tokens=request.num_prompt_tokens,
             sampling_params=request.sampling_params,
-            block_ids=list(self.kv_cache.get_block_ids(request.request_id)),
+            block_ids=self.kv_cache.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
+            group_block_ids=self.kv_cache.get_group_block_ids(request.request_id),
         )
 
     # ---- results -----------------------------------------------------------------
