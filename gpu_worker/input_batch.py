@@ -6,7 +6,7 @@ forget it; a freed slot is reused, lowest first. Per slot, in host memory::
 
     token_ids    [slots, max_model_len] int32   prompt + outputs (incl. the last sample)
     num_tokens, num_prompt_tokens, num_computed_tokens   [slots] int64
-    block_table  [groups, slots, max_blocks_per_req] int32, 0 past num_blocks: one table
+    block_tables [groups, slots, max_blocks_per_req] int32, 0 past num_blocks: one table
                  per KV cache group (kvflow/kv_groups.py; -1 = a block out of the window)
     sampling     per-slot sampling parameters and penalty counts (sampling_state.py)
 
@@ -111,8 +111,10 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(slots, dtype=np.int64)
         self.num_drafts = np.zeros(slots, dtype=np.int64)  # this step's draft tokens
         groups = limits.num_kv_groups
-        self.block_table = np.zeros((groups, slots, limits.max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros((groups, slots), dtype=np.int64)
+        self.block_tables = np.zeros((groups, slots, limits.max_blocks_per_req), dtype=np.int32)
+        self.group_num_blocks = np.zeros((groups, slots), dtype=np.int64)
+        self.block_table = self.block_tables[0]  # group 0's (views)
+        self.num_blocks = self.group_num_blocks[0]
         self.sampling = SamplingState(slots, vocab_size, eos_token_ids, device)
         self.slot_of: dict[str, int] = {}
         self.req_ids: list[str | None] = [None] * slots
@@ -165,8 +167,8 @@ class InputBatch:
         self.num_tokens[slot] = num_tokens
         self.num_prompt_tokens[slot] = new.num_prompt_tokens
         self.num_computed_tokens[slot] = new.num_computed_tokens
-        self.block_table[:, slot] = 0
-        self.num_blocks[:, slot] = 0
+        self.block_tables[:, slot] = 0
+        self.group_num_blocks[:, slot] = 0
         self._append_blocks(slot, new.block_ids)
         for group, block_ids in enumerate(new.group_block_ids, start=1):
             self._append_blocks(slot, block_ids, group)
@@ -206,12 +208,12 @@ class InputBatch:
             self.num_tokens[slot] = max(int(self.num_tokens[slot]), end)
 
     def _append_blocks(self, slot: int, block_ids: list[int], group: int = 0) -> None:
-        start = int(self.num_blocks[group, slot])
+        start = int(self.group_num_blocks[group, slot])
         end = start + len(block_ids)
         if end > self.limits.max_blocks_per_req:
             raise ValueError(f"slot {slot}: {end} blocks > {self.limits.max_blocks_per_req}")
-        self.block_table[group, slot, start:end] = block_ids
-        self.num_blocks[group, slot] = end
+        self.block_tables[group, slot, start:end] = block_ids
+        self.group_num_blocks[group, slot] = end
 
     # ---- one step's inputs -------------------------------------------------------------
 
@@ -318,10 +320,10 @@ class InputBatch:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot_mapping [T] int64, block_tables [R, max_blocks] int32) of one KV group."""
         block_size = self.limits.block_size
-        table = self.block_table[group]
+        table = self.block_tables[group]
         blocks = table[token_slots, positions // block_size].astype(np.int64)
         slot_mapping = blocks * block_size + positions % block_size  # [T]
-        max_blocks = int(self.num_blocks[group, slots].max())
+        max_blocks = int(self.group_num_blocks[group, slots].max())
         return self._to_device(slot_mapping), self._to_device(table[slots, :max_blocks])
 
     def _prompt_logprobs_ranges(

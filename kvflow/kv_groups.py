@@ -86,3 +86,17 @@ def plan_kv_groups(layer_windows: Sequence[int | None], hybrid: bool = True) -> 
 def group_windows_from_wire(windows: Sequence[int]) -> tuple[int | None, ...]:
     """The inverse of `KVGroupLayout.wire_windows`; [] = one full-attention group."""
     return tuple(w or None for w in windows) or (None,)
+
+
+def max_blocks_held(
+    windows: Sequence[int | None], num_tokens: int, block_size: int, max_chunk: int = 0
+) -> int:
+    """The most blocks a request of `num_tokens` tokens holds at once over all groups,
+    computing at most `max_chunk` tokens a step (0: all at once). A sliding group holds
+    the blocks from its window's first key to the chunk's last token:
+    (c + k - 1) // B - (c - W + 1) // B + 1 <= (W + k - 2) // B + 2."""
+    total = -(-num_tokens // block_size)
+    chunk = min(num_tokens, max_chunk) if max_chunk > 0 else num_tokens
+    return sum(
+        total if w is None else min(total, (w + chunk - 2) // block_size + 2) for w in windows
+    )

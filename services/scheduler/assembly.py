@@ -51,6 +51,8 @@ def build_engine_core(
         block_size=block_size,
         num_blocks=shape.num_blocks,
         eos_token_ids=shape.eos_token_ids,
+        kv_group_windows=shape.kv_group_windows,
+        max_chunk_tokens=config.scheduler.max_num_batched_tokens,
     )
     kv_cache = KVCacheManager(
         shape.num_blocks,
