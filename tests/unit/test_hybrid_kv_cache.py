@@ -103,7 +103,7 @@ def test_prefix_hit_of_a_sliding_group_needs_only_the_window_blocks() -> None:
     first = Req("a", list(range(30)))
     step(mgr, first, 30)  # 7 full blocks hashed in both groups
     mgr.free("a")
-    second = Req("b", list(range(30)) + [99, 98])
+    second = Req("b", [*range(30), 99, 98])
     computed = mgr.get_computed_blocks(second)
     assert computed.num_computed_tokens == 28  # 7 blocks agreed by both groups
     [sliding] = computed.group_block_ids
@@ -128,7 +128,7 @@ def test_a_hit_shrinks_until_the_sliding_window_is_cached() -> None:
     victim = mgr.block_pool.get_cached_block(mgr.groups[1].key(hashes[5]))
     assert victim is not None
     mgr.block_pool.uncache(victim)  # as if evicted
-    computed = mgr.get_computed_blocks(Req("b", list(range(30)) + [7]))
+    computed = mgr.get_computed_blocks(Req("b", [*range(30), 7]))
     assert computed.num_computed_tokens == 5 * B
     [sliding] = computed.group_block_ids  # the query at 20 reads keys 13.. -> blocks 3, 4
     assert sliding[:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in sliding[3:]
