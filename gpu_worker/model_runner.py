@@ -210,15 +210,16 @@ class ModelRunner:
         first decode step of that size (cpu_graphs.py). None with `enforce_eager`."""
         if self.config.device.enforce_eager:
             return 0.0
-        if self.kv_layout.num_groups > 1:  # graphs replay one group's static tables
-            logger.info("decode graphs off: the hybrid KV cache has several block tables")
-            return 0.0
+        num_groups = self.kv_layout.num_groups
         if self.device.type == "cpu":  # one rank: gpu_worker/main.py makes ranks eager
             block_size = self.config.cache.block_size
             self.decode_graphs = make_cpu_decode_graphs(
-                self.model, max_num_seqs, max_model_len, block_size
+                self.model, max_num_seqs, max_model_len, block_size, num_groups
             )
             took = 0.0
+        elif num_groups > 1:  # CUDA graphs replay one group's static tables
+            logger.info("CUDA graphs off: the hybrid KV cache has several block tables")
+            return 0.0
         else:
             took = self._capture_cuda_graphs(max_num_seqs, max_model_len)
         if self.decode_graphs is not None and self.stage is None:  # a stage runs its own
