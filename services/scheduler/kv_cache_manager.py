@@ -139,9 +139,10 @@ class KVCacheManager:
         num_hit = (num_tokens - 1) // self.block_size
         while True:  # each group's hit is <= the bound: shrink it until all agree
             agreed = min(group.longest_hit(hashes, num_hit) for group in self.groups)
-            if agreed == num_hit:
-                break
+            done = agreed == num_hit or len(self.groups) == 1  # one group agrees at once
             num_hit = agreed
+            if done:
+                break
         tables = [group.hit_ids(hashes, num_hit) for group in self.groups]
         num_hit_tokens = num_hit * self.block_size
         self.prefix_cache_queries += num_tokens

@@ -8,6 +8,7 @@ window. Here (not in tests/models) because kernels/conftest.py sets TRITON_INTER
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -125,3 +126,30 @@ def test_hybrid_off_keeps_one_group_and_the_same_tokens(
     llm = LLM(str(path), dtype="float32", attention_backend="torch", hybrid_kv_cache=False)
     assert [g.window for g in llm.engine.kv_cache.groups] == [None]
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"async_scheduling": True}, {"speculative_config": SPEC}],
+    ids=["async-scheduling", "ngram-spec"],
+)
+def test_hybrid_cache_under_async_scheduling_and_speculation(
+    model_and_expected: tuple[Path, list[list[int]], list[list[int]]], options: dict[str, Any]
+) -> None:
+    """Steps in flight (the next allocation releases blocks while a step still runs) and
+    drafts rolled back give transformers' tokens too."""
+    path, prompts, expected = model_and_expected
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    llm = LLM(
+        str(path), dtype="float32", attention_backend="torch", max_num_batched_tokens=8,
+        block_size=4, **options,
+    )  # fmt: skip
+    assert len(llm.engine.kv_cache.groups) > 1
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+    speculator = llm.engine.scheduler.speculator
+    if speculator is not None:
+        assert speculator.counters.num_draft_tokens > 0
+    llm.engine.kv_cache.check_integrity()
