@@ -19,7 +19,8 @@ same tokens cached by two groups are two distinct pool entries.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvflow.block_hash import BlockHash
 from kvflow.services.scheduler.block_pool import BlockPool, check_invariant
@@ -49,10 +50,6 @@ class KVCacheGroup:
         if self.window is None:
             return 0
         return max(0, num_computed - self.window + 1) // self.block_size
-
-    def num_new_blocks(self, request_id: str, num_tokens: int, num_hits: int) -> int:
-        held = len(self.tables.get(request_id, ())) + num_hits
-        return max(0, -(-num_tokens // self.block_size) - held)
 
     # ---- prefix hits -------------------------------------------------------------------
 
@@ -114,18 +111,20 @@ class KVCacheGroup:
 
     def cache_full_blocks(
         self,
-        request_id: str,
-        hashes: Sequence[BlockHash],
-        num_known: int,
+        request: Any,  # a CacheableRequest
+        num_full: int,
         num_hits: int,
+        hashes_of: Callable[[Any], list[BlockHash]],  # computed only when needed
     ) -> None:
-        """Offer the blocks filled by known tokens since the last call to the cache."""
-        table = self.tables[request_id]
+        """Offer the blocks filled by known tokens (`num_full` blocks of them) since the
+        last call to the cache."""
+        request_id = request.request_id
         _, cached = self.marks.get(request_id, (num_hits, num_hits))
-        num_full = num_known // self.block_size
         if num_full <= cached:
             self.marks[request_id] = (cached, cached)
             return
+        table = self.tables[request_id]
+        hashes = hashes_of(request)
         blocks = self.pool.blocks
         new = table[cached:num_full]
         assert NULL_BLOCK not in new, "a block left the window before it was cached"

@@ -86,6 +86,9 @@ class KVCacheManager:
             KVCacheGroup(i, window, block_size, self.block_pool)
             for i, window in enumerate(group_windows)
         ]
+        self._sliding = [g for g in self.groups if g.window is not None]
+        self._one_full_group = len(self.groups) == 1 and not self._sliding
+        self._no_hits: tuple[list[int], ...] = tuple([] for _ in self.groups)  # never mutated
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._req_hashes: dict[str, list[BlockHash]] = {}
@@ -165,27 +168,38 @@ class KVCacheManager:
         or already the hit: only the hit counts.
         """
         request_id = request.request_id
-        holds = request_id in self.groups[0].tables
-        hits: Sequence[list[int]] = [[] for _ in self.groups]
+        group = self.groups[0]
+        table = group.tables.get(request_id)
+        if table is not None and self._one_full_group:  # the common path, kept lean
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if -(-num_tokens // self.block_size) <= len(table):  # most decode steps
+                num_full = min(num_tokens, len(request.all_token_ids)) // self.block_size
+                committed, cached = group.marks.get(request_id, (0, 0))
+                if num_full > cached and self.enable_prefix_caching:
+                    group.cache_full_blocks(request, num_full, 0, self._block_hashes)
+                elif committed != cached:
+                    group.marks[request_id] = (cached, cached)
+                return []
+        holds = table is not None
+        hits = self._no_hits
         if not holds:
             num_hit_tokens = computed.num_computed_tokens if computed is not None else 0
             assert request.num_computed_tokens in (0, num_hit_tokens), "KV without blocks"
             num_tokens = num_hit_tokens + num_new_tokens
             if computed is not None and computed.num_computed_tokens:
-                hits = [computed.block_ids, *computed.group_block_ids]
+                hits = (computed.block_ids, *computed.group_block_ids)
         else:
             assert computed is None or not computed.block_ids, "hits need a fresh request"
             num_tokens = request.num_computed_tokens + num_new_tokens
-            for group in self.groups:
+            for group in self._sliding:
                 group.release_skipped(request_id, request.num_computed_tokens)
-        appended = self._take_blocks(request, hits, num_tokens)
+        appended = self._take_blocks(request_id, hits, num_tokens, holds)
         if appended is None:
             return None
         if self.enable_prefix_caching:
-            num_known = min(num_tokens, len(request.all_token_ids))
-            hashes = self._block_hashes(request)
+            num_full = min(num_tokens, len(request.all_token_ids)) // self.block_size
             for group, hit_ids in zip(self.groups, hits):
-                group.cache_full_blocks(request_id, hashes, num_known, len(hit_ids))
+                group.cache_full_blocks(request, num_full, len(hit_ids), self._block_hashes)
         return appended
 
     def free(self, request_id: str, *, step_discarded: bool = False) -> None:
@@ -231,17 +245,19 @@ class KVCacheManager:
         )
 
     def _take_blocks(
-        self, request: CacheableRequest, hits: Sequence[list[int]], num_tokens: int
+        self, request_id: str, hits: Sequence[list[int]], num_tokens: int, holds: bool
     ) -> list[int] | None:
         """Reference the hit blocks and take fresh ones in every group, or change nothing
         (None); returns group 0's appended ids."""
-        request_id = request.request_id
+        num_blocks = -(-num_tokens // self.block_size)
         needed = [
-            g.num_new_blocks(request_id, num_tokens, len(h)) for g, h in zip(self.groups, hits)
+            max(0, num_blocks - len(g.tables.get(request_id, ())) - len(h))
+            for g, h in zip(self.groups, hits)
         ]
-        if not any(needed) and not any(hits):
-            for group in self.groups:
-                group.tables.setdefault(request_id, [])
+        if hits is self._no_hits and not any(needed):  # most steps: room already held
+            if not holds:
+                for group in self.groups:
+                    group.tables[request_id] = []
             return []
         pool = self.block_pool
         revived = sum(g.num_revived(h) for g, h in zip(self.groups, hits))
