@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-GEMMA3_1B = dict(
+GEMMA3_1B: dict[str, Any] = dict(
     hidden_size=1152,
     intermediate_size=6912,
     num_hidden_layers=26,

@@ -1,15 +1,20 @@
-"""The hybrid KV cache on the scheduler side: group layouts, sliding-window groups
-releasing blocks as a request grows past the window (counted in free blocks), chunked
-prefill, prefix hits a sliding group agrees on, preemption, and the group tables on the
-wire. `check_integrity()` after every step."""
+"""The hybrid KV cache's bookkeeping: group layouts, sliding-window groups releasing
+blocks as a request grows past the window (counted in free blocks), chunked prefill,
+prefix hits a sliding group agrees on, preemption, the group tables on the wire and in
+the worker's persistent batch. `check_integrity()` after every step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
+from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch
+from kvflow.gpu_worker.kv_layout import stage_slots
 from kvflow.kv_groups import plan_kv_groups, single_group
+from kvflow.proto.step import CachedRequestData, NewRequestData, StepPlan
+from kvflow.sampling_params import SamplingParams
 from kvflow.services.scheduler.kv_cache_manager import NULL_BLOCK, KVCacheManager
 
 B = 4  # block size
@@ -153,3 +158,39 @@ def test_one_group_sends_no_group_tables() -> None:
     step(mgr, req, 20)
     assert mgr.get_group_block_ids("r") == [] and mgr.take_new_group_block_ids("r") == []
     assert mgr.num_free_blocks == 64 - 5
+
+
+# ---- the worker's side ---------------------------------------------------------------
+
+
+def test_the_persistent_batch_keeps_a_table_per_group() -> None:
+    """Group 1's table arrives whole with -1 before the window, then by deltas; its step
+    metadata maps the new tokens to its own blocks, group 0's to its own."""
+    batch = InputBatch(BatchLimits(2, 64, B, num_kv_groups=2), 40, {0}, torch.device("cpu"))
+    tokens = list(range(1, 23))  # 22 tokens, 20 computed (a prefix hit) + 2 to compute
+    new = NewRequestData(
+        "r", tokens, 22, SamplingParams(), [0, 1, 2, 3, 4, 5], 20,
+        group_block_ids=[[NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, 13, 14, 15]],
+    )  # fmt: skip
+    batch.apply_plan(StepPlan(0, [new], [], ["r"], [2]))
+    md = batch.prepare_inputs(StepPlan(1, [], [], ["r"], [2])).metadata
+    assert md.slot_mapping.tolist() == [5 * B, 5 * B + 1]
+    [group] = md.group_metadata
+    assert group.slot_mapping.tolist() == [15 * B, 15 * B + 1]
+    assert group.block_tables.tolist() == [[-1, -1, -1, 13, 14, 15]]
+    assert group.seq_lens is md.seq_lens and md.of_group(1) is group
+    cached = CachedRequestData("r", [6], 22, new_group_block_ids=[[16]])
+    batch.apply_plan(StepPlan(2, [], [cached], ["r"], [3]))
+    batch.num_tokens[0] = 25
+    md = batch.prepare_inputs(StepPlan(2, [], [], ["r"], [3])).metadata
+    assert md.group_metadata[0].slot_mapping.tolist()[-1] == 16 * B
+    assert md.slot_mapping.tolist()[-1] == 6 * B
+
+
+def test_a_pipeline_stage_allocates_only_the_slots_of_its_layers() -> None:
+    layout = plan_kv_groups(gemma3_1b_windows())
+    first_stage = stage_slots(layout, range(0, 3))  # 3 local layers: slots 0, 1, 2
+    assert first_stage == {0: 0, 1: 1, 2: 2}
+    last_stage = stage_slots(layout, range(24, 26))  # the 2-layer local group: slots 0, 1
+    assert last_stage == {0: 0, 1: 1}
+    assert stage_slots(single_group(26), range(13, 26)) == {i: i - 13 for i in range(13, 26)}
