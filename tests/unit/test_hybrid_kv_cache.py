@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from kvflow.errors import PromptTooLongError
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch
 from kvflow.gpu_worker.kv_layout import stage_slots
-from kvflow.kv_groups import plan_kv_groups, single_group
+from kvflow.kv_groups import max_blocks_held, plan_kv_groups, single_group
 from kvflow.proto.step import CachedRequestData, NewRequestData, StepPlan
 from kvflow.sampling_params import SamplingParams
+from kvflow.services.scheduler.admission import EngineLimits, check_lengths
 from kvflow.services.scheduler.kv_cache_manager import NULL_BLOCK, KVCacheManager
 
 B = 4  # block size
@@ -194,3 +196,17 @@ def test_a_pipeline_stage_allocates_only_the_slots_of_its_layers() -> None:
     last_stage = stage_slots(layout, range(24, 26))  # the 2-layer local group: slots 0, 1
     assert last_stage == {0: 0, 1: 1}
     assert stage_slots(single_group(26), range(13, 26)) == {i: i - 13 for i in range(13, 26)}
+
+
+def test_admission_counts_the_blocks_of_every_group() -> None:
+    """A request is refused when its blocks over all groups (a sliding one: its window
+    plus one chunk) cannot fit the pool: it would be preempted forever."""
+    assert max_blocks_held((None, 1024), 8192, 16, 2048) == 512 + (1024 + 2048 - 2) // 16 + 2
+    assert max_blocks_held((None, 1024), 100, 16, 2048) == 2 * 7  # short: every block
+    limits = EngineLimits(
+        vocab_size=100, max_model_len=64, block_size=B, num_blocks=10,
+        eos_token_ids=frozenset(), kv_group_windows=(None, W), max_chunk_tokens=8,
+    )  # fmt: skip
+    assert check_lengths([1] * 16, SamplingParams(max_tokens=4), limits) == 4  # 5 + 5 blocks
+    with pytest.raises(PromptTooLongError, match="needs 11 KV blocks"):
+        check_lengths([1] * 20, SamplingParams(max_tokens=4), limits)  # 6 + 5 blocks
