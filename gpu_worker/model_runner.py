@@ -217,16 +217,13 @@ class ModelRunner:
                 self.model, max_num_seqs, max_model_len, block_size, num_groups
             )
             took = 0.0
-        elif num_groups > 1:  # CUDA graphs replay one group's static tables
-            logger.info("CUDA graphs off: the hybrid KV cache has several block tables")
-            return 0.0
         else:
-            took = self._capture_cuda_graphs(max_num_seqs, max_model_len)
+            took = self._capture_cuda_graphs(max_num_seqs, max_model_len, num_groups)
         if self.decode_graphs is not None and self.stage is None:  # a stage runs its own
             self.forward_path = GraphForward(self.decode_graphs)
         return took
 
-    def _capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+    def _capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_groups: int) -> float:
         # Imported here: CPU images ship without Triton.
         from kvflow.gpu_worker.cuda_graphs import capture_decode_graphs, capture_sizes
 
@@ -234,7 +231,7 @@ class ModelRunner:
         sizes = capture_sizes(max_num_seqs)
         block_size = self.config.cache.block_size
         self.decode_graphs = capture_decode_graphs(
-            self.model, sizes, max_model_len, block_size, self.device
+            self.model, sizes, max_model_len, block_size, self.device, num_groups
         )
         if self.decode_graphs is None:
             return 0.0
