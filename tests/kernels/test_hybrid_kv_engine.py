@@ -83,7 +83,10 @@ def model_and_expected(
     return path, prompts, expected
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+# Triton interpreted on a CPU takes ~15-50 s a family: slow (it runs in CI all the same).
+@pytest.mark.parametrize(
+    "backend", ["torch", "cpu", pytest.param("triton", marks=pytest.mark.slow)]
+)
 def test_hybrid_cache_matches_transformers_with_hits_and_preemption(
     model_and_expected: tuple[Path, list[list[int]], list[list[int]]], backend: str
 ) -> None:
