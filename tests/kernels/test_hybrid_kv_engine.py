@@ -18,9 +18,11 @@ from transformers import (
     AutoTokenizer,
     Gemma2Config,
     Gemma3TextConfig,
+    MistralConfig,
 )
 
 from kvflow import LLM, SamplingParams
+from kvflow.kv_groups import plan_kv_groups
 
 MAX_TOKENS = 8
 WINDOW = 6
@@ -48,6 +50,12 @@ CONFIGS = {
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
         **SHAPE,
     ),
+    # Every layer windowed: one group, which still releases blocks.
+    "mistral": lambda vocab: MistralConfig(
+        vocab_size=vocab,
+        num_hidden_layers=2,
+        **{k: v for k, v in SHAPE.items() if k != "query_pre_attn_scalar"},
+    ),
 }
 
 
@@ -71,6 +79,11 @@ def model_and_expected(
     prompts = [
         prefix + torch.randint(100, 4000, (n,), generator=generator).tolist() for n in (3, 6, 4)
     ]
+    return path, prompts, hf_greedy(path, prompts)
+
+
+def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     expected = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -80,7 +93,7 @@ def model_and_expected(
                 max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
             )  # fmt: skip
             expected.append(out[0, len(prompt) :].tolist())
-    return path, prompts, expected
+    return expected
 
 
 # Triton interpreted on a CPU takes ~15-50 s a family: slow (it runs in CI all the same).
@@ -95,16 +108,13 @@ def test_hybrid_cache_matches_transformers_with_hits_and_preemption(
     # Blocks of 4 tokens, each one layer's K/V (groups of one layer). A request of up to
     # 27 tokens holds up to 7 blocks in the full group and 5 in each sliding one (window
     # 6 + a chunk of 8). A pool of one request's worst case makes them preempt each other.
-    num_sliding = sum(w is not None for w in llm_windows(path))
+    groups = plan_kv_groups(layer_windows(path)).windows
     llm = LLM(
         str(path), dtype="float32", attention_backend=backend, max_num_batched_tokens=8,
-        block_size=4, num_blocks=7 + 5 * num_sliding, max_num_seqs=3,
+        block_size=4, num_blocks=sum(7 if w is None else 5 for w in groups), max_num_seqs=3,
     )  # fmt: skip
     kv_cache = llm.engine.kv_cache
-    assert kv_cache.groups[0].window is None
-    assert [g.window for g in kv_cache.groups[1:]] and all(
-        g.window == WINDOW for g in kv_cache.groups[1:]
-    )
+    assert tuple(g.window for g in kv_cache.groups) == groups
     first = llm.generate(prompts[:1], greedy)  # caches the shared prefix's blocks
     kv_cache.check_integrity()
     rest = llm.generate(prompts[1:], greedy)
@@ -115,10 +125,11 @@ def test_hybrid_cache_matches_transformers_with_hits_and_preemption(
     assert kv_cache.num_free_blocks == kv_cache.num_blocks
 
 
-def llm_windows(path: Path) -> list[int | None]:
+def layer_windows(path: Path) -> list[int | None]:
     """The sliding window of each layer of the checkpoint (None: global)."""
     config = AutoConfig.from_pretrained(path)
-    return [WINDOW if t == "sliding_attention" else None for t in config.layer_types]
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * 2
+    return [WINDOW if t == "sliding_attention" else None for t in types]
 
 
 def test_hybrid_off_keeps_one_group_and_the_same_tokens(
@@ -134,6 +145,7 @@ def test_hybrid_off_keeps_one_group_and_the_same_tokens(
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
 
+@pytest.mark.slow  # ~10 s a case (two engines' worth of transformers and kvflow runs)
 @pytest.mark.parametrize(
     "options",
     [{"async_scheduling": True}, {"speculative_config": SPEC}],
@@ -143,14 +155,17 @@ def test_hybrid_cache_under_async_scheduling_and_speculation(
     model_and_expected: tuple[Path, list[list[int]], list[list[int]]], options: dict[str, Any]
 ) -> None:
     """Steps in flight (the next allocation releases blocks while a step still runs) and
-    drafts rolled back give transformers' tokens too."""
+    drafts rolled back give transformers' tokens too. Each prompt is repeated after its
+    own continuation, so n-gram speculation finds drafts to propose."""
     path, prompts, expected = model_and_expected
+    prompts = [p + e + p for p, e in zip(prompts, expected)]
+    expected = hf_greedy(path, prompts)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     llm = LLM(
         str(path), dtype="float32", attention_backend="torch", max_num_batched_tokens=8,
         block_size=4, **options,
     )  # fmt: skip
-    assert len(llm.engine.kv_cache.groups) > 1
+    assert any(g.window == WINDOW for g in llm.engine.kv_cache.groups)
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
     speculator = llm.engine.scheduler.speculator
     if speculator is not None:
