@@ -17,13 +17,18 @@ Layout of a step with three requests (B = block_size = 4)::
 Query tokens of a request are always the *last* `q_len` tokens of its context, so
 causal masking inside a request is: query i (absolute position seq_len - q_len + i)
 sees context positions 0 .. seq_len - q_len + i.
+
+A hybrid KV cache (kvflow/kv_groups.py) has one block table per layer group: the
+metadata is group 0's, and `group_metadata[g - 1]` is group g's, the same step with that
+group's `slot_mapping` and `block_tables` (-1 in a table: a block that left the sliding
+window, which the backends never read). Each attention layer reads its group's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +47,11 @@ class AttentionMetadata:
     # Rows of the hidden states whose logits are needed (last token of sampled requests,
     # or every prompt token when prompt logprobs were asked for).
     logits_indices: torch.Tensor  # [num_logits] int64
+    # Hybrid KV cache: the metadata of groups 1.. (empty: one group).
+    group_metadata: list[AttentionMetadata] = field(default_factory=list)
+
+    def of_group(self, group: int) -> AttentionMetadata:
+        return self if group == 0 else self.group_metadata[group - 1]
 
     @property
     def num_reqs(self) -> int:

@@ -39,7 +39,7 @@ DEFAULT_MEMORY_BUDGET = 512 << 20  # bytes of recorded activations over all size
 
 
 def make_cpu_decode_graphs(
-    model: nn.Module, max_num_seqs: int, max_model_len: int, block_size: int
+    model: nn.Module, max_num_seqs: int, max_model_len: int, block_size: int, num_groups: int = 1
 ) -> CpuDecodeGraphs | None:
     """Decode graphs for `model` (its KV cache bound), or None where a replay could not
     stand in for its forward: an attention backend without the native decode kernel, or
@@ -56,7 +56,7 @@ def make_cpu_decode_graphs(
         # take the torch decode path, which plans on the host.
         return None
     return CpuDecodeGraphs(
-        model, backend, layers[0].kv_cache, max_num_seqs, max_model_len, block_size
+        model, backend, layers[0].kv_cache, max_num_seqs, max_model_len, block_size, num_groups
     )
 
 
@@ -71,13 +71,14 @@ class CpuDecodeGraphs:
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,
+        num_groups: int = 1,  # KV cache groups (kvflow/kv_groups.py): a table each
         memory_budget: int | None = None,  # bytes; None: DEFAULT_MEMORY_BUDGET
     ) -> None:
         self.model, self.backend, self.kv_cache = model, backend, kv_cache
         self.max_model_len, self.block_size = max_model_len, block_size
         self.memory_budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
         self.static = StaticDecodeInputs.allocate(
-            max_num_seqs, math.ceil(max_model_len / block_size), kv_cache.device
+            max_num_seqs, math.ceil(max_model_len / block_size), kv_cache.device, num_groups
         )
         self.tapes: OrderedDict[int, OpTape] = OrderedDict()  # size -> tape, LRU first
         self.refused: set[int] = set()  # sizes whose forward cannot be replayed
@@ -89,7 +90,10 @@ class CpuDecodeGraphs:
             md.is_decode_only
             and 0 < md.num_reqs <= self.static.input_ids.shape[0]
             and md.num_reqs not in self.refused
-            and md.block_tables.shape[1] <= self.static.block_tables.shape[1]
+            and all(
+                group.block_tables.shape[1] <= self.static.block_tables.shape[1]
+                for group in (md, *md.group_metadata)
+            )
         )
 
     @torch.inference_mode()
@@ -102,7 +106,8 @@ class CpuDecodeGraphs:
         # What an eager step's plan checks before the kernel follows the tables (from
         # the host lists: no tensor read).
         lens = md.seq_lens_cpu
-        check_lengths(min(lens), max(lens), md.block_tables.shape[1], self.block_size)
+        for group in (md, *md.group_metadata):
+            check_lengths(min(lens), max(lens), group.block_tables.shape[1], self.block_size)
         self.static.load(input_ids, positions, md, n)
         tape = self.tapes.get(n)
         if tape is None:
@@ -114,7 +119,9 @@ class CpuDecodeGraphs:
 
     def _record(self, n: int) -> torch.Tensor:
         metadata = self.static.metadata(n, self.max_model_len)
-        plan = self.backend.plan_for(metadata, self.kv_cache, n)  # before: it reads data
+        # Before recording: planning reads data. One plan per KV cache group.
+        groups = (metadata, *metadata.group_metadata)
+        plans = [self.backend.plan_for(group, self.kv_cache, n) for group in groups]
         ids, positions = self.static.input_ids[:n], self.static.positions[:n]
         tape = OpTape()
         try:
@@ -125,12 +132,13 @@ class CpuDecodeGraphs:
             logger.warning("decode batches of %d run eagerly: %s", n, error)
             with replaced_metadata(metadata):
                 return self.model(ids, positions)  # type: ignore[no-any-return]
-        static_slots = plan.all_slots.data_ptr() == self.static.slot_mapping.data_ptr()
-        if not (plan.kernel_takes_query and static_slots):
-            # the torch decode path plans from host lists; a slot copy would be stale
-            self.refused.add(n)
-            return hidden  # type: ignore[no-any-return]  # computed eagerly all the same
-        tape.keep.append(plan)  # the kernels read its index tensors
+        static = [self.static.slot_mapping, *self.static.group_slots]
+        for plan, slots in zip(plans, static):
+            if not (plan.kernel_takes_query and plan.all_slots.data_ptr() == slots.data_ptr()):
+                # the torch decode path plans from host lists; a slot copy would be stale
+                self.refused.add(n)
+                return hidden  # type: ignore[no-any-return]  # computed eagerly all the same
+        tape.keep.extend(plans)  # the kernels read their index tensors
         self.tapes[n] = tape
         self.num_recordings += 1
         self._evict()

@@ -47,7 +47,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 def capture_decode_graphs(
-    model: nn.Module, sizes: list[int], max_model_len: int, block_size: int, device: torch.device
+    model: nn.Module,
+    sizes: list[int],
+    max_model_len: int,
+    block_size: int,
+    device: torch.device,
+    num_groups: int = 1,  # KV cache groups (kvflow/kv_groups.py): static tables each
 ) -> DecodeGraphs | None:
     """`model`'s decode graphs for every size (its KV cache bound), or None where its
     attention backend is not the Triton one (the torch backend plans on the host)."""
@@ -57,7 +62,7 @@ def capture_decode_graphs(
         return None
     if any(layer.softcap is not None for layer in layers):
         return None  # soft-capped layers (Gemma 2) take the torch backend: it plans on the host
-    graphs = DecodeGraphs(model, backend, sizes, max_model_len, block_size, device)
+    graphs = DecodeGraphs(model, backend, sizes, max_model_len, block_size, device, num_groups)
     graphs.capture(layers[0].num_heads, layers[0].head_dim, layers[0].num_kv_heads)
     return graphs
 
@@ -73,13 +78,14 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        num_groups: int = 1,
     ) -> None:
         self.model = model
         self.backend = backend
         self.sizes = sorted(sizes)
         self.max_model_len = max_model_len
         self.static = StaticDecodeInputs.allocate(
-            self.sizes[-1], math.ceil(max_model_len / block_size), device
+            self.sizes[-1], math.ceil(max_model_len / block_size), device, num_groups
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [size, hidden] written by each replay
@@ -91,7 +97,10 @@ class DecodeGraphs:
             bool(self.graphs)
             and md.is_decode_only
             and md.num_reqs <= self.sizes[-1]
-            and md.block_tables.shape[1] <= self.static.block_tables.shape[1]
+            and all(
+                group.block_tables.shape[1] <= self.static.block_tables.shape[1]
+                for group in (md, *md.group_metadata)
+            )
         )
 
     @torch.inference_mode()

@@ -27,6 +27,11 @@ class StepExecutor(Protocol):
     def num_blocks(self) -> int: ...
 
     @property
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        """The KV cache groups' windows (kvflow/kv_groups.py)."""
+        ...
+
+    @property
     def num_in_flight(self) -> int:
         """Plans submitted whose results `result()` has not returned yet."""
         ...
@@ -61,6 +66,10 @@ class InProcessExecutor:
     @property
     def num_blocks(self) -> int:
         return self.runner.num_blocks
+
+    @property
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        return self.runner.kv_layout.windows
 
     @property
     def num_in_flight(self) -> int:

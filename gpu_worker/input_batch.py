@@ -6,7 +6,8 @@ forget it; a freed slot is reused, lowest first. Per slot, in host memory::
 
     token_ids    [slots, max_model_len] int32   prompt + outputs (incl. the last sample)
     num_tokens, num_prompt_tokens, num_computed_tokens   [slots] int64
-    block_table  [slots, max_blocks_per_req] int32, 0 past num_blocks
+    block_tables [groups, slots, max_blocks_per_req] int32, 0 past num_blocks: one table
+                 per KV cache group (kvflow/kv_groups.py; -1 = a block out of the window)
     sampling     per-slot sampling parameters and penalty counts (sampling_state.py)
 
 Later plans carry only deltas (`CachedRequestData`: appended block ids, tokens computed
@@ -31,6 +32,7 @@ target after the context and after each draft); the tokens it accepts are append
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -49,6 +51,7 @@ class BatchLimits:
     max_num_seqs: int  # slots
     max_model_len: int  # tokens per slot
     block_size: int
+    num_kv_groups: int = 1  # block tables per request (kvflow/kv_groups.py)
 
     @property
     def max_blocks_per_req(self) -> int:
@@ -107,8 +110,11 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(slots, dtype=np.int64)
         self.num_computed_tokens = np.zeros(slots, dtype=np.int64)
         self.num_drafts = np.zeros(slots, dtype=np.int64)  # this step's draft tokens
-        self.block_table = np.zeros((slots, limits.max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(slots, dtype=np.int64)
+        groups = limits.num_kv_groups
+        self.block_tables = np.zeros((groups, slots, limits.max_blocks_per_req), dtype=np.int32)
+        self.group_num_blocks = np.zeros((groups, slots), dtype=np.int64)
+        self.block_table = self.block_tables[0]  # group 0's (views)
+        self.num_blocks = self.group_num_blocks[0]
         self.sampling = SamplingState(slots, vocab_size, eos_token_ids, device)
         self.slot_of: dict[str, int] = {}
         self.req_ids: list[str | None] = [None] * slots
@@ -161,9 +167,11 @@ class InputBatch:
         self.num_tokens[slot] = num_tokens
         self.num_prompt_tokens[slot] = new.num_prompt_tokens
         self.num_computed_tokens[slot] = new.num_computed_tokens
-        self.block_table[slot] = 0
-        self.num_blocks[slot] = 0
+        self.block_tables[:, slot] = 0
+        self.group_num_blocks[:, slot] = 0
         self._append_blocks(slot, new.block_ids)
+        for group, block_ids in enumerate(new.group_block_ids, start=1):
+            self._append_blocks(slot, block_ids, group)
         params = new.sampling_params
         outputs = self.token_ids[slot, new.num_prompt_tokens : num_tokens]
         self.sampling.add(slot, params, outputs)
@@ -190,6 +198,8 @@ class InputBatch:
         slot = self.slot_of[cached.req_id]
         if cached.new_block_ids:
             self._append_blocks(slot, cached.new_block_ids)
+        for group, block_ids in enumerate(cached.new_group_block_ids, start=1):
+            self._append_blocks(slot, block_ids, group)
         self.num_computed_tokens[slot] = cached.num_computed_tokens
         if cached.new_token_ids:  # pipeline stages that did not sample them
             start = cached.num_computed_tokens
@@ -197,13 +207,13 @@ class InputBatch:
             self._token_ids[slot, start:end] = cached.new_token_ids
             self.num_tokens[slot] = max(int(self.num_tokens[slot]), end)
 
-    def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
-        start = int(self.num_blocks[slot])
+    def _append_blocks(self, slot: int, block_ids: list[int], group: int = 0) -> None:
+        start = int(self.group_num_blocks[group, slot])
         end = start + len(block_ids)
         if end > self.limits.max_blocks_per_req:
             raise ValueError(f"slot {slot}: {end} blocks > {self.limits.max_blocks_per_req}")
-        self.block_table[slot, start:end] = block_ids
-        self.num_blocks[slot] = end
+        self.block_tables[group, slot, start:end] = block_ids
+        self.group_num_blocks[group, slot] = end
 
     # ---- one step's inputs -------------------------------------------------------------
 
@@ -281,21 +291,40 @@ class InputBatch:
         query_start_loc: np.ndarray,
         logits_rows: np.ndarray,
     ) -> AttentionMetadata:
-        block_size = self.limits.block_size
-        blocks = self.block_table[token_slots, positions // block_size].astype(np.int64)
-        slot_mapping = blocks * block_size + positions % block_size  # [T]
-        max_blocks = int(self.num_blocks[slots].max())
-        return AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
+        slot_mapping, block_tables = self._group_tables(0, slots, token_slots, positions)
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping,
             query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
             seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            block_tables=self._to_device(self.block_table[slots, :max_blocks]),
+            block_tables=block_tables,
             max_query_len=int((query_start_loc[1:] - query_start_loc[:-1]).max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             logits_indices=self._to_device(logits_rows.astype(np.int64)),
         )
+        for group in range(1, self.limits.num_kv_groups):  # the same step, its own tables
+            slot_mapping, block_tables = self._group_tables(group, slots, token_slots, positions)
+            metadata.group_metadata.append(
+                dataclasses.replace(
+                    metadata,
+                    slot_mapping=slot_mapping,
+                    block_tables=block_tables,
+                    group_metadata=[],
+                )
+            )
+        return metadata
+
+    def _group_tables(
+        self, group: int, slots: np.ndarray, token_slots: np.ndarray, positions: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_mapping [T] int64, block_tables [R, max_blocks] int32) of one KV group."""
+        block_size = self.limits.block_size
+        table = self.block_tables[group]
+        blocks = table[token_slots, positions // block_size].astype(np.int64)
+        slot_mapping = blocks * block_size + positions % block_size  # [T]
+        max_blocks = int(self.group_num_blocks[group, slots].max())
+        return self._to_device(slot_mapping), self._to_device(table[slots, :max_blocks])
 
     def _prompt_logprobs_ranges(
         self,

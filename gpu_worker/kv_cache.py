@@ -42,6 +42,9 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
 
 @dataclass(frozen=True)
 class KVCacheSpec:
+    # Cache tensors: one per layer, or with a hybrid KV cache one per layer of a group,
+    # each shared by one layer of every group (kvflow/kv_groups.py), so that a block id
+    # holds `num_layers` layers' K/V whichever group holds it.
     num_layers: int
     block_size: int
     num_kv_heads: int
@@ -83,7 +86,8 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """One token's cache rows over every layer (K and V, or the MLA latent)."""
+        """One token's cache rows over every cache tensor (a layer, or a layer of each group
+        of a hybrid cache): K and V, or the MLA latent."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.planes * self.num_layers * self.num_kv_heads * self.row_width * elem
 

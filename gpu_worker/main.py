@@ -133,6 +133,7 @@ def _serve(
                             peak_bandwidth=peaks.bandwidth,
                             incarnation=hello_id,
                             worker_incarnation=incarnation,
+                            kv_group_windows=runner.kv_layout.wire_windows,
                         )
                     )
             case Shutdown():

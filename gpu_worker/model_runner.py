@@ -46,6 +46,7 @@ from kvflow.gpu_worker.grammar_feature import GrammarFeature
 from kvflow.gpu_worker.image_feature import ImageFeature, make_image_feature
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
+from kvflow.gpu_worker.kv_layout import kv_layout_of, stage_slots
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model, text_config_of
 from kvflow.gpu_worker.pooler import PoolingFeature
 from kvflow.gpu_worker.prompt_logprobs import PromptLogprobsFeature
@@ -107,13 +108,20 @@ class ModelRunner:
         self.vocab_size = int(self.hf_config.vocab_size)
         kv_dtype = kv_storage_dtype(config.cache.kv_cache_dtype, self.dtype)
         spec = KVCacheSpec.from_hf_config(self.hf_config, config.cache.block_size, kv_dtype)
+        self.kv_layout, self._layer_ids = kv_layout_of(self.model, _hybrid_allowed(config))
         # This rank's KV heads (a shard, or one replica when heads are fewer than ranks),
-        # of this pipeline stage's layers.
+        # in the cache tensors of this pipeline stage's layers (one per layer of a group).
         layers = self.model.attention_layers()
+        self._slots = stage_slots(self.kv_layout, self._layer_ids)
         self.kv_spec = dataclasses.replace(
-            spec, num_kv_heads=layers[0].num_kv_heads, num_layers=len(layers)
+            spec, num_kv_heads=layers[0].num_kv_heads, num_layers=len(self._slots)
         )
-        limits = BatchLimits(config.max_num_seqs, config.max_model_len, config.cache.block_size)
+        limits = BatchLimits(
+            config.max_num_seqs,
+            config.max_model_len,
+            config.cache.block_size,
+            self.kv_layout.num_groups,
+        )
         self.batch = InputBatch(limits, self.vocab_size, set(config.eos_token_ids), self.device)
         # Unseeded requests share one generator, seeded from the engine's seed.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
@@ -197,15 +205,17 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
-        for layer, cache in zip(self.model.attention_layers(), caches):
-            layer.kv_cache = cache
+        layout = self.kv_layout
+        for layer, index in zip(self.model.attention_layers(), self._layer_ids):
+            layer.kv_cache = caches[self._slots[layout.layer_slots[index]]]
+            layer.kv_group = layout.layer_groups[index]
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)
         spec = self.kv_spec
         logger.info(
-            "KV cache: %d blocks of %d tokens, %s, %.2f GiB",
+            "KV cache: %d blocks of %d tokens, %s, %.2f GiB, %d group(s) of windows %s",
             num_blocks, spec.block_size, str(spec.dtype).removeprefix("torch."),
-            num_blocks * spec.bytes_per_block / (1 << 30),
+            num_blocks * spec.bytes_per_block / (1 << 30), layout.num_groups, layout.windows,
         )  # fmt: skip
         self.num_blocks = num_blocks
         config = self.config
@@ -220,19 +230,20 @@ class ModelRunner:
         first decode step of that size (cpu_graphs.py). None with `enforce_eager`."""
         if self.config.device.enforce_eager or self.pooler is not None:
             return 0.0  # (a pooling runner never decodes)
+        num_groups = self.kv_layout.num_groups
         if self.device.type == "cpu":  # one rank: gpu_worker/main.py makes ranks eager
             block_size = self.config.cache.block_size
             self.decode_graphs = make_cpu_decode_graphs(
-                self.model, max_num_seqs, max_model_len, block_size
+                self.model, max_num_seqs, max_model_len, block_size, num_groups
             )
             took = 0.0
         else:
-            took = self._capture_cuda_graphs(max_num_seqs, max_model_len)
+            took = self._capture_cuda_graphs(max_num_seqs, max_model_len, num_groups)
         if self.decode_graphs is not None and self.stage is None:  # a stage runs its own
             self.forward_path = GraphForward(self.decode_graphs)
         return took
 
-    def _capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+    def _capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_groups: int) -> float:
         # Imported here: CPU images ship without Triton.
         from kvflow.gpu_worker.cuda_graphs import capture_decode_graphs, capture_sizes
 
@@ -240,7 +251,7 @@ class ModelRunner:
         sizes = capture_sizes(max_num_seqs)
         block_size = self.config.cache.block_size
         self.decode_graphs = capture_decode_graphs(
-            self.model, sizes, max_model_len, block_size, self.device
+            self.model, sizes, max_model_len, block_size, self.device, num_groups
         )
         if self.decode_graphs is None:
             return 0.0
@@ -307,6 +318,13 @@ class ModelRunner:
         for on_idle in self.features.on_idle:
             on_idle(plan, result)
         return result
+
+
+def _hybrid_allowed(config: RunnerConfig) -> bool:
+    """A hybrid KV cache unless asked off, or a part that addresses every layer's KV by
+    group 0's block ids is on: a draft model's cache, KV transfer (docs/design.md)."""
+    draft = config.speculative is not None and config.speculative.method == "draft_model"
+    return config.cache.hybrid_kv_cache and not draft and config.kv_transfer is None
 
 
 def _cuda_kv_budget(

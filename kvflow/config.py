@@ -91,6 +91,11 @@ class CacheConfig:
     )
     num_blocks: int | None = _opt(None, "override the number of KV blocks (tests)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
+    hybrid_kv_cache: bool = _opt(
+        True,
+        "one block table per layer kind (full / sliding window), sliding-window layers "
+        "keeping only the blocks in their window; off: every layer keeps every block",
+    )
     kv_cache_dtype: KVCacheDType = _opt(
         "auto",
         "KV cache storage: auto = the model dtype; int8, fp8 (= fp8_e4m3) or fp8_e5m2 = "

@@ -56,6 +56,9 @@ class WorkerInfo(msgspec.Struct, tag=True, array_like=True):
     peak_bandwidth: float = 0.0  # bytes/s of device memory; 0 = unknown
     incarnation: str = ""  # of the SchedulerHello this answers
     worker_incarnation: str = ""  # random id of the answering worker process
+    # The KV cache groups' sliding windows (kvflow/kv_groups.py; 0 = full attention);
+    # empty = one full-attention group.
+    kv_group_windows: list[int] = []
 
 
 LauncherInput = ProcessReady | ProcessFailed

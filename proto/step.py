@@ -20,11 +20,13 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     token_ids: list[int]  # prompt + outputs so far (outputs only when resuming)
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[int]  # the table of KV cache group 0 (-1: a block left the window)
     num_computed_tokens: int  # KV already in the cache (prefix-cache hit) before this step
     # Images whose placeholder runs this request has still to compute (the worker
     # encodes them, or takes their features from its encoder cache).
     images: list[ImageInput] = []
+    # Hybrid KV cache (kvflow/kv_groups.py): the tables of groups 1.. (empty: one group).
+    group_block_ids: list[list[int]] = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -35,6 +37,8 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     # that this step computes from. Only the last stage samples, so the others learn
     # them here (the last stage writes the same values again).
     new_token_ids: list[int] = []
+    # Hybrid KV cache: ids appended to the tables of groups 1.. (empty: none, or one group).
+    new_group_block_ids: list[list[int]] = []
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):

@@ -1,7 +1,7 @@
 """Paged attention in plain torch ops: the CPU backend and the reference for the kernels.
 
 One step mixes requests of two kinds, planned once per step from the host lists of the
-metadata (no device syncs) and reused by every layer:
+metadata (no device syncs, torch_plan.py) and reused by every layer:
 
 * decodes (1 query token): handled together. Their contexts are gathered slot by slot
   into a padded [num_decodes, longest seq_len, kv_heads, head_dim] tensor and one masked
@@ -35,185 +35,15 @@ stored and every request must be a whole prefill.
 
 from __future__ import annotations
 
-import functools
-import math
-from dataclasses import dataclass, field
-
 import torch
 
 from kvflow.gpu_worker.attention.softcap import LogitOptions, attend
+from kvflow.gpu_worker.attention.torch_plan import DecodeBatch, Prefill, StepPlan, plan_step
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata
 from kvflow.kernels import kv_codec
 from kvflow.kernels.cpu import elementwise
 from kvflow.kernels.cpu.paged_decode import PagedDecodeAttention, check_indices
 from kvflow.kernels.cpu.prefill_attention import PrefillAttention
-
-
-@dataclass
-class _DecodeBatch:
-    rows: slice | torch.Tensor  # token rows of the decode queries in the step
-    req_indices: torch.Tensor  # [num_decodes] int32, request index of each decode
-    token_rows: torch.Tensor  # [num_decodes] int32, the same rows as `rows`
-    tables: torch.Tensor  # [num_decodes, max_blocks] int64, their block tables
-    block_size: int
-    seq_lens: torch.Tensor  # [num_decodes, 1] int64
-    num_decodes: int
-    context: int  # positions gathered per request: the longest seq_len of the batch
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @functools.cached_property
-    def slots(self) -> torch.Tensor:
-        """[num_decodes * context] int64: the cache slot of each gathered position, built
-        on first use (a step whose decodes go to the native kernel gathers nothing).
-
-        Positions past a request's seq_len (padding up to the longest) read the slot of
-        its last token instead: masked out anyway, but a finite value, whereas an
-        unwritten slot may hold NaN and 0 * NaN would poison the softmax-weighted sum.
-        """
-        positions = torch.arange(self.context, device=self.seq_lens.device)[None, :]
-        positions = torch.minimum(positions, self.seq_lens - 1)  # [B, context]
-        blocks = self.tables.gather(1, positions // self.block_size)
-        return (blocks * self.block_size + positions % self.block_size).reshape(-1)
-
-    def gather(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decodes' contexts as k, v [num_decodes, kv_heads, context, width] views
-        of one scratch pair, allocated on the first layer and reused by the others
-        (width = head_dim, or head_dim + 4 for the rows of a quantized cache)."""
-        _, num_blocks, block_size, kv_heads, width = kv_cache.shape
-        if not self.scratch:
-            rows = (self.num_decodes * self.context, kv_heads, width)
-            self.scratch["k"], self.scratch["v"] = (
-                kv_cache.new_empty(rows),
-                kv_cache.new_empty(rows),
-            )
-        per_slot = (num_blocks * block_size, kv_heads, width)
-        shape = (self.num_decodes, self.context, kv_heads, width)
-        k, v = (
-            torch.index_select(kv_cache[i].view(per_slot), 0, self.slots, out=self.scratch[name])
-            .view(shape)
-            .transpose(1, 2)
-            for i, name in enumerate("kv")
-        )
-        return k, v
-
-    def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """[num_decodes, 1, 1, context] additive mask: 0 = attended, -inf = not. Additive
-        in the activation dtype because SDPA would convert a bool mask on every call."""
-        if window not in self.masks:
-            positions = torch.arange(self.context, device=self.seq_lens.device)
-            visible = positions[None, :] < self.seq_lens
-            if window is not None:  # the query sits at seq_len - 1
-                visible &= positions[None, :] > self.seq_lens - 1 - window
-            additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-            self.masks[window] = additive.masked_fill_(~visible, -math.inf)[:, None, None, :]
-        return self.masks[window]
-
-
-@dataclass
-class _Prefill:
-    start: int  # first token row of the request in the step
-    end: int
-    seq_len: int  # context length including this step's tokens
-    block_ids: torch.Tensor | None  # [ceil(seq_len / block_size)] int64; None: no prefix
-    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
-
-    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
-        """[q_len, seq_len] bool, or None when plain top-left causal attention is exact."""
-        q_len = self.end - self.start
-        if window not in self.masks:
-            if q_len == self.seq_len and (window is None or window >= self.seq_len):
-                self.masks[window] = None
-            else:
-                q_pos = torch.arange(self.seq_len - q_len, self.seq_len, device=device)[:, None]
-                k_pos = torch.arange(self.seq_len, device=device)[None, :]
-                visible = k_pos <= q_pos
-                if window is not None:
-                    visible &= k_pos > q_pos - window
-                self.masks[window] = visible
-        return self.masks[window]
-
-
-@dataclass
-class _StepPlan:
-    metadata: AttentionMetadata
-    has_cache: bool
-    store_rows: torch.Tensor | None  # token rows whose slot >= 0; None = every token
-    store_slots: torch.Tensor  # [num_stored] int64
-    all_slots: torch.Tensor  # [num_tokens] int64, -1 = not stored (the native store's)
-    # The storage dtype of a cache of kv_codec rows (dequantize what is read back), else
-    # None. Such a cache moves as uint8 bytes: torch has no CPU index ops for fp8.
-    codec: torch.dtype | None
-    num_actual_tokens: int
-    decode: _DecodeBatch | None
-    prefills: list[_Prefill]
-    # Set by the first layer, which every other layer's tensors resemble:
-    kernel_takes_query: bool | None = None  # the native decode kernel takes the queries
-    native_store: bool | None = None  # elementwise.store_kv takes the keys/values
-
-
-def _as_rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
-    """A slice when `rows` is a contiguous run (cheap views), else an index tensor."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return torch.tensor(rows, dtype=torch.int64, device=device)
-
-
-def _plan_decodes(
-    md: AttentionMetadata, requests: list[int], block_size: int
-) -> _DecodeBatch | None:
-    """The decode requests of the step: their rows, block tables and lengths."""
-    if not requests:
-        return None
-    device = md.block_tables.device
-    context = max(md.seq_lens_cpu[i] for i in requests)
-    seq_lens = torch.tensor([md.seq_lens_cpu[i] for i in requests], device=device)[:, None]
-    token_rows = [md.query_start_loc_cpu[i] for i in requests]
-    return _DecodeBatch(
-        rows=_as_rows(token_rows, device),
-        req_indices=torch.tensor(requests, dtype=torch.int32, device=device),
-        token_rows=torch.tensor(token_rows, dtype=torch.int32, device=device),
-        tables=md.block_tables[_as_rows(requests, device)].to(torch.int64),
-        block_size=block_size,
-        seq_lens=seq_lens,
-        num_decodes=len(requests),
-        context=context,
-    )
-
-
-def _plan_step(md: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
-    has_cache = kv_cache.numel() > 0
-    block_size = kv_cache.shape[2] if has_cache else 0
-    starts = md.query_start_loc_cpu
-    decodes, prefills = [], []
-    for i, seq_len in enumerate(md.seq_lens_cpu):
-        start, end = starts[i], starts[i + 1]
-        if has_cache and end - start == 1:
-            decodes.append(i)
-        elif end > start:
-            if end - start == seq_len:
-                block_ids = None
-            else:
-                assert has_cache, "a prefill on top of a cached prefix needs the KV cache"
-                num_blocks = -(-seq_len // block_size)
-                block_ids = md.block_tables[i, :num_blocks].to(torch.int64)
-            prefills.append(_Prefill(start, end, seq_len, block_ids))
-    store_rows = (md.slot_mapping >= 0).nonzero().squeeze(1) if has_cache else None
-    if store_rows is not None and store_rows.numel() == md.slot_mapping.numel():
-        store_rows = None  # the common case: no padding, store every row without a gather
-    slot_mapping = md.slot_mapping.to(torch.int64)
-    store_slots = slot_mapping if store_rows is None else slot_mapping[store_rows]
-    return _StepPlan(
-        metadata=md,
-        has_cache=has_cache,
-        store_rows=store_rows,
-        store_slots=store_slots,
-        all_slots=slot_mapping,
-        codec=kv_cache.dtype if kv_codec.is_quantized(kv_cache.dtype) else None,
-        num_actual_tokens=starts[-1],
-        decode=_plan_decodes(md, decodes, block_size),
-        prefills=prefills,
-    )
 
 
 class TorchAttentionBackend:
@@ -230,7 +60,7 @@ class TorchAttentionBackend:
         decode_kernel: PagedDecodeAttention | None = None,
         prefill_kernel: PrefillAttention | None = None,
     ) -> None:
-        self._plan: _StepPlan | None = None
+        self._plans: list[StepPlan] = []  # this step's, one per KV cache group
         self._decode_kernel = decode_kernel
         self._prefill_kernel = prefill_kernel
 
@@ -240,18 +70,25 @@ class TorchAttentionBackend:
 
     def plan_for(
         self, metadata: AttentionMetadata, kv_cache: torch.Tensor, num_rows: int
-    ) -> _StepPlan:
-        """The step's plan, made once per metadata and reused by every layer (a CPU
-        decode graph makes it before recording: planning reads tensor data)."""
-        plan = self._plan
-        if plan is None or plan.metadata is not metadata:
-            plan = self._plan = _plan_step(metadata, kv_cache)
-            if plan.decode is not None and self._decode_kernel is not None:
-                # Once per step: the native kernel follows these indices unchecked.
-                check_indices(
-                    num_rows, metadata.block_tables, metadata.seq_lens,
-                    plan.decode.req_indices, plan.decode.token_rows, kv_cache.shape[2],
-                )  # fmt: skip
+    ) -> StepPlan:
+        """The step's plan, made once per metadata (one per KV cache group) and reused by
+        every layer of the group (a CPU decode graph makes it before recording: planning
+        reads tensor data)."""
+        for plan in self._plans:
+            if plan.metadata is metadata:
+                return plan
+        # Another group's metadata of the same step shares its query layout tensors.
+        plans = self._plans
+        if not plans or plans[0].metadata.query_start_loc is not metadata.query_start_loc:
+            plans.clear()
+        plan = plan_step(metadata, kv_cache)
+        plans.append(plan)
+        if plan.decode is not None and self._decode_kernel is not None:
+            # Once per step: the native kernel follows these indices unchecked.
+            check_indices(
+                num_rows, metadata.block_tables, metadata.seq_lens,
+                plan.decode.req_indices, plan.decode.token_rows, kv_cache.shape[2],
+            )  # fmt: skip
         return plan
 
     def forward(
@@ -301,7 +138,7 @@ def _store_kv(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     cache: torch.Tensor,  # kv_cache, or its uint8 view if quantized
-    plan: _StepPlan,
+    plan: StepPlan,
 ) -> None:
     """key/value rows to their slots: natively on CPUs (one call, padding rows skipped in
     it), else index_copy_ of the rows whose slot is set (the reference), quantized to
@@ -325,13 +162,13 @@ def _store_kv(
 def _decode_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    batch: _DecodeBatch,
+    batch: DecodeBatch,
     out: torch.Tensor,
     scale: float,
     options: LogitOptions,
     codec: torch.dtype | None = None,
 ) -> None:
-    k, v = batch.gather(kv_cache)  # [B, KH, L, D] each ([B, KH, L, D + 4] rows if quantized)
+    k, v = batch.gather(kv_cache, options.window)  # [B, KH, L, D] ([B, KH, L, D + 4] if quantized)
     if codec is not None:
         k, v = (_dequantize(rows, codec, query.dtype) for rows in (k, v))
     num_heads, kv_heads, head_dim = query.shape[1], k.shape[1], k.shape[3]
@@ -350,7 +187,7 @@ def _prefill_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_cache: torch.Tensor,
-    prefill: _Prefill,
+    prefill: Prefill,
     out: torch.Tensor,
     scale: float,
     options: LogitOptions,
@@ -370,9 +207,12 @@ def _prefill_attention(
         k, v = key[rows], value[rows]  # [seq_len, KH, D]
     else:
         kv_heads, width = kv_cache.shape[3], kv_cache.shape[4]
-        k = kv_cache[0].index_select(0, prefill.block_ids).view(-1, kv_heads, width)
-        v = kv_cache[1].index_select(0, prefill.block_ids).view(-1, kv_heads, width)
-        k, v = k[: prefill.seq_len], v[: prefill.seq_len]
+        first = prefill.first_block(options.window)  # the window's first block: read from there
+        block_ids = prefill.block_ids[first:]
+        k = kv_cache[0].index_select(0, block_ids).view(-1, kv_heads, width)
+        v = kv_cache[1].index_select(0, block_ids).view(-1, kv_heads, width)
+        num_keys = prefill.seq_len - first * prefill.block_size
+        k, v = k[:num_keys], v[:num_keys]
         if codec is not None:  # only the context's rows: the block's tail may be unwritten
             k, v = (_dequantize(rows, codec, query.dtype) for rows in (k, v))
     attended = attend(

@@ -2,7 +2,8 @@
 
 `kv_cache` is a plain attribute, not a buffer: it is not part of the state dict, is not
 moved by `.to()`, and stays an empty tensor until the model runner binds this layer's
-view `[2, num_blocks, block_size, num_kv_heads, head_dim]` of the shared cache tensor.
+view `[2, num_blocks, block_size, num_kv_heads, head_dim]` of the shared cache tensor,
+with `kv_group`, the KV cache group whose block tables address it (kvflow/kv_groups.py).
 
 Options on the logits: a sliding window, a soft-cap (Gemma 2) and attention sinks
 (gpt-oss: a learned logit per query head in the softmax's denominator, see
@@ -45,6 +46,7 @@ class Attention(nn.Module):
         self.softcap = softcap  # attention logits capped to (-softcap, softcap) (Gemma 2)
         self.backend = backend
         self.kv_cache = torch.empty(0)
+        self.kv_group = 0  # its KV cache group (kvflow/kv_groups.py), set with kv_cache
         self.sinks: nn.Parameter | None = None
         if sinks:
             self.sinks = new_parameter((num_heads,), self._load_sinks)
@@ -64,7 +66,7 @@ class Attention(nn.Module):
             k,
             v,  # a view of the fused projection: the backends take its row stride
             self.kv_cache,
-            context.attn_metadata,
+            context.attn_metadata.of_group(self.kv_group),
             self.scale,
             self.sliding_window,
             self.softcap,

@@ -56,6 +56,7 @@ class MLAAttention(nn.Module):
     sliding_window = None
     softcap = None
     sinks = None
+    kv_group = 0  # latent layers are full attention: group 0 (kvflow/kv_groups.py)
 
     def __init__(
         self, num_heads: int, latent_width: int, scale: float, backend: AttentionBackend

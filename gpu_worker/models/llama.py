@@ -372,6 +372,11 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.modules() if isinstance(m, Attention)]
 
+    def kv_layer_windows(self) -> tuple[int, tuple[int | None, ...]]:
+        """(global index of this stage's first attention layer, every layer's sliding
+        window): what the KV cache groups are planned from (kvflow/kv_groups.py)."""
+        return self.model.start, self.spec.sliding_windows
+
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama with a sliding window on every layer (`config.sliding_window`)."""

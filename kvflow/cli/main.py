@@ -79,6 +79,7 @@ _BENCHES = [
     ("kv-save", "kv_save", "producer step time: KV saved by layer vs after", True),
     ("disagg", "disagg", "decode ITL under long prompts: colocated vs 1P+1D", True),
     ("routing", "routing", "data-parallel routing cost per request", False),
+    ("kv-capacity", "kv_capacity", "hybrid KV cache: bytes per request, requests that fit", False),
 ]
 
 

@@ -85,6 +85,7 @@ class LLMEngine:
             self.executor.num_blocks,
             self.eos_token_ids,
             self.pooling,
+            self.executor.kv_group_windows,
         )
         self.core = build_engine_core(config, shape, lambda: self.tokenizer)
         self.streams = DetokenizerStreams(self.tokenizer)

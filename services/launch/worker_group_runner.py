@@ -34,6 +34,7 @@ import zmq
 
 from kvflow.config import EngineConfig
 from kvflow.errors import EngineDeadError
+from kvflow.kv_groups import group_windows_from_wire
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.control import ProcessFailed, WorkerInfo, WorkerOutput
 from kvflow.proto.step import SchedulerHello, Shutdown, StepPlan, StepResult
@@ -80,6 +81,7 @@ class WorkerGroupRunner:
             self.close()
             raise
         self.num_blocks = info.num_blocks
+        self.kv_group_windows = group_windows_from_wire(info.kv_group_windows)
         self.vocab_size = info.vocab_size
 
     def _await_info(self) -> WorkerInfo:

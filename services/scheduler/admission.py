@@ -7,10 +7,10 @@ check. A rejected request gets an error `TokenDelta`, never a crash of the loop.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kvflow.errors import InvalidRequestError, PromptTooLongError
+from kvflow.kv_groups import max_blocks_held
 from kvflow.model_limits import check_pooling_prompt, check_prompt
 from kvflow.proto.engine import AddRequest
 from kvflow.proto.multimodal import MAX_IMAGE_BYTES, ImageInput
@@ -28,6 +28,10 @@ class EngineLimits:
     num_blocks: int
     eos_token_ids: frozenset[int]
     pooling: bool = False  # the pooling runner: prompts only (scheduler/pooling.py)
+    # Hybrid KV cache: the groups' windows (kvflow/kv_groups.py) and the most tokens a
+    # request computes in one step (0: unbounded), which bound a sliding group's blocks.
+    kv_group_windows: tuple[int | None, ...] = (None,)
+    max_chunk_tokens: int = 0
 
 
 def check_lengths(prompt_ids: list[int], params: SamplingParams, limits: EngineLimits) -> int:
@@ -42,7 +46,9 @@ def check_lengths(prompt_ids: list[int], params: SamplingParams, limits: EngineL
         )
         num_slots = len(prompt_ids) + max_tokens
     # A request that cannot fit the whole cache alone would be preempted forever.
-    needed_blocks = math.ceil(num_slots / limits.block_size)
+    needed_blocks = max_blocks_held(
+        limits.kv_group_windows, num_slots, limits.block_size, limits.max_chunk_tokens
+    )
     if needed_blocks > limits.num_blocks:
         raise PromptTooLongError(
             f"this request needs {needed_blocks} KV blocks but the cache holds "

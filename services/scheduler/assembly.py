@@ -37,6 +37,8 @@ class EngineShape:
     num_blocks: int
     eos_token_ids: frozenset[int]
     pooling: PoolingSpec | None = None  # the pooling runner's pooler (None: generate)
+    # The KV cache groups' windows (kvflow/kv_groups.py; None = full attention).
+    kv_group_windows: tuple[int | None, ...] = (None,)
 
 
 def build_engine_core(
@@ -52,8 +54,15 @@ def build_engine_core(
         num_blocks=shape.num_blocks,
         eos_token_ids=shape.eos_token_ids,
         pooling=shape.pooling is not None,
+        kv_group_windows=shape.kv_group_windows,
+        max_chunk_tokens=config.scheduler.max_num_batched_tokens,
     )
-    kv_cache = KVCacheManager(shape.num_blocks, block_size, config.cache.enable_prefix_caching)
+    kv_cache = KVCacheManager(
+        shape.num_blocks,
+        block_size,
+        config.cache.enable_prefix_caching,
+        group_windows=shape.kv_group_windows,
+    )
     return EngineCore(
         build_scheduler(config, kv_cache, shape),
         limits,

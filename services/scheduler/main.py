@@ -39,6 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvflow.config import EngineConfig
 from kvflow.errors import KvflowError
+from kvflow.kv_groups import group_windows_from_wire
 from kvflow.metrics.roofline import ModelShape, RooflineMeter
 from kvflow.pooling import engine_pooling
 from kvflow.proto.addresses import ServiceAddresses, bind_address
@@ -143,7 +144,12 @@ def _serve(
     instruments.peak_flops, instruments.peak_bandwidth = info.peak_flops, info.peak_bandwidth
     pooling = engine_pooling(config.model.runner, model_dir, config.model.pooler_config)
     shape = EngineShape(
-        info.vocab_size, info.max_model_len, info.num_blocks, eos_token_ids, pooling
+        info.vocab_size,
+        info.max_model_len,
+        info.num_blocks,
+        eos_token_ids,
+        pooling,
+        group_windows_from_wire(info.kv_group_windows),
     )
     core = build_engine_core(config, shape, lambda: load_tokenizer(model_dir))
     ranks = range(config.parallel.world_size)

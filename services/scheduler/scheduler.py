@@ -196,8 +196,9 @@ class Scheduler:
             else:
                 num_new, new_block_ids = planned.num_tokens, planned.block_ids
             cached = CachedRequestData(
-                request.request_id, new_block_ids, request.num_computed_tokens
-            )
+                request.request_id, new_block_ids, request.num_computed_tokens,
+                new_group_block_ids=self.kv_cache.take_new_group_block_ids(request.request_id),
+            )  # fmt: skip
             for f in self.features:
                 f.on_scheduled_running(request, cached, step)
             step.cached_requests.append(cached)
@@ -275,7 +276,7 @@ class Scheduler:
         self.prefill.on_admitted(admitted)
 
     def _take_waiting(self, request: Request) -> None:
-        # At the head, or admitted ahead of its queue position (prefill order `shortest`).
+        # `remove` when admitted ahead of its queue position (prefill order `shortest`)
         self.waiting.pop() if self.waiting.peek() is request else self.waiting.remove(request)
 
     def _allocate_waiting(self, request: Request, budget: int) -> tuple[int, bool] | None:
@@ -318,8 +319,9 @@ class Scheduler:
             token_ids=list(request.all_token_ids),
             num_prompt_tokens=request.num_prompt_tokens,
             sampling_params=request.sampling_params,
-            block_ids=list(self.kv_cache.get_block_ids(request.request_id)),
+            block_ids=self.kv_cache.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
+            group_block_ids=self.kv_cache.get_group_block_ids(request.request_id),
         )
 
     # ---- results -----------------------------------------------------------------

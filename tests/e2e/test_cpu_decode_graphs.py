@@ -84,3 +84,11 @@ def test_the_embedded_model_matches_eager_over_a_long_decode(embedded_model_dir:
     replayed, graphs = _generate(embedded_model_dir, prompts, 1, dtype="bfloat16")
     assert replayed == eager
     assert graphs.num_replays > 0
+
+
+def test_a_hybrid_kv_cache_replays_every_groups_tables(tiny_model_dir: Any) -> None:
+    """Gemma 3 (a local and a global layer, window 8): two block tables per request, the
+    local one releasing blocks as contexts pass the window; each replay reads both."""
+    graphs = _check_same_as_eager(tiny_model_dir("gemma3"), dtype="float32")
+    assert len(graphs.static.group_tables) == 1
+    assert graphs.num_replays > 0 and not graphs.refused

@@ -56,9 +56,28 @@ def test_static_inputs_load_pads_with_inert_rows() -> None:
     assert static.query_start_loc[:3].tolist() == [0, 1, 2]
 
 
+def test_static_inputs_hold_every_kv_groups_tables() -> None:
+    """A hybrid KV cache: the group's slot mapping and tables load beside group 0's, the
+    static metadata hands them to the group's layers, and padding rows store nothing."""
+    static = StaticDecodeInputs.allocate(4, 3, torch.device("cpu"), num_groups=2)
+    inputs = _decode_inputs([5, 9], [[7, 8], [1, 2, 3]])
+    md = inputs.metadata
+    group = AttentionMetadata(**{**md.__dict__, "group_metadata": []})
+    group.block_tables = torch.tensor([[-1, 4], [5, 6]], dtype=torch.int32)
+    group.slot_mapping = torch.tensor([4 * 4 + 1, 6 * 4 + 0])
+    md.group_metadata = [group]
+    static.load(inputs.input_ids, inputs.positions, md, 4)
+    assert static.group_slots[0].tolist() == [17, 24, -1, -1]
+    assert static.group_tables[0][:2, :2].tolist() == [[-1, 4], [5, 6]]
+    replay = static.metadata(4, 64)
+    assert replay.of_group(1).block_tables.data_ptr() == static.group_tables[0].data_ptr()
+    assert replay.of_group(1).seq_lens is replay.seq_lens
+
+
 @pytest.mark.cuda  # CUDA graphs
-def test_graph_replays_match_eager(tiny_model_dir: Any) -> None:
-    path = str(tiny_model_dir("llama"))
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: two KV cache groups
+def test_graph_replays_match_eager(tiny_model_dir: Any, arch: str) -> None:
+    path = str(tiny_model_dir(arch))
     # 5 prompts with max_num_seqs 8: decode batches of 5 replay the size-8 graph (padded);
     # ragged lengths make the first steps mixed (eager), the later ones graph replays.
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 33, 2, 60)]

@@ -84,14 +84,16 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(gemma2_di
     ]
     expected = hf_greedy(gemma2_dir, prompts)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    # 12 blocks of 4 tokens: four requests of up to 29 tokens need up to 8 blocks each.
+    # 18 blocks of 4 tokens (one layer's K/V each: the hybrid cache's three groups of
+    # one layer): a request of up to 29 tokens holds up to 8 blocks in the full group and
+    # 5 in each sliding one (window 6 + a chunk of 8), so the four preempt each other.
     llm = LLM(
         str(gemma2_dir),
         dtype="float32",
         device="cpu",
         max_num_batched_tokens=8,
         block_size=4,
-        num_blocks=12,
+        num_blocks=18,
     )
     first = llm.generate(prompts[:1], greedy)  # caches the shared prefix's blocks
     rest = llm.generate(prompts[1:], greedy)
