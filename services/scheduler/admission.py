@@ -7,6 +7,7 @@ check. A rejected request gets an error `TokenDelta`, never a crash of the loop.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvflow.errors import InvalidRequestError, PromptTooLongError
