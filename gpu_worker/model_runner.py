@@ -44,6 +44,8 @@ from kvflow.gpu_worker.forward_paths import ForwardPath, GraphForward, eager_for
 from kvflow.gpu_worker.grammar_feature import GrammarFeature
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
+from kvflow.gpu_worker.lora.feature import LoraFeature
+from kvflow.gpu_worker.lora.manager import LoraManager
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model
 from kvflow.gpu_worker.prompt_logprobs import PromptLogprobsFeature
 from kvflow.gpu_worker.sample_step import Verifier, sample_step
@@ -54,6 +56,7 @@ from kvflow.kernels.cpu.native_build import load_all as load_native_kernels
 from kvflow.kv_transfer.worker.connector import KVConnectorWorker, make_connector_worker
 from kvflow.kv_transfer.worker.runner_feature import KVConnectorFeature
 from kvflow.kv_transfer_config import KVTransferConfig
+from kvflow.lora_config import LoRAConfig
 from kvflow.proto.step import StepPlan, StepResult
 from kvflow.speculative_config import SpeculativeConfig
 
@@ -79,6 +82,7 @@ class RunnerConfig:
     kv_namespace: str = ""
     kv_load_timeout: float = 30.0
     speculative: SpeculativeConfig | None = None  # a draft model runs here (draft_model)
+    lora: LoRAConfig | None = None  # --enable-lora: adapter slots on the projections
 
 
 class ModelRunner:
@@ -136,12 +140,17 @@ class ModelRunner:
         self._draft = draft
         self._kv: KVConnectorFeature | None = None  # bound with the KV cache
         self._per_request = (GrammarFeature(), PromptLogprobsFeature(self.batch))
+        self.lora: LoraFeature | None = None
+        if config.lora is not None:
+            manager = LoraManager(self.model, config.lora, config.model_dir, self.dtype, self.device)
+            self.lora = LoraFeature(manager)
+            self.forward_path = self.lora.forward_path(self.forward_path)
         self._register()
 
     def _register(self) -> None:
         # Hooks run in this order: prompt logprobs while a KV save's copies still run,
         # KV loads before the drafts, the stage's spans last.
-        optional = (*self._per_request, self._kv, self._draft, self.stage)
+        optional = (self.lora, *self._per_request, self._kv, self._draft, self.stage)
         features: list[StepFeature] = [f for f in optional if f is not None]
         self.features = StepFeatures(features)
 
@@ -210,6 +219,8 @@ class ModelRunner:
             took = self._capture_cuda_graphs(max_num_seqs, max_model_len)
         if self.decode_graphs is not None and self.stage is None:  # a stage runs its own
             self.forward_path = GraphForward(self.decode_graphs)
+            if self.lora is not None:  # steps with adapters run eagerly
+                self.forward_path = self.lora.forward_path(self.forward_path)
         return took
 
     def _capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:

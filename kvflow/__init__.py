@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvflow.proto.lora import LoRARequest
 from kvflow.sampling_params import SamplingParams
 from kvflow.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from kvflow.offline.llm import LLM

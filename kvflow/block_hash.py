@@ -18,8 +18,10 @@ Choices, and why:
   encoding is deterministic and self-delimiting, so the (parent, tokens, extra)
   boundaries cannot be confused; a list and a tuple of the same ids encode alike. No
   pickle anywhere.
-- `extra_keys` of the first block carry the per-request `cache_salt`; every later hash
-  chains through h0, so the salt separates tenants for the whole sequence.
+- `extra_keys` of the first block carry the per-request `cache_salt` and the LoRA
+  adapter's id (an adapter changes every layer's K/V); every later hash chains through
+  h0, so the salt separates tenants, and the adapter its requests, for the whole
+  sequence. The base model adds no key, so its hashes are what they were without LoRA.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ def hash_block_tokens(
     return BlockHash(hashlib.sha256(payload).digest())
 
 
-def first_block_extra_keys(cache_salt: str | None) -> tuple[str | int, ...]:
-    """Extra keys of block 0; an empty salt counts as no salt."""
-    return (cache_salt,) if cache_salt else ()
+def first_block_extra_keys(cache_salt: str | None, lora_id: int = 0) -> tuple[str | int, ...]:
+    """Extra keys of block 0; an empty salt counts as no salt, adapter 0 is the base."""
+    salt: tuple[str | int, ...] = (cache_salt,) if cache_salt else ()
+    return (*salt, "lora", lora_id) if lora_id else salt
 
 
 def extend_block_hashes(
@@ -58,6 +61,7 @@ def extend_block_hashes(
     token_ids: list[int],
     block_size: int,
     cache_salt: str | None,
+    lora_id: int = 0,
 ) -> list[BlockHash]:
     """Append, in place, the hashes of the full blocks of `token_ids` not yet hashed.
 
@@ -69,7 +73,7 @@ def extend_block_hashes(
     parent = block_hashes[-1] if block_hashes else None
     for index in range(len(block_hashes), num_full_blocks):
         start = index * block_size
-        extra = first_block_extra_keys(cache_salt) if index == 0 else ()
+        extra = first_block_extra_keys(cache_salt, lora_id) if index == 0 else ()
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
         block_hashes.append(parent)
     return block_hashes

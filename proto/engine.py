@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.sampling import SamplingParams
 from kvflow.proto.step import TokenLogprobs
 
@@ -20,6 +21,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     frontend_id: str = ""  # which frontend owns the request (the detokenizer routes by it)
+    lora_request: LoRARequest | None = None  # a LoRA adapter on top of the base model
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

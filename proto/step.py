@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStepStats
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.sampling import SamplingParams
 
 
@@ -21,6 +22,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # KV already in the cache (prefix-cache hit) before this step
+    lora_request: LoRARequest | None = None  # the adapter its tokens run through
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

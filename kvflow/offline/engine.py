@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvflow.config import EngineConfig
+from kvflow.lora_files import LoRAAdapterCheck
 from kvflow.metrics.roofline import ModelShape, RooflineMeter, StepCost
 from kvflow.model_limits import read_model_limits
 from kvflow.offline.request_outputs import RequestOutputs
 from kvflow.outputs import RequestOutput
 from kvflow.proto.engine import AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.step import StepResult
 from kvflow.sampling_params import (
     SamplingParams,
@@ -77,6 +79,7 @@ class LLMEngine:
         self.core = build_engine_core(config, shape, lambda: self.tokenizer)
         self.streams = DetokenizerStreams(self.tokenizer)
         self.outputs = RequestOutputs()
+        self.lora_adapters = LoRAAdapterCheck(config.lora, self.model_dir)
         self.trace: StepTrace | None = None  # start_trace()
         # Step time and estimated work per phase, for `kvflow bench`'s roofline report.
         self.roofline = RooflineMeter(
@@ -128,9 +131,12 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Admit a request (one engine request per sample when n > 1); raises
         InvalidRequestError with the engine's reason when it cannot run."""
+        if lora_request is not None:  # a bad adapter fails here, not in a step
+            self.lora_adapters.check(lora_request)
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
         prompt_ids = truncate_prompt(prompt_ids, params, self.max_model_len)
@@ -150,6 +156,7 @@ class LLMEngine:
                     priority=priority,
                     cache_salt=cache_salt,
                     frontend_id=OFFLINE_FRONTEND,
+                    lora_request=lora_request,
                 )
                 self.core.add_request(message, now=now)
                 self.streams.add(message)

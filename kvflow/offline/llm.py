@@ -13,6 +13,7 @@ from kvflow.errors import ConfigError
 from kvflow.heap import heap_frozen_while, keep_freed_memory
 from kvflow.offline.engine import LLMEngine
 from kvflow.outputs import RequestOutput
+from kvflow.proto.lora import LoRARequest
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import Conversation, apply_chat_template
 
@@ -61,15 +62,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order. `lora_request`:
+        one adapter for every prompt, or one per prompt (None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompt_list))
+        loras = _broadcast_loras(lora_request, len(prompt_list))
         request_ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params, lora in zip(prompt_list, params_list, loras):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, lora_request=lora)
                 request_ids.append(request_id)
         except Exception:
             for request_id in request_ids:
@@ -84,6 +88,7 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations: list[Conversation]
@@ -94,7 +99,7 @@ class LLM:
         prompts: list[Prompt] = [
             apply_chat_template(self.tokenizer, c, add_generation_prompt) for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -135,3 +140,13 @@ def _broadcast_params(
     if len(params) != count:
         raise ValueError(f"{len(params)} sampling params for {count} prompts")
     return list(params)
+
+
+def _broadcast_loras(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    if len(lora) != count:
+        raise ValueError(f"{len(lora)} LoRA requests for {count} prompts")
+    return list(lora)

@@ -26,6 +26,7 @@ class EngineLimits:
     block_size: int
     num_blocks: int
     eos_token_ids: frozenset[int]
+    enable_lora: bool = False
 
 
 def check_lengths(prompt_ids: list[int], params: SamplingParams, limits: EngineLimits) -> int:
@@ -57,6 +58,8 @@ def admit(message: AddRequest, limits: EngineLimits, queued_time: float) -> Requ
             f"n={params.n} reached the engine; the frontend sends one request per sample",
             param="n",
         )
+    if message.lora_request is not None and not limits.enable_lora:
+        raise InvalidRequestError("a LoRA adapter needs an engine started with --enable-lora")
     max_tokens = check_lengths(message.prompt_token_ids, params, limits)
     return Request(
         message.req_id,
@@ -67,4 +70,5 @@ def admit(message: AddRequest, limits: EngineLimits, queued_time: float) -> Requ
         priority=message.priority,
         cache_salt=message.cache_salt,
         max_tokens=max_tokens,
+        lora_request=message.lora_request,
     )

@@ -49,6 +49,7 @@ def build_engine_core(
         block_size=block_size,
         num_blocks=shape.num_blocks,
         eos_token_ids=shape.eos_token_ids,
+        enable_lora=config.lora.enable_lora,
     )
     kv_cache = KVCacheManager(shape.num_blocks, block_size, config.cache.enable_prefix_caching)
     return EngineCore(
@@ -76,5 +77,6 @@ def build_scheduler(
             config.kv_transfer.kv_load_failure_policy,
         ),
         pipeline_depth=config.parallel.pipeline_parallel_size,
+        max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
     )
     return Scheduler(config.scheduler, kv_cache, shape.max_model_len, shape.vocab_size, features)

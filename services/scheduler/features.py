@@ -13,6 +13,7 @@ from kvflow.kv_transfer.scheduler.connector import KVConnectorScheduler
 from kvflow.kv_transfer.scheduler.step_feature import KVTransferFeature
 from kvflow.services.scheduler.jump_forward import JumpForwardFeature
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
+from kvflow.services.scheduler.lora_feature import LoraFeature
 from kvflow.services.scheduler.micro_batches import MicroBatchFeature
 from kvflow.services.scheduler.prompt_logprobs import PromptLogprobsFeature
 from kvflow.services.scheduler.spec_decode.speculator import Speculator
@@ -28,8 +29,11 @@ def make_step_features(
     speculator: Speculator | None = None,
     kv_connector: KVConnectorScheduler | None = None,
     pipeline_depth: int = 1,  # pipeline stages: micro_batches.py's rules when > 1
+    max_loras: int = 0,  # LoRA adapters per step (0: LoRA off)
 ) -> list[StepFeature]:
     features: list[StepFeature] = []
+    if max_loras:
+        features.append(LoraFeature(max_loras))
     if pipeline_depth > 1:
         features.append(MicroBatchFeature(pipeline_depth))
     if speculator is not None:

@@ -39,6 +39,8 @@ class CacheableRequest(Protocol):
     def num_computed_tokens(self) -> int: ...
     @property
     def cache_salt(self) -> str | None: ...
+    @property
+    def lora_int_id(self) -> int: ...  # 0: the base model
 
 
 class ComputedBlocks(NamedTuple):
@@ -198,7 +200,8 @@ class KVCacheManager:
     def _block_hashes(self, request: CacheableRequest) -> list[BlockHash]:
         hashes = self._req_hashes.setdefault(request.request_id, [])
         return extend_block_hashes(
-            hashes, request.all_token_ids, self.block_size, request.cache_salt
+            hashes, request.all_token_ids, self.block_size, request.cache_salt,
+            request.lora_int_id,
         )
 
     def _take_blocks(

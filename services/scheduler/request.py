@@ -26,6 +26,7 @@ import enum
 import logging
 from typing import TYPE_CHECKING
 
+from kvflow.proto.lora import LoRARequest
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         max_tokens: int,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -82,6 +84,7 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority  # lower value = served first (vLLM's convention)
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # a LoRA adapter on top of the base model
         self.max_tokens = max_tokens  # resolved: params.max_tokens or what fits the context
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -95,6 +98,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.grammar: RequestGrammar | None = None  # guided decoding: set once compiled
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (0: the base model): a key of the prefix cache."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:

@@ -86,6 +86,8 @@ class Scheduler:
         assert request.request_id not in self.requests, request.request_id
         self.requests[request.request_id] = request
         self.waiting.push(request)
+        for f in self.features:
+            f.on_add(request)
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
         """Abort (or stop, for stop strings) requests from outside the step loop."""
@@ -253,6 +255,8 @@ class Scheduler:
                 break
             if any(f.stops_admission(request) for f in self.features):
                 break
+            if any(f.skips_admission(request) for f in self.features):
+                continue
             allocated = self._allocate_waiting(request, step.budget)
             if allocated is None:
                 break  # nobody behind it jumps the queue for lack of KV blocks
@@ -316,6 +320,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=list(self.kv_cache.get_block_ids(request.request_id)),
             num_computed_tokens=request.num_computed_tokens,
+            lora_request=request.lora_request,
         )
 
     # ---- results -----------------------------------------------------------------

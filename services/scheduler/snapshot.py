@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvflow.proto.kv_transfer import KVTransferStats
+from kvflow.proto.stats import LoRAStats
 from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters
 
 
@@ -14,6 +15,7 @@ class FeatureStats:
 
     spec_decode: SpecDecodeCounters | None = None  # None: no speculative decoding
     kv_transfer: KVTransferStats | None = None  # None: no KV connector
+    lora: LoRAStats | None = None  # None: LoRA off
 
 
 @dataclass

@@ -7,8 +7,10 @@ when the scheduler is assembled (features.py). Each hook is a no-op here, so a f
 overrides only the points it needs, and a scheduler without features pays one loop
 over an empty list per point::
 
+    arrival      on_add
     schedule()   begin_step ─▶ running: holds_back ─▶ plan_running ─▶ on_scheduled_running
-                             waiting: stops_admission ─▶ admission ─▶ on_allocated
+                             waiting: stops_admission ─▶ skips_admission ─▶ admission
+                                      ─▶ on_allocated
                  every scheduled request: on_scheduled ─▶ end_step (the plan's extras)
     results      on_result (the step's side outputs) ─▶ on_sampled (per request, before
                  its tokens) ─▶ on_tokens (all applied requests) ─▶ on_delta
@@ -90,6 +92,9 @@ class ResultEvents:
 class StepFeature:
     """Base class: every hook does nothing (see the module docstring for the order)."""
 
+    def on_add(self, request: Request) -> None:
+        """A request arrived (it waits)."""
+
     # ---- schedule time -------------------------------------------------------------
 
     def begin_step(self, step: StepBuilder) -> None:
@@ -111,6 +116,10 @@ class StepFeature:
 
     def stops_admission(self, request: Request) -> bool:
         """The next waiting request cannot start now; nobody behind it starts either."""
+        return False
+
+    def skips_admission(self, request: Request) -> bool:
+        """The next waiting request cannot start now; those behind it may."""
         return False
 
     def admission(self, request: Request, computed: ComputedBlocks) -> External | None:
