@@ -142,7 +142,9 @@ class ModelRunner:
         self._per_request = (GrammarFeature(), PromptLogprobsFeature(self.batch))
         self.lora: LoraFeature | None = None
         if config.lora is not None:
-            manager = LoraManager(self.model, config.lora, config.model_dir, self.dtype, self.device)
+            manager = LoraManager(
+                self.model, config.lora, config.model_dir, self.dtype, self.device
+            )
             self.lora = LoraFeature(manager)
             self.forward_path = self.lora.forward_path(self.forward_path)
         self._register()

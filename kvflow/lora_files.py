@@ -39,7 +39,7 @@ CONFIG_FILE, WEIGHTS_FILE, PICKLE_FILE = (
     "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
 )  # fmt: skip
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.([\w.]+)\.lora_([AB])(?:\.\w+)?\.weight$"
 )
 _SAFETENSORS_DTYPES = {"F32", "F16", "BF16"}
 
@@ -57,15 +57,17 @@ class BaseShapes:
 
     @classmethod
     def from_config(cls, config: Any) -> BaseShapes:
-        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        def get(key: str) -> Any:
+            return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
         heads = int(get("num_attention_heads"))
-        head_dim = get("head_dim") or int(get("hidden_size")) // heads
+        head_dim = int(get("head_dim") or int(get("hidden_size")) // heads)
         experts = get("num_experts") or get("num_local_experts")
         return cls(
             num_layers=int(get("num_hidden_layers")),
             hidden=int(get("hidden_size")),
-            q_size=heads * int(head_dim),
-            kv_size=int(get("num_key_value_heads") or heads) * int(head_dim),
+            q_size=heads * head_dim,
+            kv_size=int(get("num_key_value_heads") or heads) * head_dim,
             intermediate=int(get("intermediate_size") or 0),
             is_moe=bool(experts),
         )
@@ -177,8 +179,14 @@ def _check_tensors(
         match = _KEY.match(key)
         if match is None:
             raise LoRAAdapterError(f"tensor {key!r} is not a LoRA A/B of a decoder projection")
-        layer, module, ab = int(match[1]), match[3], match[4]
-        if "expert" in key or layer >= base.num_layers:
+        layer, path, ab = int(match[1]), match[2], match[3]
+        module = path.rsplit(".", 1)[-1]
+        if "expert" in path or "block_sparse_moe" in path:
+            raise LoRAAdapterError(
+                f"tensor {key!r}: the experts of a mixture-of-experts model take no LoRA; "
+                "target the attention projections (q/k/v/o_proj)"
+            )
+        if path not in (f"self_attn.{module}", f"mlp.{module}") or layer >= base.num_layers:
             raise LoRAAdapterError(f"tensor {key!r}: the base model has no such module")
         fan_in, fan_out = base.dims(module)
         want = [rank, fan_in] if ab == "A" else [fan_out, rank]

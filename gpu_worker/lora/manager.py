@@ -54,7 +54,7 @@ class LoraManager:
         if len(wanted) > self.config.max_loras:
             raise RuntimeError(f"a step with {len(wanted)} adapters > max_loras")
         by_id = {a.lora_int_id: a for a in adapters}
-        placed = {i: s for s, i in enumerate(self._slot_ids) if i in wanted}
+        placed = {i: s for s, i in enumerate(self._slot_ids) if i is not None and i in wanted}
         for adapter_id in wanted:
             if adapter_id not in placed:
                 slot = min(

@@ -54,9 +54,9 @@ def attach_slots(
     """Slots on every adaptable projection of this rank's layers; (layer, PEFT name) ->
     where that target's weights go."""
     targets: dict[tuple[int, str], Target] = {}
-    decoder = model.model
+    decoder: Any = model.model  # LlamaModel: this rank's layers start..end
     for index in range(decoder.start, decoder.end):
-        layer = decoder.layers[index]
+        layer: nn.Module = decoder.layers[index]
         for name, (path, shard_id) in TARGETS.items():
             module = layer.get_submodule(path) if _has(layer, path) else None
             if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):

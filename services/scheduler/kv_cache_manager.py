@@ -200,7 +200,10 @@ class KVCacheManager:
     def _block_hashes(self, request: CacheableRequest) -> list[BlockHash]:
         hashes = self._req_hashes.setdefault(request.request_id, [])
         return extend_block_hashes(
-            hashes, request.all_token_ids, self.block_size, request.cache_salt,
+            hashes,
+            request.all_token_ids,
+            self.block_size,
+            request.cache_salt,
             request.lora_int_id,
         )
 

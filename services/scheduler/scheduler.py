@@ -34,7 +34,7 @@ from kvflow.services.scheduler.prefill_order import PrefillOrder
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
 from kvflow.services.scheduler.request_times import RequestTimes, error_delta
-from kvflow.services.scheduler.snapshot import FeatureStats, SchedulerSnapshot
+from kvflow.services.scheduler.snapshot import SchedulerSnapshot, take_snapshot
 from kvflow.services.scheduler.spec_decode.speculator import Speculator
 from kvflow.services.scheduler.spec_decode.step_feature import SpecDecodeFeature
 from kvflow.services.scheduler.step_features import StepBuilder, StepFeature
@@ -235,9 +235,8 @@ class Scheduler:
         step.preempted.append(request)
         logger.warning(
             "preempted request %s by recompute (KV cache full; %d preemptions so far)",
-            request.request_id,
-            self.num_preemptions,
-        )
+            request.request_id, self.num_preemptions,
+        )  # fmt: skip
 
     def _back_to_waiting(self, request: Request, step: StepBuilder | None) -> None:
         """Preemption by recompute, on both paths (KV cache full; worker lost)."""
@@ -250,12 +249,14 @@ class Scheduler:
         if len(self.waiting) == 0:
             return
         admitted: list[Request] = []
-        for request in self.prefill.admission_order(self.waiting):
+        passed_over: set[str] = set()
+        for request in self.prefill.admission_order(self.waiting, passed_over):
             if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if any(f.stops_admission(request) for f in self.features):
                 break
             if any(f.skips_admission(request) for f in self.features):
+                passed_over.add(request.request_id)
                 continue
             allocated = self._allocate_waiting(request, step.budget)
             if allocated is None:
@@ -390,15 +391,6 @@ class Scheduler:
 
     def snapshot(self) -> SchedulerSnapshot:
         """The counts for one stats message (the KV transfer times are taken)."""
-        stats = FeatureStats()
-        for f in self.features:
-            f.add_stats(stats)
-        return SchedulerSnapshot(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_cache_usage=self.kv_cache.usage,
-            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
-            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            features=stats,
+        return take_snapshot(
+            self.features, self.kv_cache, self.running, len(self.waiting), self.num_preemptions
         )
