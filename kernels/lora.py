@@ -22,6 +22,7 @@ built, else this torch reference (the spec); on CUDA the Triton kernel
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,9 @@ class LoraGroups:
     starts: list[int]  # [G + 1]
     slots: list[int]  # [G]
     row_slots: torch.Tensor  # [T] int32, each row's slot, -1 = base (the kernels' input)
+    # Per group, (first, end) when its rows are consecutive (a decode batch of one
+    # adapter, a prompt): a view then, no gather or scatter. None: gathered by `rows`.
+    spans: list[tuple[int, int] | None]
 
     @property
     def num_groups(self) -> int:
@@ -53,11 +57,16 @@ def group_rows(row_slots: np.ndarray, device: torch.device) -> LoraGroups:
     cuts = np.flatnonzero(np.diff(sorted_slots)) + 1
     starts = [0, *cuts.tolist(), len(order)] if len(order) else [0]
     slots = [int(sorted_slots[s]) for s in starts[:-1]]
+    spans: list[tuple[int, int] | None] = []
+    for start, end in itertools.pairwise(starts):
+        first, last = int(order[start]), int(order[end - 1])
+        spans.append((first, last + 1) if last - first == end - start - 1 else None)
     return LoraGroups(
         rows=torch.from_numpy(order.astype(np.int64)).to(device),
         starts=starts,
         slots=slots,
         row_slots=torch.from_numpy(row_slots.astype(np.int32)).to(device),
+        spans=spans,
     )
 
 
@@ -68,14 +77,19 @@ def lora_add_reference(
     """y += the LoRA terms of x's rows, in place (see the module docstring)."""
     rank = b.shape[-1]
     for g, slot in enumerate(groups.slots):
+        span = groups.spans[g]
         rows = groups.rows[groups.starts[g] : groups.starts[g + 1]]  # [n]
-        shrunk = x[rows] @ a[slot].T  # [n, S*r]
+        xs = x[span[0] : span[1]] if span is not None else x[rows]  # [n, in]
+        shrunk = xs @ a[slot].T  # [n, S*r]
         parts = [
             shrunk[:, i * rank : (i + 1) * rank] @ b[slot, off : off + size].T
             for i, (off, size) in enumerate(slices)
         ]  # [n, n_i] each
         delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [n, out]
-        y.index_add_(0, rows, delta.to(y.dtype))
+        if span is not None:
+            y[span[0] : span[1]] += delta.to(y.dtype)
+        else:  # rows of a group are distinct: a gather-add-scatter is exact
+            y[rows] += delta.to(y.dtype)
 
 
 def lora_add(

@@ -20,7 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvflow.proto.kv_transfer import KVTransferStats
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.stats import GrammarStats, SchedulerStats
+from kvflow.services.frontend.lora_metrics import LoRAMetrics
 from kvflow.services.frontend.perf_metrics import PerfMetrics
 from kvflow.services.frontend.request_metrics import RequestMetrics, RequestSeries, RequestTracker
 
@@ -79,6 +81,7 @@ class FrontendMetrics:
         self._define_grammar_metrics(labels)
         self._define_kv_transfer_metrics(labels)
         self.perf = PerfMetrics(self.registry, model_name)  # roofline, peaks, start-up
+        self.lora = LoRAMetrics(self.registry, model_name)
         self.requests = RequestMetrics(self.registry, labels, max_model_len)
         self._series = RequestSeries(self.requests, model_name, default_engine)
         self.http_requests = Counter(
@@ -256,6 +259,11 @@ class FrontendMetrics:
             self._observe_grammar(labels, stats.engine, stats.grammar)
         if stats.kv_transfer is not None:
             self._observe_kv_transfer(labels, stats.engine, stats.kv_transfer)
+        if stats.lora is not None:
+            self.lora.observe(stats.lora, stats.timestamp)
+
+    def count_lora_request(self, lora: LoRARequest | None) -> None:
+        self.lora.count(lora)
 
     def _observe_grammar(self, labels: tuple[str, str], engine: str, stats: GrammarStats) -> None:
         for seconds in stats.compile_seconds:

@@ -197,6 +197,7 @@ class _Chat(ServedRequest):
             [ctx.prepare_ids(token_ids, params, None)],
             priority=request.priority,
             cache_salt=request.cache_salt,
+            model=request.model,
             data_parallel_rank=request.data_parallel_rank,
             arrival_time=time.time(),
             deadlines=deadlines,

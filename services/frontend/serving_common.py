@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from asyncio import wait_for
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import jinja2
@@ -26,12 +26,12 @@ from kvflow.errors import (
     EngineDeadError,
     InvalidRequestError,
     KvflowError,
-    ModelNotFoundError,
     RequestRejectedError,
     RequestTimeoutError,
 )
 from kvflow.model_limits import check_prompt
 from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.step import TokenLogprobs
 from kvflow.sampling_params import (
     SamplingParams,
@@ -42,6 +42,8 @@ from kvflow.sampling_params import (
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient, sample_index
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST
+from kvflow.services.frontend.lora_registry import LoRARegistry
+from kvflow.services.frontend.merge_streams import merge_streams
 from kvflow.services.frontend.metrics import FrontendMetrics
 from kvflow.services.frontend.request_deadline import Deadline, RequestDeadlines
 from kvflow.services.frontend.responses import UsageInfo
@@ -83,13 +85,16 @@ class ServingContext:
     engine: EngineClient
     tokenizer: Any
     metrics: FrontendMetrics
+    lora: LoRARegistry = field(init=False)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise ModelNotFoundError(
-                f"the model {model!r} does not exist; this server serves "
-                f"{self.config.served_model_name!r}"
-            )
+    def __post_init__(self) -> None:
+        config = self.config
+        self.lora = LoRARegistry(config.lora, config.model_dir, config.served_model_name)
+
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base); 404 when nothing is served
+        under that name."""
+        return self.lora.resolve(model)
 
     def check_engine(self, data_parallel_rank: int | None = None) -> None:
         problem = self.engine.health_problem()
@@ -181,6 +186,7 @@ class ServingContext:
         arrival_time: float,
         data_parallel_rank: int | None = None,
         deadline: Deadline | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
         """(choice index, delta) for every sample of every prompt, as they come.
 
@@ -199,11 +205,14 @@ class ServingContext:
                 arrival_time,
                 data_parallel_rank,
                 deadline,
+                lora_request,
             )
             for i, p in enumerate(prompts)
         ]
         trackers = [self.metrics.track_request(arrival_time) for _ in range(len(prompts) * n)]
         failed = False
+        self.lora.acquire(lora_request)  # an adapter in use cannot be unloaded
+        self.metrics.count_lora_request(lora_request)
         try:
             async with aclosing(merge_streams(streams)) as merged:
                 async for prompt_index, delta in merged:
@@ -217,53 +226,11 @@ class ServingContext:
             self.metrics.count_rejected(exc.code)
             raise
         finally:
+            self.lora.release(lora_request)
             if not failed:  # the client left: unfinished samples count as aborted
                 now = time.time()
                 for tracker in trackers:
                     tracker.abandon(now)
-
-
-_DONE = object()
-
-
-async def merge_streams(
-    streams: list[AsyncGenerator[T, None]],
-) -> AsyncGenerator[tuple[int, T], None]:
-    """Items of several async generators as they arrive, tagged with the source index.
-
-    The first exception of any source is re-raised; on exit (normal, error, close or
-    cancellation) every source is closed, which is what aborts engine requests."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for item in only:
-                yield 0, item
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
-        try:
-            async with aclosing(stream):
-                async for item in stream:
-                    queue.put_nowait((index, item))
-        except Exception as exc:
-            queue.put_nowait((index, exc))
-            return
-        queue.put_nowait((index, _DONE))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 _JSON = msgspec.json.Encoder()
@@ -311,12 +278,14 @@ class ServedRequest(ABC):
         arrival_time: float,
         deadlines: RequestDeadlines,
         data_parallel_rank: int | None = None,
+        model: str | None = None,
     ) -> None:
         ctx.check_queue_room(len(prompts), prompts[0].params.n, data_parallel_rank)
         self.ctx = ctx
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(arrival_time)
-        self.model = ctx.config.served_model_name
+        self.lora_request = ctx.check_model(model)  # the response names the adapter
+        self.model = ctx.config.served_model_name if self.lora_request is None else model
         self.prompts = prompts
         self.priority = priority
         self.cache_salt = cache_salt
@@ -352,6 +321,7 @@ class ServedRequest(ABC):
             arrival_time=self.arrival_time,
             data_parallel_rank=self.data_parallel_rank,
             deadline=self.deadlines.whole,
+            lora_request=self.lora_request,
         )
         first: Awaitable[tuple[int, RequestOutputDelta]] = anext(self._deltas)
         limit = self.deadlines.first_chunk

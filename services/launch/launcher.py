@@ -340,4 +340,6 @@ def make_frontend_config(
         max_waiting_requests=config.scheduler.max_waiting_requests,
         tls=options.tls,
         reasoning_parser=options.reasoning_parser,
+        lora=config.lora if config.lora.enable_lora else None,
+        model_dir=str(model_dir),
     )

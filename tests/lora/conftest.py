@@ -4,11 +4,14 @@ tokens for a few prompts under each."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from lora_adapters import ALL_TARGETS, make_adapter, peft_greedy
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))  # serve_harness
 
 # Two prompts long enough to fill KV blocks of 16 (prefix-cache tests) and short ones.
 PROMPTS = [
