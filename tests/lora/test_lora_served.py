@@ -150,3 +150,31 @@ def test_unloading_an_adapter_in_use_is_refused(
         10,
     )
     assert _complete(lora_server, "busy", PROMPTS[1]).status_code == 404
+
+
+def test_web_ui_picks_an_adapter(lora_server: Server) -> None:
+    """The playground's model picker lists the base and its adapters; a chat under an
+    adapter sends its name as `model`."""
+    import shutil
+
+    if shutil.which("/usr/bin/chromium") is None:
+        pytest.skip("Chromium is missing (.ci/run installs it)")
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", headless=True)
+        context = browser.new_context()
+        context.add_init_script(f"sessionStorage.setItem('kvflow-api-key', '{KEY}')")
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(lora_server.base_url + "/")
+        picker = page.get_by_label("model or LoRA adapter")
+        expect(picker).to_be_visible()
+        expect(picker.locator("option", has_text="a1 (LoRA of tiny)")).to_have_count(1)
+        picker.select_option("a1")
+        expect(page.locator("#model-name")).to_have_text("model: a1")
+        with page.expect_request("**/v1/chat/completions") as sent:
+            page.get_by_label("Message").fill("hello")
+            page.get_by_label("Message").press("Enter")
+        assert sent.value.post_data_json["model"] == "a1"
+        browser.close()
