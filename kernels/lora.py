@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvflow.kernels.cpu import lora as lora_native
+
 Slices = Sequence[tuple[int, int]]  # (offset, size) of each packed slice in y
 
 
@@ -97,4 +99,11 @@ def lora_add(
     slices: Slices, groups: LoraGroups,
 ) -> None:  # fmt: skip
     """y += the LoRA terms, by the fastest route for the device."""
-    lora_add_reference(x, y, a, b, slices, groups)
+    if x.is_cuda:
+        from kvflow.kernels.lora_triton import lora_add_triton  # CPU images lack Triton
+
+        lora_add_triton(x, y, a, b, slices, groups.row_slots)
+    elif lora_native.native_applies(x, y, a, b):
+        lora_native.lora_add_native(x, y, a, b, slices, groups.row_slots)
+    else:
+        lora_add_reference(x, y, a, b, slices, groups)

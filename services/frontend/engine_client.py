@@ -211,15 +211,9 @@ class EngineClient(EngineHealth):
         try:
             for index, child_id in enumerate(child_ids):
                 request = AddRequest(
-                    req_id=child_id,
-                    prompt_token_ids=prompt_token_ids,
-                    sampling_params=child_sampling_params(params, index),
-                    arrival_time=arrival,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    frontend_id=self.frontend_id,
-                    lora_request=lora_request,
-                )
+                    child_id, prompt_token_ids, child_sampling_params(params, index), arrival,
+                    priority, cache_salt, self.frontend_id, lora_request,
+                )  # fmt: skip
                 self.engines[engine].input.send(request)
             while unfinished:
                 delta = await queue.get()

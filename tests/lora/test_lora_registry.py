@@ -34,7 +34,9 @@ def test_start_up_adapters_and_cli_flags(lora_base: Path, lora_adapters: dict[st
     config = LoRAConfig(enable_lora=True, max_lora_rank=4, lora_modules=(good,))
     with pytest.raises(ConfigError, match="--lora-modules a1: LoRA rank 8 is above"):
         LoRARegistry(config, str(lora_base), "base")  # a bad adapter stops the start
-    registry = LoRARegistry(LoRAConfig(enable_lora=True, max_lora_rank=8, lora_modules=(good,)), str(lora_base), "b")
+    registry = LoRARegistry(
+        LoRAConfig(enable_lora=True, max_lora_rank=8, lora_modules=(good,)), str(lora_base), "b"
+    )
     first = registry.resolve("a1")
     assert first is not None and first.lora_int_id > 0
     with pytest.raises(LoRAAdapterError, match="already served"):
@@ -46,7 +48,12 @@ def test_start_up_adapters_and_cli_flags(lora_base: Path, lora_adapters: dict[st
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     json_module = '{"name": "a2", "path": "/p/a2", "base_model_name": "tiny"}'
-    args = parser.parse_args(["--enable-lora", "--max-loras", "3", "--lora-modules", "a1=/p/a1", json_module])
+    args = parser.parse_args(
+        ["--enable-lora", "--max-loras", "3", "--lora-modules", "a1=/p/a1", json_module]
+    )
     engine = EngineConfig.create(**engine_options(args))
     assert engine.lora.max_loras == 3
-    assert engine.lora.lora_modules == (LoRAModule("a1", "/p/a1"), LoRAModule("a2", "/p/a2", "tiny"))
+    assert engine.lora.lora_modules == (
+        LoRAModule("a1", "/p/a1"),
+        LoRAModule("a2", "/p/a2", "tiny"),
+    )

@@ -168,7 +168,7 @@ def test_web_ui_picks_an_adapter(lora_server: Server) -> None:
         page = context.new_page()
         page.set_default_timeout(60_000)
         page.goto(lora_server.base_url + "/")
-        picker = page.get_by_label("model or LoRA adapter")
+        picker = page.get_by_label("Adapter (or the base)")
         expect(picker).to_be_visible()
         expect(picker.locator("option", has_text="a1 (LoRA of tiny)")).to_have_count(1)
         picker.select_option("a1")
