@@ -124,3 +124,19 @@ def test_lora_root_and_module_flags(tmp_path: Path) -> None:
         LoRAConfig(lora_modules=(module,))
     with pytest.raises(ConfigError, match="max_cpu_loras"):
         LoRAConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+def test_bench_adapters_pass_the_checks(tmp_path: Path) -> None:
+    """`kvflow bench throughput --lora-adapters`'s synthetic adapters: PEFT layout, all
+    seven targets, accepted as they are."""
+    from kvflow.bench.lora_bench import make_adapters
+
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    config = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128}  # fmt: skip
+    (base_dir / "config.json").write_text(json.dumps(config))
+    paths = make_adapters(base_dir, tmp_path / "adapters", count=2, rank=4)
+    for path in paths:
+        info = read_adapter(path, BASE, max_rank=4)
+        assert len(info.modules) == 2 * 7 and info.scaling == 2.0
