@@ -4,11 +4,12 @@ Rows (tokens) of one step belong to different adapters, or to none. Rather than 
 weights per request, every adapted projection adds, for each adapter group g with
 rows R_g and slot s::
 
-    y[R_g, off_i : off_i + n_i] += (x[R_g] @ A[s]^T)[:, i*r : (i+1)*r] @ B[s, off_i : off_i + n_i]^T
+    y[R_g, off_i : off_i + n_i] += (x[R_g] @ A[s]^T)[:, i*r : (i+1)*r] @ B[s, :, off_i : off_i + n_i]
 
     x [T, in]             the projection's input rows
     A [L, S*r, in]        slot s's shrink matrices of the S packed slices (q|k|v, gate|up)
-    B [L, out, r]         slot s's expand matrices, the slices stacked by output rows
+    B [L, r, out]         slot s's expand matrices (transposed: a rank's row is contiguous
+                          over the outputs, which the kernels vectorize), slices side by side
     slices [(off_i, n_i)] where slice i sits in the packed output
 
 (Punica's SGMV: shrink then expand per segment of rows sorted by slot.) The scaling is
@@ -77,14 +78,14 @@ def lora_add_reference(
     slices: Slices, groups: LoraGroups,
 ) -> None:  # fmt: skip
     """y += the LoRA terms of x's rows, in place (see the module docstring)."""
-    rank = b.shape[-1]
+    rank = b.shape[1]
     for g, slot in enumerate(groups.slots):
         span = groups.spans[g]
         rows = groups.rows[groups.starts[g] : groups.starts[g + 1]]  # [n]
         xs = x[span[0] : span[1]] if span is not None else x[rows]  # [n, in]
         shrunk = xs @ a[slot].T  # [n, S*r]
         parts = [
-            shrunk[:, i * rank : (i + 1) * rank] @ b[slot, off : off + size].T
+            shrunk[:, i * rank : (i + 1) * rank] @ b[slot, :, off : off + size]
             for i, (off, size) in enumerate(slices)
         ]  # [n, n_i] each
         delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [n, out]

@@ -4,7 +4,7 @@ BGMV: every program takes one row and reads that row's adapter slot, so rows of 
 adapters (and base rows, slot -1, which return at once) mix in one launch::
 
     shrink  grid (T, cdiv(S*R, BLOCK_N))   s[t, j] = sum_k x[t, k] * A[slot_t, j, k]   (fp32)
-    expand  grid (T, cdiv(N, BLOCK_O))     y[t, o] += sum_r s[t, slice(o)*R + r] * B[slot_t, o, r]
+    expand  grid (T, cdiv(N, BLOCK_O))     y[t, o] += sum_r s[t, slice(o)*R + r] * B[slot_t, r, o]
 
 `col_slice [N]` says which packed slice (q|k|v, gate|up) each output column is in. The
 reference is kernels/lora.py's `lora_add_reference`.
@@ -60,7 +60,7 @@ def _lora_shrink_kernel(
 def _lora_expand_kernel(
     y_ptr,  # [T, N]
     s_ptr,  # [T, SR] fp32
-    b_ptr,  # [L, N, R]
+    b_ptr,  # [L, R, N]
     slots_ptr,  # [T] int32
     col_slice_ptr,  # [N] int32
     stride_y,
@@ -80,7 +80,7 @@ def _lora_expand_kernel(
     mask = mask_o[:, None] & (offs_r[None, :] < R)
     part = tl.load(col_slice_ptr + offs_o, mask=mask_o, other=0).to(tl.int64)  # [BLOCK_O]
     s = tl.load(s_ptr + row * SR + part[:, None] * R + offs_r[None, :], mask=mask, other=0.0)
-    b = tl.load(b_ptr + (slot * N + offs_o[:, None]) * R + offs_r[None, :], mask=mask, other=0.0)
+    b = tl.load(b_ptr + (slot * R + offs_r[None, :]) * N + offs_o[:, None], mask=mask, other=0.0)
     delta = tl.sum(s * b.to(tl.float32), axis=1)  # [BLOCK_O]
     dtype = y_ptr.dtype.element_ty
     y = tl.load(y_ptr + row * stride_y + offs_o, mask=mask_o, other=0.0).to(tl.float32)
@@ -92,12 +92,12 @@ def lora_add_triton(
     x: torch.Tensor,  # [T, K]
     y: torch.Tensor,  # [T, N], updated in place
     a: torch.Tensor,  # [L, S*R, K]
-    b: torch.Tensor,  # [L, N, R]
+    b: torch.Tensor,  # [L, R, N]
     slices: Sequence[tuple[int, int]],
     row_slots: torch.Tensor,  # [T] int32, -1 = no adapter
 ) -> None:
     rows, k = x.shape
-    n, rank = b.shape[1], b.shape[2]
+    rank, n = b.shape[1], b.shape[2]
     sr = a.shape[1]
     assert x.dtype in FLOAT_DTYPES and y.dtype == a.dtype == b.dtype == x.dtype
     assert a.shape[2] == k and sr == len(slices) * rank and y.shape == (rows, n)

@@ -1,7 +1,7 @@
 """The preallocated adapter weights of one projection: `max_loras` slots, max rank.
 
     a [max_loras, S * max_rank, in_local]    shrink, the S packed slices' A stacked
-    b [max_loras, out_local, max_rank]       expand (scaling folded in), slices by rows
+    b [max_loras, max_rank, out_local]       expand, transposed (scaling folded in)
 
 Allocated once when the model is built; loading an adapter copies into a slot (an
 adapter of lower rank is zero-padded), so the memory never changes while serving. With
@@ -42,7 +42,7 @@ class LoraSlots:
         out_local = sum(size for _, size in self.slices)
         shape_a = (max_loras, len(self.slices) * max_rank, in_local)
         self.a = torch.zeros(shape_a, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, out_local, max_rank, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, max_rank, out_local, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -60,7 +60,7 @@ class LoraSlots:
             r = a.shape[0]
             offset, size = self.slices[i]
             self.a[slot, i * rank : i * rank + r].copy_(a)
-            self.b[slot, offset : offset + size, :r].copy_(b)
+            self.b[slot, :r, offset : offset + size].copy_(b.T)
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + the LoRA terms of this step's adapted rows of x (y is updated in place)."""

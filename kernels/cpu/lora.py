@@ -39,13 +39,13 @@ def lora_add_native(
     x: torch.Tensor,  # [T, K]
     y: torch.Tensor,  # [T, N], updated in place
     a: torch.Tensor,  # [L, S*R, K]
-    b: torch.Tensor,  # [L, N, R]
+    b: torch.Tensor,  # [L, R, N]
     slices: Sequence[tuple[int, int]],  # (offset, size) per slice, in order, covering N
     row_slots: torch.Tensor,  # [T] int32, -1 = no adapter
     march: str = "native",
 ) -> None:
     rows, k = x.shape
-    n, rank = b.shape[1], b.shape[2]
+    rank, n = b.shape[1], b.shape[2]
     if a.shape[2] != k or a.shape[1] != len(slices) * rank or y.shape != (rows, n):
         raise ValueError(f"x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} do not match")
     if row_slots.dtype != torch.int32 or row_slots.shape != (rows,):

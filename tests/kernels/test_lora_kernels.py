@@ -26,8 +26,8 @@ def _case(slots: list[int], k: int, sizes: list[int], rank: int, dtype: torch.dt
     x = torch.randn(len(slots), k).to(dtype)
     y = torch.randn(len(slots), n).to(dtype)
     a = torch.randn(3, num_slices * rank, k).to(dtype)
-    b = torch.randn(3, n, rank).to(dtype)
-    b[:, :, rank // 2 :] = 0  # a lower-rank adapter, zero-padded
+    b = torch.randn(3, rank, n).to(dtype)
+    b[:, rank // 2 :] = 0  # a lower-rank adapter, zero-padded
     offsets = np.cumsum([0, *sizes[:-1]]).tolist()
     slices = list(zip(offsets, sizes))
     return x, y, a, b, slices, group_rows(np.array(slots), torch.device("cpu"))
@@ -43,14 +43,14 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 def test_reference_matches_a_per_row_loop(case: tuple, dtype: torch.dtype) -> None:  # type: ignore[type-arg]
     x, y, a, b, slices, groups = _case(*case, dtype)
     want = y.float().clone()
-    rank = b.shape[2]
+    rank = b.shape[1]
     for row, slot in enumerate(case[0]):
         if slot < 0:
             continue
         shrunk = a[slot].float() @ x[row].float()
         for i, (off, size) in enumerate(slices):
             want[row, off : off + size] += (
-                b[slot, off : off + size].float() @ shrunk[i * rank : (i + 1) * rank]
+                shrunk[i * rank : (i + 1) * rank] @ b[slot, :, off : off + size].float()
             )
     got = y.clone()
     lora_add_reference(x, got, a, b, slices, groups)

@@ -21,15 +21,18 @@ from kvflow.block_hash import (
 
 
 def prompt_block_keys(
-    prompt_token_ids: list[int], block_size: int, cache_salt: str | None
+    prompt_token_ids: list[int], block_size: int, cache_salt: str | None, lora_id: int = 0
 ) -> list[str]:
-    """One key per block the prompt touches (the last one partial unless aligned)."""
-    hashes: list[BlockHash] = extend_block_hashes([], prompt_token_ids, block_size, cache_salt)
+    """One key per block the prompt touches (the last one partial unless aligned); the
+    LoRA adapter keys them as it keys the prefix cache (its KV is its own)."""
+    hashes: list[BlockHash] = extend_block_hashes(
+        [], prompt_token_ids, block_size, cache_salt, lora_id
+    )
     keys = [h.hex() for h in hashes]
     num_full = len(hashes)
     tail = prompt_token_ids[num_full * block_size :]
     if tail:
         parent = hashes[-1] if hashes else None
-        extra = first_block_extra_keys(cache_salt) if num_full == 0 else ()
+        extra = first_block_extra_keys(cache_salt, lora_id) if num_full == 0 else ()
         keys.append(hash_block_tokens(parent, tail, (*extra, "partial")).hex())
     return keys

@@ -92,7 +92,9 @@ class KVConnectorScheduler(abc.ABC):
         keys = self._keys.get(request.request_id)
         if keys is None:
             prompt = request.all_token_ids[: request.num_prompt_tokens]
-            keys = prompt_block_keys(prompt, self.block_size, request.cache_salt)
+            keys = prompt_block_keys(
+                prompt, self.block_size, request.cache_salt, request.lora_int_id
+            )
             self._keys[request.request_id] = keys
         return keys
 
