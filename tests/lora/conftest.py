@@ -9,16 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from lora_adapters import ALL_TARGETS, make_adapter, peft_greedy
+from lora_adapters import ALL_TARGETS, MAX_TOKENS, PROMPTS, make_adapter, peft_greedy
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))  # serve_harness
-
-# Two prompts long enough to fill KV blocks of 16 (prefix-cache tests) and short ones.
-PROMPTS = [
-    [5, 17, 300, 42, 9, 11, 600, 7, 8, 90, 4000, 12, 13, 77, 1500, 3, 66, 5, 17, 300],
-    [100, 200, 300, 400, 500, 600],
-]
-MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="session")

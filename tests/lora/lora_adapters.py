@@ -8,6 +8,13 @@ from pathlib import Path
 
 import torch
 
+# Two prompts long enough to fill KV blocks of 16 (prefix-cache tests) and short ones.
+PROMPTS = [
+    [5, 17, 300, 42, 9, 11, 600, 7, 8, 90, 4000, 12, 13, 77, 1500, 3, 66, 5, 17, 300],
+    [100, 200, 300, 400, 500, 600],
+]
+MAX_TOKENS = 6
+
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MAX_TOKENS, PROMPTS
+from lora_adapters import MAX_TOKENS, PROMPTS
 
 from kvflow import LLM, LoRARequest, SamplingParams
 

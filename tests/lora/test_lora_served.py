@@ -12,8 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import MAX_TOKENS, PROMPTS
-from lora_adapters import make_adapter
+from lora_adapters import MAX_TOKENS, PROMPTS, make_adapter
 from serve_harness import MODEL_NAME, Server, start_server, stop_server, wait_for
 
 pytestmark = pytest.mark.slow  # a real `kvflow serve` (about 45 s to start on 2 cores)

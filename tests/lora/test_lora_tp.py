@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import MAX_TOKENS, PROMPTS
+from lora_adapters import MAX_TOKENS, PROMPTS
 
 from kvflow import LLM, LoRARequest, SamplingParams
 
