@@ -47,6 +47,8 @@ from kvflow.gpu_worker.image_feature import ImageFeature, make_image_feature
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
 from kvflow.gpu_worker.kv_layout import kv_layout_of, stage_slots
+from kvflow.gpu_worker.lora.feature import LoraFeature
+from kvflow.gpu_worker.lora.manager import LoraManager
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model, text_config_of
 from kvflow.gpu_worker.pooler import PoolingFeature
 from kvflow.gpu_worker.prompt_logprobs import PromptLogprobsFeature
@@ -58,6 +60,7 @@ from kvflow.kernels.cpu.native_build import load_all as load_native_kernels
 from kvflow.kv_transfer.worker.connector import KVConnectorWorker, make_connector_worker
 from kvflow.kv_transfer.worker.runner_feature import KVConnectorFeature
 from kvflow.kv_transfer_config import KVTransferConfig
+from kvflow.lora_config import LoRAConfig
 from kvflow.pooling import engine_pooling
 from kvflow.proto.step import StepPlan, StepResult
 from kvflow.speculative_config import SpeculativeConfig
@@ -84,6 +87,7 @@ class RunnerConfig:
     kv_namespace: str = ""
     kv_load_timeout: float = 30.0
     speculative: SpeculativeConfig | None = None  # a draft model runs here (draft_model)
+    lora: LoRAConfig | None = None  # --enable-lora: adapter slots on the projections
 
 
 class ModelRunner:
@@ -159,12 +163,22 @@ class ModelRunner:
         if self.pooler is not None:
             self.forward_path = self.pooler.forward
         self.images: ImageFeature | None = make_image_feature(self.model, self.device)
+        self.lora: LoraFeature | None = None
+        if config.lora is not None:
+            manager = LoraManager(
+                self.model, config.lora, config.model_dir, self.dtype, self.device
+            )
+            self.lora = LoraFeature(manager)
+            self.forward_path = self.lora.forward_path(self.forward_path)
         self._register()
 
     def _register(self) -> None:
         # Hooks run in this order: prompt logprobs while a KV save's copies still run,
         # KV loads before the drafts, the stage's spans last.
-        optional = (self.images, *self._per_request, self._kv, self._draft, self.stage, self.pooler)
+        optional = (
+            self.images, self.lora, *self._per_request, self._kv, self._draft, self.stage,
+            self.pooler,
+        )  # fmt: skip
         features: list[StepFeature] = [f for f in optional if f is not None]
         self.features = StepFeatures(features)
 
@@ -241,6 +255,8 @@ class ModelRunner:
             took = self._capture_cuda_graphs(max_num_seqs, max_model_len, num_groups)
         if self.decode_graphs is not None and self.stage is None:  # a stage runs its own
             self.forward_path = GraphForward(self.decode_graphs)
+            if self.lora is not None:  # steps with adapters run eagerly
+                self.forward_path = self.lora.forward_path(self.forward_path)
         return took
 
     def _capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_groups: int) -> float:

@@ -105,6 +105,7 @@ def _runner_config(
         kv_namespace=engine_kv_namespace(config),
         kv_load_timeout=config.kv_transfer.kv_load_timeout,
         speculative=config.speculative.speculative_config,
+        lora=config.lora if config.lora.enable_lora else None,
     )
 
 

@@ -18,8 +18,10 @@ Choices, and why:
   encoding is deterministic and self-delimiting, so the (parent, tokens, extra)
   boundaries cannot be confused; a list and a tuple of the same ids encode alike. No
   pickle anywhere.
-- `extra_keys` of the first block carry the per-request `cache_salt`; every later hash
-  chains through h0, so the salt separates tenants for the whole sequence.
+- `extra_keys` of the first block carry the per-request `cache_salt` and the LoRA
+  adapter's id (an adapter changes every layer's K/V); every later hash chains through
+  h0, so the salt separates tenants, and the adapter its requests, for the whole
+  sequence. The base model adds no key, so its hashes are what they were without LoRA.
 - A block that covers any placeholder token of an image carries that image's hash in
   its extra keys (`image_spans`): the placeholder ids are the same for every image, so
   without it two prompts with the same text and different images would share KV.
@@ -51,9 +53,10 @@ def hash_block_tokens(
     return BlockHash(hashlib.sha256(payload).digest())
 
 
-def first_block_extra_keys(cache_salt: str | None) -> tuple[str | int, ...]:
-    """Extra keys of block 0; an empty salt counts as no salt."""
-    return (cache_salt,) if cache_salt else ()
+def first_block_extra_keys(cache_salt: str | None, lora_id: int = 0) -> tuple[str | int, ...]:
+    """Extra keys of block 0; an empty salt counts as no salt, adapter 0 is the base."""
+    salt: tuple[str | int, ...] = (cache_salt,) if cache_salt else ()
+    return (*salt, "lora", lora_id) if lora_id else salt
 
 
 ImageSpan = tuple[int, int, str]  # (offset, length, image hash) of a placeholder run
@@ -70,6 +73,7 @@ def extend_block_hashes(
     block_size: int,
     cache_salt: str | None,
     image_spans: Sequence[ImageSpan] = (),
+    lora_id: int = 0,
 ) -> list[BlockHash]:
     """Append, in place, the hashes of the full blocks of `token_ids` not yet hashed.
 
@@ -81,7 +85,7 @@ def extend_block_hashes(
     parent = block_hashes[-1] if block_hashes else None
     for index in range(len(block_hashes), num_full_blocks):
         start = index * block_size
-        extra = first_block_extra_keys(cache_salt) if index == 0 else ()
+        extra = first_block_extra_keys(cache_salt, lora_id) if index == 0 else ()
         if image_spans:
             extra = (*extra, *image_keys(image_spans, start, start + block_size))
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)

@@ -21,6 +21,7 @@ from kvflow.device_resolution import (
 )
 from kvflow.errors import ConfigError
 from kvflow.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
+from kvflow.lora_config import LoRAConfig, parse_lora_module
 from kvflow.pooling import PoolerConfig, Runner, parse_pooler_config
 from kvflow.speculative_config import SpeculativeConfig, parse_speculative_config
 
@@ -293,10 +294,13 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     kv_transfer: KVTransferOptions = field(default_factory=KVTransferOptions)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         kv = self.kv_transfer.kv_transfer_config
         parallel = self.parallel
+        if self.lora.enable_lora and parallel.pipeline_parallel_size > 1:
+            raise ConfigError("LoRA serving runs with tensor parallelism, not pipeline stages")
         if kv is not None and (parallel.world_size > 1 or parallel.data_parallel_size > 1):
             # Each rank holds a shard of every block, and each engine would bind the
             # same KV port: transfers per rank and per engine are not built yet.
@@ -353,6 +357,9 @@ class EngineConfig:
             by_section["cache"].get("kv_cache_dtype", "auto"), by_section["model"]["dtype"]
         )
         by_section["cache"]["kv_cache_dtype"] = kv_cache_dtype
+        modules = by_section["lora"].get("lora_modules")
+        if modules is not None:  # a list from the CLI (nargs) or from LLM(...)
+            by_section["lora"]["lora_modules"] = tuple(parse_lora_module(m) for m in modules)
         return cls(**{name: _SECTION_TYPES[name](**kw) for name, kw in by_section.items()})
 
 
@@ -376,6 +383,7 @@ _SECTION_TYPES: dict[str, type] = {
     "device": DeviceConfig,
     "speculative": SpeculativeOptions,
     "kv_transfer": KVTransferOptions,
+    "lora": LoRAConfig,
 }
 
 

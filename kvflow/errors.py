@@ -28,6 +28,11 @@ class PromptTooLongError(InvalidRequestError):
     """prompt + max_tokens does not fit the model's context (HTTP 400, like vLLM)."""
 
 
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter that cannot be served (missing or corrupt files, a rank above
+    --max-lora-rank, modules or shapes the base lacks, a name loaded twice)."""
+
+
 class ModelNotFoundError(KvflowError):
     """The named model is not served here or cannot be found on disk (HTTP 404)."""
 

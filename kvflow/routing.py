@@ -91,8 +91,9 @@ class Router:
         return self._loads[engine].score
 
     def route(
-        self, token_ids: list[int], cache_salt: str | None = None, rank: int | None = None
-    ) -> Decision:
+        self, token_ids: list[int], cache_salt: str | None = None, rank: int | None = None,
+        lora_id: int = 0,
+    ) -> Decision:  # fmt: skip
         candidates = [i for i in range(self.num_engines) if self._available[i]]
         if rank is not None:
             if not 0 <= rank < self.num_engines or not self._available[rank]:
@@ -107,7 +108,7 @@ class Router:
         elif self.config.policy == "least-load":
             decision = Decision(self._least_loaded(candidates), "least-load")
         else:
-            decision = self._prefix_aware(candidates, token_ids, cache_salt)
+            decision = self._prefix_aware(candidates, token_ids, cache_salt, lora_id)
         self._loads[decision.engine].sent += 1
         return decision
 
@@ -122,9 +123,10 @@ class Router:
         return self._round_robin([i for i in candidates if self.score(i) == best])
 
     def _prefix_aware(
-        self, candidates: list[int], token_ids: list[int], cache_salt: str | None
+        self, candidates: list[int], token_ids: list[int], cache_salt: str | None, lora_id: int
     ) -> Decision:
-        hashes = extend_block_hashes([], token_ids, self.config.block_size, cache_salt)
+        block_size = self.config.block_size
+        hashes = extend_block_hashes([], token_ids, block_size, cache_salt, lora_id=lora_id)
         owner = self._longest_prefix_owner(hashes, candidates)
         least = self._least_loaded(candidates) if owner is None else None
         if owner is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.multimodal import ImageInput
 from kvflow.proto.sampling import SamplingParams
 from kvflow.proto.step import TokenLogprobs
@@ -27,6 +28,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     output_token_ids: list[int] = []
     # Images whose placeholder runs are in prompt_token_ids (proto/multimodal.py).
     images: list[ImageInput] = []
+    lora_request: LoRARequest | None = None  # a LoRA adapter on top of the base model
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

@@ -46,6 +46,14 @@ class GrammarStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     jump_forward_tokens: int = 0  # tokens appended without a model step (grammar-forced)
 
 
+class LoRAStats(msgspec.Struct, array_like=True, gc=False):
+    """The adapters of running and of waiting requests (kvflow:lora_requests_info)."""
+
+    running: list[str]
+    waiting: list[str]
+    max_lora: int
+
+
 class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
     timestamp: float
     engine: str  # data-parallel rank / engine identity, the `engine` metric label
@@ -86,6 +94,7 @@ class SchedulerStats(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tr
     kv_block_map: KVBlockMap | None = None
     grammar: GrammarStats | None = None  # None until a guided request arrives
     kv_transfer: KVTransferStats | None = None  # None without a KV connector
+    lora: LoRAStats | None = None  # None without --enable-lora
     # Speculative decoding, cumulative (vLLM's spec_decode_* metrics): verification steps
     # with drafts, draft tokens, accepted drafts, and accepted drafts per position.
     spec_decode_num_drafts: int = 0

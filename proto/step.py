@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStepStats
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.multimodal import ImageInput
 from kvflow.proto.sampling import SamplingParams
 
@@ -27,6 +28,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     images: list[ImageInput] = []
     # Hybrid KV cache (kvflow/kv_groups.py): the tables of groups 1.. (empty: one group).
     group_block_ids: list[list[int]] = []
+    lora_request: LoRARequest | None = None  # the adapter its tokens run through
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

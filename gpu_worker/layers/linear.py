@@ -16,7 +16,7 @@ and `shard_ids` (the shards a checkpoint must provide), read by `weights.py`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from kvflow.gpu_worker.parallel_state import divide, get_tp_group
 from kvflow.kernels.cpu.block_linear import BlockWeights
 from kvflow.kernels.cpu.int8_linear import QuantWeights
 from kvflow.kernels.cpu.linear import PackedWeight, linear, linear_silu_and_mul
+
+if TYPE_CHECKING:
+    from kvflow.gpu_worker.lora.slots import LoraSlots
 
 
 def new_parameter(
@@ -59,6 +62,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp = get_tp_group()
         # Local size of each packed shard; their sum is this rank's output width.
         self.local_sizes = [divide(size, self.tp.size) for size in output_sizes]
+        self.input_size = input_size  # `weight` may be emptied once packed (weight_packing.py)
         if shard_ids is None:
             shard_ids = range(len(output_sizes)) if len(output_sizes) > 1 else (None,)
         out = sum(self.local_sizes)
@@ -67,6 +71,7 @@ class ColumnParallelLinear(nn.Module):
         self.blocks: BlockWeights | None = None  # GGUF blocks of `weight` (block_weights.py)
         self.quant: QuantWeights | None = None  # `--quantization` (gpu_worker/quantization.py)
         self.packed_weight: PackedWeight | None = None  # gpu_worker/weight_packing.py
+        self.lora: LoraSlots | None = None  # --enable-lora (gpu_worker/lora/slots.py)
 
     def shard_range(self, shard_id: Any) -> tuple[int, int, int]:
         """(offset in the packed local param, local size, start row in the checkpoint)."""
@@ -82,9 +87,12 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(
+        y = linear(
             x, self.weight, self.bias, self.blocks, self.quant, self.packed_weight
         )  # fastest CPU route
+        if self.lora is not None and self.lora.batch.active:
+            return self.lora.add_to(x, y)
+        return y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -106,6 +114,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up in one pass where the CPU route allows it, else None."""
+        if self.lora is not None and self.lora.batch.active:
+            return None  # the LoRA terms join gate|up before the activation
         return linear_silu_and_mul(x, self.bias, self.blocks, self.quant, self.packed_weight)
 
 
@@ -165,11 +175,13 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = get_tp_group()
         self.local_input = divide(input_size, self.tp.size)
+        self.output_size = output_size
         self.weight = new_parameter((output_size, self.local_input), self.weight_loader)
         self.bias = new_parameter((output_size,), copy_checked_loader) if bias else None
         self.blocks: BlockWeights | None = None  # GGUF blocks of `weight` (block_weights.py)
         self.quant: QuantWeights | None = None  # `--quantization` (gpu_worker/quantization.py)
         self.packed_weight: PackedWeight | None = None  # gpu_worker/weight_packing.py
+        self.lora: LoraSlots | None = None  # --enable-lora (gpu_worker/lora/slots.py)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None
@@ -178,11 +190,14 @@ class RowParallelLinear(nn.Module):
         copy_checked(param.data, loaded_weight.narrow(1, start, self.local_input))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lora = self.lora if self.lora is not None and self.lora.batch.active else None
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, self.blocks, self.quant, self.packed_weight)
-        y = self.tp.all_reduce(
-            linear(x, self.weight, None, self.blocks, self.quant, self.packed_weight)
-        )
+            y = linear(x, self.weight, self.bias, self.blocks, self.quant, self.packed_weight)
+            return y if lora is None else lora.add_to(x, y)
+        partial = linear(x, self.weight, None, self.blocks, self.quant, self.packed_weight)
+        if lora is not None:  # joins the partial sums: sum_r x_r A_r^T B^T = x A^T B^T
+            partial = lora.add_to(x, partial)
+        y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
 

@@ -197,6 +197,7 @@ NATIVE_KERNELS = (
     "bf16_gemm",
     "block_vnni",
     "fused_moe",
+    "lora",
 )
 
 

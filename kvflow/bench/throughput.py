@@ -60,6 +60,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="--compare vllm: the python of vLLM's virtual environment "
         "(default $KVFLOW_VLLM_PYTHON, else ~/.cache/kvflow-peers/venv-vllm/bin/python)",
     )
+    parser.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=0,
+        help="also run the prompts spread over this many synthetic LoRA adapters (all "
+        "seven targets) and compare with the base alone (kvflow/bench/lora_bench.py)",
+    )
+    parser.add_argument("--lora-adapter-rank", type=int, default=16, help="their rank")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--trace-file",
@@ -80,8 +88,9 @@ def random_token_prompts(
 
 
 def run_kvflow(
-    llm: Any, prompts: list[list[int]], output_len: int, trace_file: str | None = None
-) -> ThroughputResult:
+    llm: Any, prompts: list[list[int]], output_len: int, trace_file: str | None = None,
+    loras: list[Any] | None = None, name: str = "kvflow",
+) -> ThroughputResult:  # fmt: skip
     from kvflow.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -90,11 +99,11 @@ def run_kvflow(
     if trace_file is not None:
         llm.engine.start_trace(trace_file)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, lora_request=loras)
     elapsed = time.perf_counter() - start
     llm.engine.stop_trace()
     return ThroughputResult(
-        name="kvflow",
+        name=name,
         num_requests=len(prompts),
         elapsed_s=elapsed,
         prompt_tokens=sum(len(p) for p in prompts),
@@ -172,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     from kvflow.offline.llm import LLM
 
     python = peer_python(args.peer_python) if args.compare == "vllm" else None
+    if args.lora_adapters:
+        return _run_lora(args)
     llm = LLM(**engine_options(args))
     tokenizer = llm.tokenizer
     prompts = random_token_prompts(
@@ -208,10 +219,12 @@ def _report(
     roofline: dict[str, Any],
     as_json: bool,
     bubble: dict[int, float] | None = None,
+    extra: dict[str, dict[str, float]] | None = None,
 ) -> None:
     from kvflow.bench.roofline import roofline_lines
 
     report: dict[str, Any] = {r.name: r.summary() for r in results}
+    report.update(extra or {})
     report["roofline"] = roofline
     if bubble:  # pipeline stages: each one's idle share over the measured run
         report["pipeline_idle_share"] = {str(s): round(v, 4) for s, v in sorted(bubble.items())}
@@ -232,5 +245,38 @@ def _report(
         ratio = report["speedup_output_tokens_per_s"]
         print(f"kvflow / {results[1].name} output tok/s: {ratio}x")
     print("\n".join(roofline_lines(roofline)))
+    for key, values in (extra or {}).items():
+        print(f"{key}: " + ", ".join(f"{name} {value}" for name, value in values.items()))
     for stage, share in report.get("pipeline_idle_share", {}).items():
         print(f"pipeline stage {stage}: {100 * share:.1f}% idle")
+
+
+def _run_lora(args: argparse.Namespace) -> int:
+    """The prompts over `--lora-adapters` adapters, then on the base alone (one engine)."""
+    from kvflow.bench import lora_bench
+    from kvflow.bench.roofline import roofline_section
+    from kvflow.cli.args import engine_options
+    from kvflow.gpu_worker.model_files import resolve_model_dir
+    from kvflow.offline.llm import LLM
+
+    options = engine_options(args)
+    model_dir = resolve_model_dir(options.get("model"))
+    folder, paths = lora_bench.temporary_adapters(
+        model_dir, args.lora_adapters, args.lora_adapter_rank
+    )
+    with folder:
+        llm = LLM(
+            **lora_bench.lora_engine_options(options, args.lora_adapters, args.lora_adapter_rank)
+        )
+        vocab, special = llm.engine.vocab_size, list(llm.tokenizer.all_special_ids)
+        prompts = random_token_prompts(
+            args.num_prompts, args.input_len, vocab, special, args.bench_seed
+        )
+        loras = lora_bench.lora_requests(paths, len(prompts))
+        name = f"kvflow {args.lora_adapters} LoRA"
+        adapted = run_kvflow(llm, prompts, args.output_len, None, loras, name)
+        base = run_kvflow(llm, prompts, args.output_len, None, None, "kvflow base")
+        roofline = roofline_section(llm.engine)
+        lora = lora_bench.load_stats(llm, paths[0])
+    _report([adapted, base], roofline, args.json, extra={"lora": lora})
+    return 0

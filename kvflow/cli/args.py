@@ -36,6 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 dest=f.name,
                 type=f.metadata.get("parse") or _scalar_type(kind),
                 choices=choices,
+                nargs=f.metadata.get("nargs"),
                 default=None,
                 help=f"{help_text} (default: {f.default})",
             )

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from kvflow.config import EngineConfig
 from kvflow.errors import InvalidRequestError
 from kvflow.image_inputs import ImagePrompter, is_vision_model
+from kvflow.lora_files import LoRAAdapterCheck
 from kvflow.metrics.roofline import ModelShape, RooflineMeter, StepCost
 from kvflow.model_limits import read_model_limits
 from kvflow.offline.request_outputs import RequestOutputs
@@ -34,6 +35,7 @@ from kvflow.outputs import RequestOutput
 from kvflow.pooling import engine_pooling
 from kvflow.proto.engine import AddRequest, EngineOutputs, TokenDelta
 from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.multimodal import ImageInput
 from kvflow.proto.step import StepResult
 from kvflow.sampling_params import (
@@ -91,6 +93,7 @@ class LLMEngine:
         self.streams = DetokenizerStreams(self.tokenizer)
         self.outputs = RequestOutputs()
         self._prompter: ImagePrompter | None = None  # a vision model's, on first use
+        self.lora_adapters = LoRAAdapterCheck(config.lora, self.model_dir)
         self.trace: StepTrace | None = None  # start_trace()
         # Step time and estimated work per phase, for `kvflow bench`'s roofline report.
         self.roofline = RooflineMeter(
@@ -143,10 +146,13 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         images: Sequence[Any] = (),
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Admit a request (one engine request per sample when n > 1); raises
         InvalidRequestError with the engine's reason when it cannot run. `images`: PIL
         images, one per image token of the prompt (kvflow/image_inputs.py)."""
+        if lora_request is not None:  # a bad adapter fails here, not in a step
+            self.lora_adapters.check(lora_request)
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
         image_inputs: list[ImageInput] = []
@@ -170,6 +176,7 @@ class LLMEngine:
                     cache_salt=cache_salt,
                     frontend_id=OFFLINE_FRONTEND,
                     images=image_inputs,
+                    lora_request=lora_request,
                 )
                 self.core.add_request(message, now=now)
                 self.streams.add(message)

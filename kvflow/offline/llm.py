@@ -22,6 +22,7 @@ from kvflow.outputs import (
     RequestOutput,
 )
 from kvflow.pooling import PoolingParams, check_dimensions, embedding_vector
+from kvflow.proto.lora import LoRARequest
 from kvflow.sampling_params import (
     BeamSearchParams,
     SamplingParams,
@@ -77,8 +78,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order. `lora_request`:
+        one adapter for every prompt, or one per prompt (None: the base model)."""
         if self.engine.pooling is not None:
             raise InvalidRequestError(
                 "this engine runs the pooling runner: call embed(), or build the LLM "
@@ -87,16 +90,23 @@ class LLM:
             )
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompt_list))
-        return self._run(self._add_all(prompt_list, params_list), use_tqdm)
+        loras = _broadcast_loras(lora_request, len(prompt_list))
+        return self._run(self._add_all(prompt_list, params_list, loras), use_tqdm)
 
-    def _add_all(self, prompts: Sequence[Prompt], params_list: list[SamplingParams]) -> list[str]:
+    def _add_all(
+        self,
+        prompts: Sequence[Prompt],
+        params_list: list[SamplingParams],
+        loras: Sequence[LoRARequest | None] | None = None,
+    ) -> list[str]:
         """Admit every prompt (all or none: a refused one aborts those before it)."""
         request_ids: list[str] = []
+        loras = loras if loras is not None else [None] * len(prompts)
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora in zip(prompts, params_list, loras):
                 request_id = str(next(self._ids))
                 text, images = _prompt_and_images(prompt)
-                self.engine.add_request(request_id, text, params, images=images)
+                self.engine.add_request(request_id, text, params, images=images, lora_request=lora)
                 request_ids.append(request_id)
         except Exception:
             for request_id in request_ids:
@@ -172,6 +182,7 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate. A
         message's content may be a list of text and image parts (chat_messages.py)."""
@@ -186,7 +197,7 @@ class LLM:
             rendered, images = split_images(list(conversation), image_token, MediaOptions())
             text = apply_chat_template(self.tokenizer, rendered, add_generation_prompt)
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
@@ -278,3 +289,13 @@ def _broadcast_params(
     if len(params) != count:
         raise ValueError(f"{len(params)} sampling params for {count} prompts")
     return list(params)
+
+
+def _broadcast_loras(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    if len(lora) != count:
+        raise ValueError(f"{len(lora)} LoRA requests for {count} prompts")
+    return list(lora)

@@ -49,6 +49,7 @@ from kvflow.services.frontend.serving_chat import create_chat_completion
 from kvflow.services.frontend.serving_common import ServingContext, json_response
 from kvflow.services.frontend.serving_completions import create_completion
 from kvflow.services.frontend.serving_embeddings import create_embedding, create_pooling
+from kvflow.services.frontend.serving_lora import load_lora_adapter, unload_lora_adapter
 from kvflow.services.frontend.serving_responses import ResponsesAPI
 from kvflow.services.frontend.serving_tokenize import detokenize, list_models, tokenize
 from kvflow.services.frontend.sse import read_body
@@ -158,6 +159,12 @@ class _Endpoints:
     async def models(self, request: Request) -> Response:
         return list_models(self.ctx)
 
+    async def load_lora(self, request: Request) -> Response:
+        return load_lora_adapter(self.ctx.lora, await read_body(request, self.limit))
+
+    async def unload_lora(self, request: Request) -> Response:
+        return unload_lora_adapter(self.ctx.lora, await read_body(request, self.limit))
+
     async def health(self, request: Request) -> Response:
         problem = self.ctx.engine.health_problem()
         if problem is None and self.ctx.engine.is_degraded:
@@ -186,6 +193,8 @@ def _routes(ctx: ServingContext, web_ui: WebUI) -> list[Route]:
         ("POST", "/v1/embeddings", e.embeddings),
         ("POST", "/pooling", e.pooling),
         ("GET", "/v1/models", e.models),
+        ("POST", "/v1/load_lora_adapter", e.load_lora),
+        ("POST", "/v1/unload_lora_adapter", e.unload_lora),
         ("POST", "/tokenize", e.tokenize),
         ("POST", "/detokenize", e.detokenize),
         ("GET", "/health", e.health),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.lora_config import LoRAConfig
 from kvflow.media import MediaOptions
 from kvflow.pooling import PoolingSpec
 from kvflow.services.frontend.reasoning import reasoning_parser
@@ -89,6 +90,8 @@ class FrontendConfig:
     # samples than that is a 400 here, never admitted by an idle engine either.
     max_waiting_requests: int | None = None
     tls: TlsConfig | None = None  # None: plain HTTP
+    lora: LoRAConfig | None = None  # --enable-lora: adapters served by name (lora_registry.py)
+    model_dir: str = ""  # the base model's directory (its config.json checks adapters)
 
     @property
     def url(self) -> str:

@@ -58,6 +58,7 @@ from kvflow.errors import EngineDeadError
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.engine import AddRequest
 from kvflow.proto.frontend import EngineDead, FrontendOutputs, RequestOutputDelta
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.multimodal import ImageInput
 from kvflow.proto.stats import SchedulerStats
 from kvflow.routing import Decision, NoEngineError, Router, RoutingConfig
@@ -184,6 +185,7 @@ class EngineClient(EngineHealth, InFlightRequests):
         deadline: Deadline | None = None,
         *,
         images: list[ImageInput] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as they come (`delta.req_id` names the child; see
         `sample_index`). Ends when every sample finished; an engine failure arrives as a
@@ -193,7 +195,7 @@ class EngineClient(EngineHealth, InFlightRequests):
         Every sample goes to one engine: they share the prompt's KV blocks there."""
         assert "#" not in request_id, "'#' separates a request id from its sample index"
         self.check_rank(data_parallel_rank)
-        engine = self._route(prompt_token_ids, cache_salt, data_parallel_rank)
+        engine = self._route(prompt_token_ids, cache_salt, data_parallel_rank, lora_request)
         child_ids = child_request_ids(request_id, params.n)
         queue: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()
         unfinished = set(child_ids)
@@ -216,6 +218,7 @@ class EngineClient(EngineHealth, InFlightRequests):
                     cache_salt=cache_salt,
                     frontend_id=self.frontend_id,
                     images=images or [],
+                    lora_request=lora_request,
                 )
                 self._sent[child_id] = SentRequest(request, pinned=data_parallel_rank is not None)
                 self.engines[engine].input.send(request)
@@ -232,12 +235,16 @@ class EngineClient(EngineHealth, InFlightRequests):
                 timer.cancel()
             self.release(child_ids, unfinished)
 
-    def _route(self, token_ids: list[int], cache_salt: str | None, rank: int | None) -> int:
+    def _route(
+        self, token_ids: list[int], cache_salt: str | None, rank: int | None,
+        lora: LoRARequest | None = None,
+    ) -> int:  # fmt: skip
         problems = self.engine_problems()
         for engine in self.engines:
             self.router.set_available(engine.index, problems[str(engine.index)] is None)
         try:
-            decision = self.router.route(token_ids, cache_salt, rank)
+            lora_id = 0 if lora is None else lora.lora_int_id
+            decision = self.router.route(token_ids, cache_salt, rank, lora_id)
         except NoEngineError as exc:
             raise EngineDeadError(self.health_problem() or str(exc)) from exc
         for listener in self._route_listeners:

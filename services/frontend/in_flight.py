@@ -20,6 +20,7 @@ import msgspec
 from kvflow.errors import EngineDeadError
 from kvflow.proto.engine import AbortRequests, AddRequest
 from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.lora import LoRARequest
 from kvflow.services.frontend.engine_link import EngineLink
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,10 @@ class InFlightRequests:
     _owners: dict[str, int]  # child id -> the engine that holds it
     _sent: dict[str, SentRequest]  # child id -> what re-routing it would resend
 
-    def _route(self, token_ids: list[int], cache_salt: str | None, rank: int | None) -> int:
+    def _route(
+        self, token_ids: list[int], cache_salt: str | None, rank: int | None,
+        lora: LoRARequest | None = None,
+    ) -> int:  # fmt: skip
         raise NotImplementedError
 
     def engine_label(self, delta: RequestOutputDelta) -> str | None:
@@ -134,7 +138,7 @@ class InFlightRequests:
             resumed = sent.resumed()
             try:
                 engine = self._route(resumed.prompt_token_ids + resumed.output_token_ids,
-                                     resumed.cache_salt, None)  # fmt: skip
+                                     resumed.cache_salt, None, resumed.lora_request)  # fmt: skip
             except EngineDeadError:
                 break  # no engine serves: the rest fail
             self._owners[child_id] = engine

@@ -22,8 +22,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvflow.proto.kv_transfer import KVTransferStats
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.stats import GrammarStats, SchedulerStats
 from kvflow.runtime.cluster_auth import REFUSALS
+from kvflow.services.frontend.lora_metrics import LoRAMetrics
 from kvflow.services.frontend.metrics_fanin import SharedProcessMetrics
 from kvflow.services.frontend.perf_metrics import PerfMetrics
 from kvflow.services.frontend.request_metrics import RequestMetrics, RequestSeries, RequestTracker
@@ -91,6 +93,7 @@ class FrontendMetrics:
         self._define_grammar_metrics(labels)
         self._define_kv_transfer_metrics(labels)
         self.perf = PerfMetrics(self.registry, model_name)  # roofline, peaks, start-up
+        self.lora = LoRAMetrics(self.registry, model_name)
         self.requests = RequestMetrics(self.process_registry, labels, max_model_len)
         self._series: dict[str, RequestSeries] = {}  # by engine label, bound on first use
         self.request_series(None)  # the default engine's series exist from the start
@@ -313,6 +316,11 @@ class FrontendMetrics:
         if stats.kv_transfer is not None:
             self._observe_kv_transfer(labels, stats.engine, stats.kv_transfer)
         self._observe_auth_failures(stats.engine, stats.cluster_auth_failures)
+        if stats.lora is not None:
+            self.lora.observe(stats.lora, stats.timestamp)
+
+    def count_lora_request(self, lora: LoRARequest | None) -> None:
+        self.lora.count(lora)
 
     def _observe_grammar(self, labels: tuple[str, str], engine: str, stats: GrammarStats) -> None:
         for seconds in stats.compile_seconds:

@@ -179,6 +179,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     owned_by: str = "kvflow"
     root: str
     max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model (None: a base model)
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -208,6 +208,7 @@ class _Chat(ServedRequest):
             [prepare_chat_prompt(ctx, token_ids, pictures, params)],
             priority=request.priority,
             cache_salt=request.cache_salt,
+            model=request.model,
             data_parallel_rank=request.data_parallel_rank,
             arrival_time=time.time(),
             deadlines=deadlines,

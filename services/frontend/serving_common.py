@@ -26,12 +26,12 @@ from kvflow.errors import (
     EngineDeadError,
     InvalidRequestError,
     KvflowError,
-    ModelNotFoundError,
     RequestRejectedError,
     RequestTimeoutError,
 )
 from kvflow.model_limits import check_prompt
 from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.multimodal import ImageInput
 from kvflow.proto.step import TokenLogprobs
 from kvflow.sampling_params import (
@@ -45,6 +45,7 @@ from kvflow.services.frontend.engine_client import EngineClient
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST
 from kvflow.services.frontend.in_flight import sample_index
 from kvflow.services.frontend.kv_params import KVParamsGate
+from kvflow.services.frontend.lora_registry import LoRARegistry
 from kvflow.services.frontend.metrics import FrontendMetrics
 from kvflow.services.frontend.request_deadline import Deadline, RequestDeadlines
 from kvflow.services.frontend.responses import UsageInfo
@@ -89,13 +90,16 @@ class ServingContext:
     tokenizer: Any
     metrics: FrontendMetrics
     kv_params: KVParamsGate  # only the proxy's kv_transfer_params pass
+    lora: LoRARegistry = field(init=False)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise ModelNotFoundError(
-                f"the model {model!r} does not exist; this server serves "
-                f"{self.config.served_model_name!r}"
-            )
+    def __post_init__(self) -> None:
+        config = self.config
+        self.lora = LoRARegistry(config.lora, config.model_dir, config.served_model_name)
+
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base); 404 when nothing is served
+        under that name."""
+        return self.lora.resolve(model)
 
     def check_engine(self, data_parallel_rank: int | None = None) -> None:
         problem = self.engine.health_problem()
@@ -187,6 +191,7 @@ class ServingContext:
         arrival_time: float,
         data_parallel_rank: int | None = None,
         deadline: Deadline | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
         """(choice index, delta) for every sample of every prompt, as they come.
 
@@ -206,11 +211,14 @@ class ServingContext:
                 data_parallel_rank,
                 deadline,
                 images=p.images,
+                lora_request=lora_request,
             )
             for i, p in enumerate(prompts)
         ]
         trackers = [self.metrics.track_request(arrival_time) for _ in range(len(prompts) * n)]
         failed = False
+        self.lora.acquire(lora_request)  # an adapter in use cannot be unloaded
+        self.metrics.count_lora_request(lora_request)
         try:
             async with aclosing(merge_streams(streams)) as merged:
                 async for prompt_index, delta in merged:
@@ -225,6 +233,7 @@ class ServingContext:
             self.metrics.count_rejected(exc.code)
             raise
         finally:
+            self.lora.release(lora_request)
             if not failed:  # the client left: unfinished samples count as aborted
                 now = time.time()
                 for tracker in trackers:
@@ -276,13 +285,15 @@ class ServedRequest(ABC):
         arrival_time: float,
         deadlines: RequestDeadlines,
         data_parallel_rank: int | None = None,
+        model: str | None = None,
     ) -> None:
         ctx.check_queue_room(len(prompts), prompts[0].params.n, data_parallel_rank)
         ctx.kv_params.check(prompts[0].params.kv_transfer_params)
         self.ctx = ctx
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(arrival_time)
-        self.model = ctx.config.served_model_name
+        self.lora_request = ctx.check_model(model)  # the response names the adapter
+        self.model = ctx.config.served_model_name if self.lora_request is None else model
         self.prompts = prompts
         self.priority = priority
         self.cache_salt = cache_salt
@@ -318,6 +329,7 @@ class ServedRequest(ABC):
             arrival_time=self.arrival_time,
             data_parallel_rank=self.data_parallel_rank,
             deadline=self.deadlines.whole,
+            lora_request=self.lora_request,
         )
         first: Awaitable[tuple[int, RequestOutputDelta]] = anext(self._deltas)
         limit = self.deadlines.first_chunk

@@ -162,6 +162,7 @@ class _Completion(ServedRequest):
             prompts,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            model=request.model,
             data_parallel_rank=request.data_parallel_rank,
             arrival_time=time.time(),
             deadlines=deadlines,

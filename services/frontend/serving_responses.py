@@ -111,6 +111,7 @@ class _Response(ServedRequest):
             [ctx.prepare_ids(token_ids, params, None)],
             priority=request.priority,
             cache_salt=request.cache_salt,
+            model=request.model,
             arrival_time=time.time(),
             deadlines=deadlines,
         )

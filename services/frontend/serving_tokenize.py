@@ -48,10 +48,21 @@ def detokenize(ctx: ServingContext, body: bytes) -> Response:
 
 def list_models(ctx: ServingContext, created: int | None = None) -> Response:
     config = ctx.config
+    created = int(time.time()) if created is None else created
     card = ModelCard(
         id=config.served_model_name,
-        created=int(time.time()) if created is None else created,
+        created=created,
         root=config.model_root or config.served_model_name,
         max_model_len=config.max_model_len,
     )
-    return json_response(ModelList(data=[card]))
+    adapters = [
+        ModelCard(
+            id=name,
+            created=created,
+            root=adapter.lora_path,
+            max_model_len=config.max_model_len,
+            parent=config.served_model_name,
+        )
+        for name, adapter in ctx.lora.adapters.items()
+    ]
+    return json_response(ModelList(data=[card, *adapters]))

@@ -347,4 +347,6 @@ def make_frontend_config(
         pooling=engine_pooling(config.model.runner, model_dir, config.model.pooler_config),
         media=options.media,
         vision_model_dir=str(model_dir) if is_vision_model(model_dir) else None,
+        lora=config.lora if config.lora.enable_lora else None,
+        model_dir=str(model_dir),
     )

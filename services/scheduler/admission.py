@@ -33,6 +33,7 @@ class EngineLimits:
     # request computes in one step (0: unbounded), which bound a sliding group's blocks.
     kv_group_windows: tuple[int | None, ...] = (None,)
     max_chunk_tokens: int = 0
+    enable_lora: bool = False
 
 
 def check_lengths(prompt_ids: list[int], params: SamplingParams, limits: EngineLimits) -> int:
@@ -96,6 +97,8 @@ def admit(message: AddRequest, limits: EngineLimits, queued_time: float) -> Requ
             f"n={params.n} reached the engine; the frontend sends one request per sample",
             param="n",
         )
+    if message.lora_request is not None and not limits.enable_lora:
+        raise InvalidRequestError("a LoRA adapter needs an engine started with --enable-lora")
     max_tokens = check_lengths(message.prompt_token_ids, params, limits)
     if len(message.output_token_ids) >= max_tokens:
         raise InvalidRequestError(
@@ -112,6 +115,7 @@ def admit(message: AddRequest, limits: EngineLimits, queued_time: float) -> Requ
         cache_salt=message.cache_salt,
         max_tokens=max_tokens,
         images=check_image_spans(message),
+        lora_request=message.lora_request,
     )
     request.all_token_ids += message.output_token_ids  # recomputed, as after a preemption
     return request

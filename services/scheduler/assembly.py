@@ -62,6 +62,7 @@ def build_engine_core(
         block_size,
         config.cache.enable_prefix_caching,
         group_windows=shape.kv_group_windows,
+        enable_lora=config.lora.enable_lora,
     )
     return EngineCore(
         build_scheduler(config, kv_cache, shape),
@@ -89,5 +90,6 @@ def build_scheduler(
         ),
         pipeline_depth=config.parallel.pipeline_parallel_size,
         pooling=shape.pooling,
+        max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
     )
     return Scheduler(config.scheduler, kv_cache, shape.max_model_len, shape.vocab_size, features)

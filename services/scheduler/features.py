@@ -18,6 +18,7 @@ from kvflow.services.scheduler.beam_feature import BeamSearchFeature
 from kvflow.services.scheduler.image_inputs import ImageInputsFeature
 from kvflow.services.scheduler.jump_forward import JumpForwardFeature
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
+from kvflow.services.scheduler.lora_feature import LoraFeature
 from kvflow.services.scheduler.micro_batches import MicroBatchFeature
 from kvflow.services.scheduler.pooling import PoolingFeature
 from kvflow.services.scheduler.prompt_logprobs import PromptLogprobsFeature
@@ -35,8 +36,11 @@ def make_step_features(
     kv_connector: KVConnectorScheduler | None = None,
     pipeline_depth: int = 1,  # pipeline stages: micro_batches.py's rules when > 1
     pooling: PoolingSpec | None = None,  # the pooling runner's pooler
+    max_loras: int = 0,  # LoRA adapters per step (0: LoRA off)
 ) -> list[StepFeature]:
     features: list[StepFeature] = []
+    if max_loras:
+        features.append(LoraFeature(max_loras))
     if pipeline_depth > 1:
         features.append(MicroBatchFeature(pipeline_depth))
     if speculator is not None:

@@ -50,6 +50,7 @@ class CacheableRequest(Protocol):
     def cache_salt(self) -> str | None: ...
     @property
     def image_spans(self) -> list[ImageSpan]: ...  # placeholder runs of its images
+    def lora_int_id(self) -> int: ...  # 0: the base model
 
 
 class ComputedBlocks(NamedTuple):
@@ -277,9 +278,13 @@ class KVCacheManager:
     def _block_hashes(self, request: CacheableRequest) -> list[BlockHash]:
         hashes = self._req_hashes.setdefault(request.request_id, [])
         return extend_block_hashes(
-            hashes, request.all_token_ids, self.block_size, request.cache_salt,
+            hashes,
+            request.all_token_ids,
+            self.block_size,
+            request.cache_salt,
             request.image_spans,
-        )  # fmt: skip
+            request.lora_int_id,
+        )
 
     def _take_blocks(
         self, request_id: str, hits: Sequence[list[int]], num_tokens: int, holds: bool

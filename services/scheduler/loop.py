@@ -384,6 +384,7 @@ class SchedulerLoop:
             kv_block_map=block_map(self.core.scheduler.kv_cache.block_pool),
             grammar=self.core.grammar_stats(),
             kv_transfer=stats.features.kv_transfer,
+            lora=stats.features.lora,
             **spec_decode_stats(stats.features.spec_decode),
             cluster_auth_failures=self.refusals.by_role(),
         )

@@ -51,14 +51,18 @@ class PrefillOrder:
 
     # ---- admission order ---------------------------------------------------------
 
-    def admission_order(self, waiting: RequestQueue) -> Iterator[Request]:
+    def admission_order(
+        self, waiting: RequestQueue, passed_over: set[str] | None = None
+    ) -> Iterator[Request]:
         """The waiting requests a step should try, in the order to try them. Under fcfs
         it is the queue's head, read as the step pops it (no copy of a deep queue); under
-        shortest, the head `WINDOW` deep, sorted."""
+        shortest, the head `WINDOW` deep, sorted. `passed_over`: ids the caller skips
+        this step (a feature said so), filled while it iterates."""
         if self.order == "fcfs":
             expedited = [r for r in itertools.islice(waiting, WINDOW) if r.expedite]
             expedited.sort(key=lambda r: r.num_computed_tokens == 0)  # KV held: no blocks
-            return itertools.chain(expedited, _queue_head(waiting))
+            passed = set() if passed_over is None else passed_over
+            return itertools.chain(expedited, _queue_head(waiting, passed))
         window = list(itertools.islice(waiting, WINDOW))
         self._window = window
         position = {id(r): index for index, r in enumerate(window)}
@@ -93,8 +97,16 @@ class PrefillOrder:
         self._bypasses.pop(req_id, None)
 
 
-def _queue_head(waiting: RequestQueue) -> Iterator[Request]:
+def _queue_head(waiting: RequestQueue, passed_over: set[str]) -> Iterator[Request]:
     """The queue's head each time the caller asks: it pops what it admits, and stops at
-    the first it cannot."""
+    the first it cannot. Once it passes a request over, the rest of the head `WINDOW`
+    deep follows in queue order."""
     while len(waiting) > 0:
-        yield waiting.peek()
+        head = waiting.peek()
+        if head.request_id not in passed_over:
+            yield head
+            continue
+        for request in list(itertools.islice(waiting, WINDOW)):
+            if request.request_id not in passed_over:
+                yield request
+        return

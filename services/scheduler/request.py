@@ -26,6 +26,7 @@ import enum
 import logging
 from typing import TYPE_CHECKING
 
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.multimodal import ImageInput
 from kvflow.sampling_params import SamplingParams
 
@@ -82,6 +83,7 @@ class Request:
         cache_salt: str | None = None,
         max_tokens: int,
         images: list[ImageInput] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -90,6 +92,7 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority  # lower value = served first (vLLM's convention)
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # a LoRA adapter on top of the base model
         self.max_tokens = max_tokens  # resolved: params.max_tokens or what fits the context
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -110,6 +113,11 @@ class Request:
         # Part of a request already under way (a beam search's later beams): admitted
         # before the queue's other requests (prefill_order.py), which it does not outrun.
         self.expedite = False
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (0: the base model): a key of the prefix cache."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:

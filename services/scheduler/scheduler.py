@@ -81,7 +81,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request (a feature may keep it and queue others: beam search)."""
         assert request.request_id not in self.requests, request.request_id
-        queued = next((q for f in self.features if (q := f.on_add(request)) is not None), None)
+        kept = [f.on_add(request) for f in self.features]  # every feature hears of it
+        queued = next((q for q in kept if q is not None), None)
         self.requests[request.request_id] = request
         for queue in [request] if queued is None else queued:
             self.requests[queue.request_id] = queue
@@ -255,11 +256,15 @@ class Scheduler:
         if len(self.waiting) == 0:
             return
         admitted: list[Request] = []
-        for request in self.prefill.admission_order(self.waiting):
+        passed_over: set[str] = set()
+        for request in self.prefill.admission_order(self.waiting, passed_over):
             if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if any(f.stops_admission(request) for f in self.features):
                 break
+            if any(f.skips_admission(request) for f in self.features):
+                passed_over.add(request.request_id)
+                continue
             allocated = self._allocate_waiting(request, step.budget)
             if allocated is None:
                 break  # nobody behind it jumps the queue for lack of KV blocks
@@ -322,6 +327,7 @@ class Scheduler:
             block_ids=self.kv_cache.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             group_block_ids=self.kv_cache.get_group_block_ids(request.request_id),
+            lora_request=request.lora_request,
         )
 
     # ---- results -----------------------------------------------------------------

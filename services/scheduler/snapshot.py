@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvflow.proto.kv_transfer import KVTransferStats
+from kvflow.proto.stats import LoRAStats
 from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ class FeatureStats:
 
     spec_decode: SpecDecodeCounters | None = None  # None: no speculative decoding
     kv_transfer: KVTransferStats | None = None  # None: no KV connector
+    lora: LoRAStats | None = None  # None: LoRA off
 
 
 @dataclass

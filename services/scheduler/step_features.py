@@ -9,7 +9,8 @@ over an empty list per point::
 
     arriving     on_add (a feature may keep a request out of the queue)
     schedule()   begin_step ─▶ running: holds_back ─▶ plan_running ─▶ on_scheduled_running
-                             waiting: stops_admission ─▶ reads_prefix_cache ─▶ admission
+                             waiting: stops_admission ─▶ skips_admission ─▶
+                                      reads_prefix_cache ─▶ admission
                                       ─▶ on_allocated
                  every scheduled request: on_scheduled ─▶ end_step (the plan's extras)
     results      on_result (the step's side outputs) ─▶ on_sampled (per request, before
@@ -134,6 +135,10 @@ class StepFeature:
         """Whether a waiting request may start from a prefix-cache hit (False: it needs
         the model's outputs at every prompt position, so it computes them all)."""
         return True
+
+    def skips_admission(self, request: Request) -> bool:
+        """The next waiting request cannot start now; those behind it may."""
+        return False
 
     def admission(self, request: Request, computed: ComputedBlocks) -> External | None:
         """KV a waiting request gets from outside (None: it cannot start now)."""

@@ -17,6 +17,7 @@ class Req:
     request_id: str
     all_token_ids: list[int]
     cache_salt: str | None = None
+    lora_int_id: int = 0
     num_computed_tokens: int = 0
     num_prompt_tokens: int = field(init=False)
     image_spans: list[tuple[int, int, str]] = field(default_factory=list)

@@ -35,18 +35,20 @@ def prompt_block_keys(
     cache_salt: str | None,
     secret: ClusterSecret | None = None,
     image_spans: Sequence[ImageSpan] = (),
+    lora_id: int = 0,
 ) -> list[str]:
     """One key per block the prompt touches (the last one partial unless aligned);
-    blocks over an image's placeholders carry its hash, as in the prefix cache."""
+    blocks over an image's placeholders carry its hash, and the LoRA adapter keys them,
+    as in the prefix cache (an adapter's KV is its own)."""
     hashes: list[BlockHash] = extend_block_hashes(
-        [], prompt_token_ids, block_size, cache_salt, image_spans
+        [], prompt_token_ids, block_size, cache_salt, image_spans, lora_id
     )
     keys = [h.hex() for h in hashes]
     num_full = len(hashes)
     tail = prompt_token_ids[num_full * block_size :]
     if tail:
         parent = hashes[-1] if hashes else None
-        extra = first_block_extra_keys(cache_salt) if num_full == 0 else ()
+        extra = first_block_extra_keys(cache_salt, lora_id) if num_full == 0 else ()
         start = num_full * block_size
         extra = (*extra, *image_keys(image_spans, start, len(prompt_token_ids)))
         keys.append(hash_block_tokens(parent, tail, (*extra, "partial")).hex())

@@ -95,7 +95,12 @@ class KVConnectorScheduler(abc.ABC):
         if keys is None:
             prompt = request.all_token_ids[: request.num_prompt_tokens]
             keys = prompt_block_keys(
-                prompt, self.block_size, request.cache_salt, self.secret, request.image_spans
+                prompt,
+                self.block_size,
+                request.cache_salt,
+                self.secret,
+                request.image_spans,
+                request.lora_int_id,
             )
             self._keys[request.request_id] = keys
         return keys

@@ -60,11 +60,36 @@ function showKeyDialog(message) {
   $("key-input").focus();
 }
 
+// The base model and its LoRA adapters (`parent` names the base): a request's `model`.
+function fillModelPicker(models) {
+  const picker = $("model-picker");
+  const previous = state.model;
+  picker.replaceChildren(...models.map((m) => {
+    const option = document.createElement("option");
+    option.value = m.id;
+    option.textContent = m.parent ? m.id + " (LoRA of " + m.parent + ")" : m.id;
+    return option;
+  }));
+  picker.hidden = models.length < 2;
+  const ids = models.map((m) => m.id);
+  state.model = ids.includes(previous) ? previous : ids[0];
+  if (state.model !== undefined) picker.value = state.model;
+  showModel();
+}
+
+function showModel() {
+  $("model-name").textContent = state.model !== undefined ? "model: " + state.model : "";
+}
+
+$("model-picker").addEventListener("change", () => {
+  state.model = $("model-picker").value;
+  showModel();
+});
+
 async function checkKey() {
   try {
     const models = await (await api("/v1/models")).json();
-    $("model-name").textContent = models.data.length ? "model: " + models.data[0].id : "";
-    state.model = models.data.length ? models.data[0].id : undefined;
+    fillModelPicker(models.data);
     state.ui = await (await api("/ui/config")).json();
     updateAttach();
     $("key-dialog").hidden = true;
