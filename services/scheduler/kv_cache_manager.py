@@ -50,6 +50,7 @@ class CacheableRequest(Protocol):
     def cache_salt(self) -> str | None: ...
     @property
     def image_spans(self) -> list[ImageSpan]: ...  # placeholder runs of its images
+    @property
     def lora_int_id(self) -> int: ...  # 0: the base model
 
 
@@ -216,26 +217,22 @@ class KVCacheManager:
                                                     `num_new_tokens` more
 
         Returns the [source, destination] block copies the worker must make before the
-        child's first step, or None (nothing changed) when the pool lacks blocks."""
-        assert child_id not in self._req_block_ids, f"{child_id} already holds blocks"
+        child's first step, or None (nothing changed) when the pool lacks blocks. With
+        several groups each forks its own table (a block that left a window stays out)."""
+        assert all(child_id not in g.tables for g in self.groups), f"{child_id} holds blocks"
         num_computed = parent.num_computed_tokens
-        parent_ids = self._req_block_ids.get(parent.request_id, [])
         num_full = num_computed // self.block_size
-        assert len(parent_ids) >= -(-num_computed // self.block_size), "parent lacks KV"
-        shared = [self.block_pool.blocks[block_id] for block_id in parent_ids[:num_full]]
         num_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
-        new_blocks = self.block_pool.get_new_blocks(num_blocks - num_full)
+        per_group = num_blocks - num_full
+        new_blocks = self.block_pool.get_new_blocks(per_group * len(self.groups))
         if new_blocks is None:
             return None
-        self.block_pool.touch(shared)
-        new_ids = [block.block_id for block in new_blocks]
-        self._req_block_ids[child_id] = parent_ids[:num_full] + new_ids
+        copies: list[list[int]] = []
+        for i, group in enumerate(self.groups):
+            copies += _fork_table(group, parent.request_id, child_id, num_computed,
+                                  [b.block_id for b in new_blocks[i * per_group :][:per_group]])  # fmt: skip
         self._req_hashes[child_id] = list(self._req_hashes.get(parent.request_id, [])[:num_full])
-        num_cached = min(num_full, self._cache_marks.get(parent.request_id, (0, 0))[1])
-        self._cache_marks[child_id] = (num_cached, num_cached)
-        if num_computed % self.block_size == 0:
-            return []
-        return [[parent_ids[num_full], new_ids[0]]]
+        return copies
 
     def free(self, request_id: str, *, step_discarded: bool = False) -> None:
         """Release a request's blocks, tail first (its tail is evicted before its prefix).
@@ -319,3 +316,22 @@ class KVCacheManager:
             for pending, ids in zip(unsent, appended[1:]):
                 pending.extend(ids)
         return appended[0]
+
+
+def _fork_table(
+    group: KVCacheGroup, parent_id: str, child_id: str, num_computed: int, new_ids: list[int]
+) -> list[list[int]]:
+    """`child_id`'s table in one group: the parent's full blocks shared (one more ref),
+    then `new_ids`; the copy of the parent's partial block, if any."""
+    block_size = group.block_size
+    parent_ids = group.tables.get(parent_id, [])
+    num_full = num_computed // block_size
+    assert len(parent_ids) >= -(-num_computed // block_size), "parent lacks KV"
+    shared = parent_ids[:num_full]
+    group.pool.touch(group.pool.blocks[b] for b in shared if b != NULL_BLOCK)
+    group.tables[child_id] = shared + new_ids
+    num_cached = min(num_full, group.marks.get(parent_id, (0, 0))[1])
+    group.marks[child_id] = (num_cached, num_cached)
+    if num_computed % block_size == 0 or parent_ids[num_full] == NULL_BLOCK:
+        return []
+    return [[parent_ids[num_full], new_ids[0]]]
