@@ -56,13 +56,13 @@ def build_engine_core(
         pooling=shape.pooling is not None,
         kv_group_windows=shape.kv_group_windows,
         max_chunk_tokens=config.scheduler.max_num_batched_tokens,
+        enable_lora=config.lora.enable_lora,
     )
     kv_cache = KVCacheManager(
         shape.num_blocks,
         block_size,
         config.cache.enable_prefix_caching,
         group_windows=shape.kv_group_windows,
-        enable_lora=config.lora.enable_lora,
     )
     return EngineCore(
         build_scheduler(config, kv_cache, shape),

@@ -29,6 +29,8 @@ class Req:
     all_token_ids: list[int]
     num_computed_tokens: int = 0
     cache_salt: str | None = None
+    lora_int_id: int = 0
+    image_spans: list[tuple[int, int, str]] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)
 
 
