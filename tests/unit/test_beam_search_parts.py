@@ -102,6 +102,7 @@ class Req:
     all_token_ids: list[int]
     cache_salt: str | None = None
     num_computed_tokens: int = 0
+    image_spans: list[tuple[int, int, str]] = field(default_factory=list)
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
