@@ -57,9 +57,10 @@ def test_the_cache_is_resident_after_allocation() -> None:
         num_layers=4, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16
     )
     num_blocks = (192 << 20) // spec.bytes_per_block  # > glibc's mmap threshold: fresh pages
-    fresh = torch.empty(num_blocks * spec.bytes_per_block // 2, dtype=torch.bfloat16)
-    assert resident_fraction(fresh) < 0.5  # untouched pages are not in memory...
     caches = allocate_kv_cache(spec, num_blocks, torch.device("cpu"))
-    assert resident_fraction(caches[0]) == 1.0  # ... the cache's are: no first-touch faults
+    # Every page is in memory: no first-touch faults left. (Without the reservation a
+    # fresh mapping's pages are not, unless the allocator handed back memory this process
+    # had touched before: so the test asserts the outcome, not the contrast.)
+    assert resident_fraction(caches[0]) == 1.0
     assert resident_fraction(caches[-1]) == 1.0
     assert len(caches) == 4 and caches[0].shape[1] == num_blocks
