@@ -217,9 +217,8 @@ class EngineClient(EngineHealth, InFlightRequests):
                     priority=priority,
                     cache_salt=cache_salt,
                     frontend_id=self.frontend_id,
-                    images=images or [],
-                    lora_request=lora_request,
-                )
+                    images=images or [], lora_request=lora_request,
+                )  # fmt: skip
                 self._sent[child_id] = SentRequest(request, pinned=data_parallel_rank is not None)
                 self.engines[engine].input.send(request)
             while unfinished:
