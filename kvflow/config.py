@@ -22,7 +22,7 @@ from kvflow.device_resolution import (
 from kvflow.errors import ConfigError
 from kvflow.kv_transfer_config import KVTransferConfig, parse_kv_transfer_config
 from kvflow.lora_config import LoRAConfig, parse_lora_module
-from kvflow.pooling import PoolerConfig, Runner, parse_pooler_config
+from kvflow.pooling import PoolerConfig, Runner, check_pooling_engine, parse_pooler_config
 from kvflow.speculative_config import SpeculativeConfig, parse_speculative_config
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -309,7 +309,7 @@ class EngineConfig:
                 "(tensor, pipeline and data parallel sizes 1); run one instance per engine"
             )
         if self.model.runner == "pooling":
-            _check_pooling(self)
+            check_pooling_engine(self)
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -361,18 +361,6 @@ class EngineConfig:
         if modules is not None:  # a list from the CLI (nargs) or from LLM(...)
             by_section["lora"]["lora_modules"] = tuple(parse_lora_module(m) for m in modules)
         return cls(**{name: _SECTION_TYPES[name](**kw) for name, kw in by_section.items()})
-
-
-def _check_pooling(config: EngineConfig) -> None:
-    """The pooling runner prefills only: what exists to decode has nothing to do there."""
-    if config.speculative.speculative_config is not None:
-        raise ConfigError("the pooling runner never decodes: speculative_config does not apply")
-    if config.kv_transfer.kv_transfer_config is not None:
-        raise ConfigError("the pooling runner never decodes: kv_transfer_config does not apply")
-    if config.parallel.pipeline_parallel_size > 1:
-        # The pooler reads the last stage's hidden states of every chunk; stages hand on
-        # only activations. Tensor and data parallelism pool as one rank does.
-        raise ConfigError("the pooling runner runs with pipeline_parallel_size 1")
 
 
 _SECTION_TYPES: dict[str, type] = {

@@ -26,12 +26,15 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 
 from kvflow.errors import ConfigError, InvalidRequestError
 from kvflow.json_options import json_options
+
+if TYPE_CHECKING:
+    from kvflow.config import EngineConfig
 
 PoolingType = Literal["LAST", "MEAN", "CLS"]
 POOLING_TYPES: tuple[str, ...] = ("LAST", "MEAN", "CLS")
@@ -203,3 +206,15 @@ def embedding_vector(pooled: bytes, spec: PoolingSpec, dimensions: int | None) -
     if spec.normalize:
         vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
     return vector.astype(np.float32)
+
+
+def check_pooling_engine(config: EngineConfig) -> None:
+    """The pooling runner prefills only: what exists to decode has nothing to do there."""
+    if config.speculative.speculative_config is not None:
+        raise ConfigError("the pooling runner never decodes: speculative_config does not apply")
+    if config.kv_transfer.kv_transfer_config is not None:
+        raise ConfigError("the pooling runner never decodes: kv_transfer_config does not apply")
+    if config.parallel.pipeline_parallel_size > 1:
+        # The pooler reads the last stage's hidden states of every chunk; stages hand on
+        # only activations. Tensor and data parallelism pool as one rank does.
+        raise ConfigError("the pooling runner runs with pipeline_parallel_size 1")

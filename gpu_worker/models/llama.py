@@ -22,7 +22,6 @@ is tied to it). A stage before the last returns (hidden, residual) for the next 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Any
 
@@ -380,25 +379,3 @@ class LlamaForCausalLM(nn.Module):
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama with a sliding window on every layer (`config.sliding_window`)."""
-
-
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Llama with biases on q/k/v (not on o_proj)."""
-
-    @classmethod
-    def decoder_spec(cls, config: Any) -> DecoderSpec:
-        return DecoderSpec(
-            qkv_bias=True,
-            o_bias=False,
-            qk_norm=False,
-            mlp_bias=False,
-            sliding_windows=DecoderSpec.sliding_windows_of(config),
-        )
-
-
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    """Llama with an RMSNorm over head_dim on every q and k head (before RoPE)."""
-
-    @classmethod
-    def decoder_spec(cls, config: Any) -> DecoderSpec:
-        return dataclasses.replace(super().decoder_spec(config), qk_norm=True, mlp_bias=False)

@@ -12,13 +12,13 @@ from typing import Any
 from torch import nn
 
 from kvflow.gpu_worker.layers.moe import ExpertNames, FusedMoE
-from kvflow.gpu_worker.models.llama import Qwen3ForCausalLM
 from kvflow.gpu_worker.models.moe_base import (
     MoeForCausalLM,
     dense_mlp,
     experts_prefix,
     is_sparse_layer,
 )
+from kvflow.gpu_worker.models.qwen import Qwen3ForCausalLM
 from kvflow.gpu_worker.models.spec import DecoderSpec
 
 

@@ -12,16 +12,12 @@ from kvflow.gpu_worker.models.gemma2 import Gemma2ForCausalLM
 from kvflow.gpu_worker.models.gemma3 import Gemma3ForCausalLM
 from kvflow.gpu_worker.models.gpt_oss import GptOssForCausalLM
 from kvflow.gpu_worker.models.granite import GraniteForCausalLM
-from kvflow.gpu_worker.models.llama import (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
+from kvflow.gpu_worker.models.llama import LlamaForCausalLM, MistralForCausalLM
 from kvflow.gpu_worker.models.llava import LlavaForConditionalGeneration
 from kvflow.gpu_worker.models.mixtral import MixtralForCausalLM
 from kvflow.gpu_worker.models.olmo2 import Olmo2ForCausalLM
 from kvflow.gpu_worker.models.phi3 import Phi3ForCausalLM
+from kvflow.gpu_worker.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from kvflow.gpu_worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from kvflow.gpu_worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from kvflow.gpu_worker.models.smollm3 import SmolLM3ForCausalLM
