@@ -44,7 +44,7 @@ from kvflow.gpu_worker.parallel_state import get_pp_group, get_tp_group
 
 __all__ = [  # DecoderSpec moved to spec.py; importers of it from here keep working
     "DecoderSpec", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP",
-    "LlamaModel", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "LlamaModel", "MistralForCausalLM",
     "StageMissing", "lm_head_cost",
 ]  # fmt: skip
 
