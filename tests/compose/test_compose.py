@@ -349,10 +349,11 @@ def grafana_queries() -> list[tuple[str, str]]:
 
 
 # Opt-in features' series exist once the feature is used (a guided request, a server
-# with --speculative-config or --kv-transfer-config); the default stack runs none. Their panels' queries are
+# with --speculative-config, --kv-transfer-config or --enable-lora); the default stack runs none. Their panels' queries are
 # still parsed and named by tests/unit/test_grafana_dashboard.py.
 OPT_IN_METRIC = re.compile(
-    r"kvflow:(grammar_|guided_requests|spec_decode_|kv_transfer_|kv_load_|num_requests_waiting_for_remote_kv)"
+    r"kvflow:(grammar_|guided_requests|spec_decode_|kv_transfer_|kv_load_|lora_|"
+    r"num_requests_waiting_for_remote_kv)"
 )
 
 
