@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from kvflow.proto.lora import LoRARequest
 from kvflow.proto.multimodal import ImageInput
+from kvflow.proto.step import NewRequestData
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -169,6 +170,22 @@ class Request:
         logger.error("request %s sampled token %d outside its grammar", self.request_id, token_id)
         self.status = RequestStatus.FINISHED_ERROR
         return False
+
+    def new_request_data(
+        self, block_ids: list[int], group_block_ids: list[list[int]]
+    ) -> NewRequestData:
+        """What the worker learns of this request when it (re)starts: its tokens (outputs
+        too, when resuming), its sampling, its adapter and its KV blocks per group."""
+        return NewRequestData(
+            req_id=self.request_id,
+            token_ids=list(self.all_token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            sampling_params=self.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=self.num_computed_tokens,
+            group_block_ids=group_block_ids,
+            lora_request=self.lora_request,
+        )
 
     def reset_for_recompute(self) -> None:
         """Back to waiting without KV: prompt and outputs are computed again (the

@@ -20,7 +20,6 @@ from kvflow.config import SchedulerConfig
 from kvflow.proto.engine import TokenDelta
 from kvflow.proto.step import (
     CachedRequestData,
-    NewRequestData,
     StepPlan,
     StepResult,
     TokenLogprobs,
@@ -276,7 +275,9 @@ class Scheduler:
                 continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            step.new_requests.append(self._new_request_data(request))
+            tables = self.kv_cache.get_block_ids(request.request_id)
+            groups = self.kv_cache.get_group_block_ids(request.request_id)
+            step.new_requests.append(request.new_request_data(tables, groups))
             step.add(request, num_new)
         self.prefill.on_admitted(admitted)
 
@@ -317,18 +318,6 @@ class Scheduler:
             for f in self.features:
                 f.on_allocated(request, num_local, external)
         return num_new, parked
-
-    def _new_request_data(self, request: Request) -> NewRequestData:
-        return NewRequestData(
-            req_id=request.request_id,
-            token_ids=list(request.all_token_ids),
-            num_prompt_tokens=request.num_prompt_tokens,
-            sampling_params=request.sampling_params,
-            block_ids=self.kv_cache.get_block_ids(request.request_id),
-            num_computed_tokens=request.num_computed_tokens,
-            group_block_ids=self.kv_cache.get_group_block_ids(request.request_id),
-            lora_request=request.lora_request,
-        )
 
     # ---- results -----------------------------------------------------------------
 
