@@ -84,6 +84,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def decoder(self) -> Any:
         return self.model.language_model
 
+    def kv_layer_windows(self) -> tuple[int, tuple[int | None, ...]]:
+        """The language model's (first layer, windows): the KV cache groups' plan."""
+        return self.decoder.start, self.spec.sliding_windows
+
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, 3, S, S] -> features [N, placeholders per image, text hidden]."""
         parts = self.model
