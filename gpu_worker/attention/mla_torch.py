@@ -78,7 +78,7 @@ def latent_attention(
     decode = plan.decode
     if decode is not None and slots is not None:
         query = absorb_query(q_nope[decode.rows], q_pe[decode.rows], kv_b)
-        context = slots.index_select(0, decode.slots).view(decode.num_decodes, -1, width)
+        context = slots.index_select(0, decode.slots(None)).view(decode.num_decodes, -1, width)
         mask = decode.mask(None, query.dtype)
         out[decode.rows] = attend_absorbed(query, context, mask, kv_b, nope, scale)
     for prefill in plan.prefills:
