@@ -15,13 +15,16 @@ from collections.abc import AsyncGenerator, Sequence
 from kvflow.errors import InvalidRequestError
 from kvflow.offline.engine import LLMEngine
 from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.lora import LoRARequest
 from kvflow.proto.multimodal import ImageInput
 from kvflow.sampling_params import SamplingParams, child_request_ids
 from kvflow.services.frontend.request_deadline import Deadline
 
 
 class OfflineEngineClient:
-    """`generate`, `health_problem` and `check_rank` as `EngineClient` has them."""
+    """The handlers' engine client (services/frontend/serving_engine.py), one engine."""
+
+    engine_count = 1
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -51,7 +54,9 @@ class OfflineEngineClient:
         arrival_time: float | None = None,
         data_parallel_rank: int | None = None,
         deadline: Deadline | None = None,
-        images: Sequence[ImageInput] = (),
+        *,
+        images: list[ImageInput] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as the steps make them; ends when every one finished."""
         if images:  # the offline engine takes PIL images (LLM.generate), not wire inputs
@@ -63,8 +68,9 @@ class OfflineEngineClient:
             self._queues[child_id] = queue
         try:
             self.engine.add_request(
-                request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
-            )
+                request_id, prompt_token_ids, params, priority=priority,
+                cache_salt=cache_salt, lora_request=lora_request,
+            )  # fmt: skip
             while unfinished:
                 delta = await queue.get()
                 if delta.finish_reason is not None:

@@ -24,7 +24,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from tqdm import tqdm
@@ -34,6 +34,7 @@ from kvflow.cli.args import add_engine_args, engine_options
 if TYPE_CHECKING:
     from starlette.responses import Response
 
+    from kvflow.cli.batch_engine import OfflineEngineClient
     from kvflow.services.frontend.serving_common import ServingContext
 
 
@@ -136,8 +137,7 @@ async def _run_lines(llm: Any, lines: list[bytes]) -> list[bytes]:
     return [task.result() for task in tasks]
 
 
-def _serving_context(engine: Any, client: Any) -> ServingContext:
-    from kvflow.services.frontend.engine_client import EngineClient
+def _serving_context(engine: Any, client: OfflineEngineClient) -> ServingContext:
     from kvflow.services.frontend.kv_params import KVParamsGate
     from kvflow.services.frontend.metrics import FrontendMetrics
     from kvflow.services.frontend.serving_common import ServingContext
@@ -147,8 +147,6 @@ def _serving_context(engine: Any, client: Any) -> ServingContext:
     metrics = FrontendMetrics(config.served_model_name, config.max_model_len)
     # No proxy signs for an offline batch: a line's remote kv_transfer_params are refused.
     kv_params = KVParamsGate(None, metrics.count_kv_params_rejected)
-    # The handlers use only generate/health_problem/check_rank of the client.
-    client = cast(EngineClient, client)
     return ServingContext(config, client, engine.tokenizer, metrics, kv_params)
 
 

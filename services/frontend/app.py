@@ -111,7 +111,7 @@ def build_app(
             await engine_client.close()
 
     app = Starlette(
-        routes=_routes(ctx, web_ui),
+        routes=_routes(ctx, engine_client, web_ui),
         middleware=[Middleware(HttpMetricsMiddleware, metrics=metrics)],
         exception_handlers={HTTPException: _http_exception},
         lifespan=lifespan,
@@ -131,8 +131,9 @@ async def _publish(shared: SharedProcessMetrics) -> None:
 class _Endpoints:
     """The route handlers; each gets the request and returns a response or raises."""
 
-    def __init__(self, ctx: ServingContext) -> None:
+    def __init__(self, ctx: ServingContext, engine_client: EngineClient) -> None:
         self.ctx = ctx
+        self.engine_client = engine_client
         self.limit = ctx.config.max_body_bytes
         self.openapi = msgspec.json.encode(openapi_document())
         self.responses = ResponsesAPI(ctx)
@@ -166,9 +167,9 @@ class _Endpoints:
         return unload_lora_adapter(self.ctx.lora, await read_body(request, self.limit))
 
     async def health(self, request: Request) -> Response:
-        problem = self.ctx.engine.health_problem()
-        if problem is None and self.ctx.engine.is_degraded:
-            return degraded_health(self.ctx.engine.engine_problems())
+        problem = self.engine_client.health_problem()
+        if problem is None and self.engine_client.is_degraded:
+            return degraded_health(self.engine_client.engine_problems())
         if problem is None:
             return Response(status_code=HTTPStatus.OK)
         raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, problem, error_type="service_unavailable")
@@ -183,8 +184,8 @@ class _Endpoints:
         return Response(self.openapi, media_type="application/json")
 
 
-def _routes(ctx: ServingContext, web_ui: WebUI) -> list[Route]:
-    e = _Endpoints(ctx)
+def _routes(ctx: ServingContext, engine_client: EngineClient, web_ui: WebUI) -> list[Route]:
+    e = _Endpoints(ctx, engine_client)
     table: list[tuple[str, str, Endpoint]] = [
         ("POST", "/v1/completions", e.completions),
         ("POST", "/v1/chat/completions", e.chat),

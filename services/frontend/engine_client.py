@@ -162,6 +162,10 @@ class EngineClient(EngineHealth, InFlightRequests):
         """`listener` sees every SchedulerStats message once, in arrival order."""
         self._listeners.append(listener)
 
+    @property
+    def engine_count(self) -> int:
+        return len(self.engines)
+
     def add_route_listener(self, listener: RouteListener) -> None:
         """`listener` sees every routing decision (engine label, decision)."""
         self._route_listeners.append(listener)

@@ -41,7 +41,6 @@ from kvflow.sampling_params import (
     with_bad_words_token_ids,
 )
 from kvflow.services.frontend.config import FrontendConfig
-from kvflow.services.frontend.engine_client import EngineClient
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST
 from kvflow.services.frontend.in_flight import sample_index
 from kvflow.services.frontend.kv_params import KVParamsGate
@@ -49,6 +48,7 @@ from kvflow.services.frontend.lora_registry import LoRARegistry
 from kvflow.services.frontend.metrics import FrontendMetrics
 from kvflow.services.frontend.request_deadline import Deadline, RequestDeadlines
 from kvflow.services.frontend.responses import UsageInfo
+from kvflow.services.frontend.serving_engine import ServingEngine
 from kvflow.services.frontend.sse import SSEResponse, unless_disconnected, until_disconnect
 from kvflow.services.frontend.stream_merge import merge_streams
 from kvflow.token_strings import convert_ids_to_token_strings
@@ -86,7 +86,7 @@ class PreparedPrompt:
 @dataclass
 class ServingContext:
     config: FrontendConfig
-    engine: EngineClient
+    engine: ServingEngine
     tokenizer: Any
     metrics: FrontendMetrics
     kv_params: KVParamsGate  # only the proxy's kv_transfer_params pass
@@ -121,7 +121,7 @@ class ServingContext:
                 "waits as one request, so this request could never be admitted",
                 param="n",
             )
-        engines = 1 if data_parallel_rank is not None else len(self.engine.engines)
+        engines = 1 if data_parallel_rank is not None else self.engine.engine_count
         if num_prompts * n > limit * engines:
             raise InvalidRequestError(
                 f"{num_prompts} prompts x n={n} samples exceed the server's max waiting "
