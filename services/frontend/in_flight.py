@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import msgspec
@@ -61,7 +62,7 @@ class SentRequest:
         )
 
 
-class InFlightRequests:
+class InFlightRequests(ABC):
     """The requests in flight over `engines`; EngineClient sends and routes them."""
 
     engines: list[EngineLink]
@@ -69,11 +70,12 @@ class InFlightRequests:
     _owners: dict[str, int]  # child id -> the engine that holds it
     _sent: dict[str, SentRequest]  # child id -> what re-routing it would resend
 
+    @abstractmethod
     def _route(
         self, token_ids: list[int], cache_salt: str | None, rank: int | None,
         lora: LoRARequest | None = None,
     ) -> int:  # fmt: skip
-        raise NotImplementedError
+        """The engine a (re)sent request goes to; the router's choice."""
 
     def engine_label(self, delta: RequestOutputDelta) -> str | None:
         """The `engine` metrics label of the engine that sent `delta`; None with one
