@@ -6,8 +6,8 @@
 //
 // Grouped (SGMV): the rows are sorted by slot (a counting sort, O(T), in the call: the
 // row -> slot map is the only per-step input, so a recorded decode graph replays it)
-// and cut into blocks of up to TILE rows of one slot. A block's shrink is a register
-// tile of TILE rows x TILE rows of A over K; its expand loads each row of B (stored
+// and cut into blocks of up to BLOCK rows of one slot. A block's shrink is register
+// tiles of TILE rows x TILE rows of A over K; its expand loads each row of B (stored
 // transposed, [R, N], contiguous over the outputs) once for all the block's rows, and
 // rounds each output once. Blocks of one slot are neighbours, and threads (torch's
 // OpenMP pool) take contiguous runs of blocks, so a slot's A and B are read from
@@ -39,7 +39,8 @@ using namespace kvflow_cpu;
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 constexpr int64_t LANES = 16;
-constexpr int TILE = 4;
+constexpr int TILE = 4;   // register tile of the shrink: 4 rows x 4 rows of A
+constexpr int BLOCK = 8;  // rows per block: each row of B is loaded once for 8 rows
 
 inline f32x16 load16(const float* p) {
     f32x16 v;
@@ -122,10 +123,10 @@ struct Shape {
     int64_t T, K, N, S, R, x_stride, y_stride;
 };
 
-// shrunk[m][j] = x[m] . A[j] for the block's rows, j < S*R.
+// shrunk[m][j] = x[m] . A[j] for up to TILE of the block's rows, j < S*R.
 template <typename T>
 void shrink(const T* const* x, int rows, const T* a, const Shape& s, float (*shrunk)[TILE],
-            std::vector<float>& out) {
+            float* out) {
     const int64_t SR = s.S * s.R;
     for (int64_t j = 0; j < SR; j += TILE) {
         const int cols = static_cast<int>(std::min<int64_t>(TILE, SR - j));
@@ -177,7 +178,7 @@ struct Block {
     int64_t slot, first, rows;  // sorted[first : first + rows], all of slot `slot`
 };
 
-// The adapted rows sorted by slot (stable), cut into blocks of up to TILE rows.
+// The adapted rows sorted by slot (stable), cut into blocks of up to BLOCK rows.
 std::vector<Block> blocks(const int32_t* row_slots, int64_t T, std::vector<int64_t>& sorted) {
     int64_t slots = 0;
     for (int64_t t = 0; t < T; ++t) slots = std::max<int64_t>(slots, row_slots[t] + 1);
@@ -191,8 +192,8 @@ std::vector<Block> blocks(const int32_t* row_slots, int64_t T, std::vector<int64
         if (row_slots[t] >= 0) sorted[next[row_slots[t]]++] = t;
     std::vector<Block> out;
     for (int64_t l = 0; l < slots; ++l)
-        for (int64_t r = start[l]; r < start[l + 1]; r += TILE)
-            out.push_back({l, r, std::min<int64_t>(TILE, start[l + 1] - r)});
+        for (int64_t r = start[l]; r < start[l + 1]; r += BLOCK)
+            out.push_back({l, r, std::min<int64_t>(BLOCK, start[l + 1] - r)});
     return out;
 }
 
@@ -205,22 +206,28 @@ int lora_add(const T* x, const T* a, const T* b, T* y, const int32_t* row_slots,
     const int64_t count = static_cast<int64_t>(work.size());
 #pragma omp parallel if (count > 1)
     {
-        std::vector<float> shrunk(TILE * SR);
+        std::vector<float> shrunk(BLOCK * SR);
         float scratch[TILE][TILE];
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < count; ++w) {
             const Block& block = work[w];
             const int rows = static_cast<int>(block.rows);
-            const T* xr[TILE];
-            T* yr[TILE];
-            for (int m = 0; m < TILE; ++m) {
+            const T* xr[BLOCK];
+            T* yr[BLOCK];
+            for (int m = 0; m < BLOCK; ++m) {
                 const int64_t t = sorted[block.first + std::min(m, rows - 1)];
                 xr[m] = x + t * s.x_stride;
                 yr[m] = y + t * s.y_stride;
             }
-            shrink(xr, rows, a + block.slot * SR * s.K, s, scratch, shrunk);
+            const T* as = a + block.slot * SR * s.K;
+            for (int m = 0; m < rows; m += TILE)  // the second pass finds A in cache
+                shrink(xr + m, std::min(TILE, rows - m), as, s, scratch, shrunk.data() + m * SR);
             const T* bs = b + block.slot * s.R * s.N;
             switch (rows) {
+                case 8: expand<T, 8>(yr, shrunk.data(), bs, offsets, s); break;
+                case 7: expand<T, 7>(yr, shrunk.data(), bs, offsets, s); break;
+                case 6: expand<T, 6>(yr, shrunk.data(), bs, offsets, s); break;
+                case 5: expand<T, 5>(yr, shrunk.data(), bs, offsets, s); break;
                 case 4: expand<T, 4>(yr, shrunk.data(), bs, offsets, s); break;
                 case 3: expand<T, 3>(yr, shrunk.data(), bs, offsets, s); break;
                 case 2: expand<T, 2>(yr, shrunk.data(), bs, offsets, s); break;

@@ -17,9 +17,9 @@ CASES = [  # (rows' slots, K, slice sizes, rank)
     ([0, -1, 1, 0, 2, -1, 1], 40, [24, 8, 8], 8),  # q|k|v, unsorted rows, base rows
     ([1, 1, 1, 1], 19, [13], 4),  # one adapter, consecutive rows (a view), odd sizes
     ([-1, -1], 16, [16, 16], 2),  # the base alone: nothing changes
-    # Blocks of 4 rows and a tail of one slot; K past two bf16 pairs-of-32 passes, a
-    # 16-wide pass and a scalar tail; S*R = 6, not a multiple of the 4-row shrink tile.
-    ([0, 1, 0, 1, 0, 1, 0, 1, 0, -1, 0, 2], 83, [20, 37], 3),
+    # Slot 0: a block of 8 rows (two 4-row shrink tiles) and one of 2; K past two bf16
+    # passes of 32, a 16-wide pass and a scalar tail; S*R = 6, not a multiple of 4.
+    ([0, 1, 0, 1, 0, 1, 0, 1, 0, -1, 0, 2, 0, 0, 0, 0], 83, [20, 37], 3),
 ]
 
 
