@@ -146,7 +146,7 @@ VLLM_KV_CACHE_DTYPES = {"int8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": 
 def vllm_job(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
     """What vLLM's run needs of kvflow's: the same model, dtype, prompts and limits, and
     an 8-bit KV cache where kvflow's is one (vLLM has fp8 formats, no int8: fp8_e4m3
-    stands in for int8, the same bytes per element)."""
+    stands in for int8, the same bytes per element), and `--load-format dummy` passed on."""
     config = llm.engine.config
     return {
         "model": str(llm.engine.model_dir),
@@ -157,6 +157,7 @@ def vllm_job(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, A
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "seed": config.model.seed,
+        "load_format": config.model.load_format,  # dummy: random weights on both sides
     }
 
 

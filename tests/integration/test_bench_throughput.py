@@ -111,6 +111,7 @@ def test_throughput_compared_with_vllm_in_its_own_environment(
     assert asked["env"] == "cpu"
     assert asked["kwargs"]["model"] == str(tiny_model_dir)
     assert asked["kwargs"]["kv_cache_dtype"] == "fp8_e4m3"  # vLLM's 8-bit cache for int8
+    assert asked["kwargs"]["load_format"] == "auto"  # kvflow's; "dummy" is passed on too
     assert (
         asked["kwargs"]["max_num_seqs"] == 4 and asked["kwargs"]["enable_prefix_caching"] is False
     )
