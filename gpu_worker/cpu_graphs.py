@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from kvflow.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata, replaced_metadata
 from kvflow.gpu_worker.graph_inputs import StaticDecodeInputs
 from kvflow.gpu_worker.op_tape import DataDependentOp, OpTape
+from kvflow.kernels.cpu.native_calls import NotReplayable
 from kvflow.kernels.cpu.paged_decode import check_lengths
 
 logger = logging.getLogger(__name__)
@@ -80,8 +82,12 @@ class CpuDecodeGraphs:
         self.static = StaticDecodeInputs.allocate(
             max_num_seqs, math.ceil(max_model_len / block_size), kv_cache.device, num_groups
         )
-        self.tapes: OrderedDict[int, OpTape] = OrderedDict()  # size -> tape, LRU first
-        self.refused: set[int] = set()  # sizes whose forward cannot be replayed
+        # (size, variant) -> tape, LRU first. The variant tells apart forwards of one
+        # size that run different ops: with LoRA, whether the step has adapted rows
+        # (the runner sets `variant` to the LoRA batch's; lora/batch.py).
+        self.tapes: OrderedDict[tuple[int, Hashable], OpTape] = OrderedDict()
+        self.refused: set[tuple[int, Hashable]] = set()  # keys that cannot be replayed
+        self.variant: Callable[[], Hashable] = lambda: None
         self.num_replays = 0
         self.num_recordings = 0
 
@@ -89,7 +95,7 @@ class CpuDecodeGraphs:
         return (
             md.is_decode_only
             and 0 < md.num_reqs <= self.static.input_ids.shape[0]
-            and md.num_reqs not in self.refused
+            and (md.num_reqs, self.variant()) not in self.refused
             and all(
                 group.block_tables.shape[1] <= self.static.block_tables.shape[1]
                 for group in (md, *md.group_metadata)
@@ -109,15 +115,17 @@ class CpuDecodeGraphs:
         for group in (md, *md.group_metadata):
             check_lengths(min(lens), max(lens), group.block_tables.shape[1], self.block_size)
         self.static.load(input_ids, positions, md, n)
-        tape = self.tapes.get(n)
+        key = (n, self.variant())
+        tape = self.tapes.get(key)
         if tape is None:
-            return self._record(n)
-        self.tapes.move_to_end(n)
+            return self._record(key)
+        self.tapes.move_to_end(key)
         tape.replay()
         self.num_replays += 1
         return tape.output  # type: ignore[no-any-return]  # the recorded forward's hidden
 
-    def _record(self, n: int) -> torch.Tensor:
+    def _record(self, key: tuple[int, Hashable]) -> torch.Tensor:
+        n = key[0]
         metadata = self.static.metadata(n, self.max_model_len)
         # Before recording: planning reads data. One plan per KV cache group.
         groups = (metadata, *metadata.group_metadata)
@@ -127,8 +135,8 @@ class CpuDecodeGraphs:
         try:
             with replaced_metadata(metadata):
                 hidden = tape.record(lambda: self.model(ids, positions))
-        except DataDependentOp as error:
-            self.refused.add(n)
+        except (DataDependentOp, NotReplayable) as error:
+            self.refused.add(key)
             logger.warning("decode batches of %d run eagerly: %s", n, error)
             with replaced_metadata(metadata):
                 return self.model(ids, positions)  # type: ignore[no-any-return]
@@ -136,10 +144,10 @@ class CpuDecodeGraphs:
         for plan, slots in zip(plans, static):
             if not (plan.kernel_takes_query and plan.all_slots.data_ptr() == slots.data_ptr()):
                 # the torch decode path plans from host lists; a slot copy would be stale
-                self.refused.add(n)
+                self.refused.add(key)
                 return hidden  # type: ignore[no-any-return]  # computed eagerly all the same
         tape.keep.extend(plans)  # the kernels read their index tensors
-        self.tapes[n] = tape
+        self.tapes[key] = tape
         self.num_recordings += 1
         self._evict()
         return hidden  # type: ignore[no-any-return]

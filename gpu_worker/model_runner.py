@@ -255,9 +255,21 @@ class ModelRunner:
             took = self._capture_cuda_graphs(max_num_seqs, max_model_len, num_groups)
         if self.decode_graphs is not None and self.stage is None:  # a stage runs its own
             self.forward_path = GraphForward(self.decode_graphs)
-            if self.lora is not None:  # steps with adapters run eagerly
-                self.forward_path = self.lora.forward_path(self.forward_path)
+            if self.lora is not None:
+                self.forward_path = self._lora_graphs(self.lora, self.decode_graphs, max_num_seqs)
         return took
+
+    def _lora_graphs(
+        self, lora: LoraFeature, graphs: CpuDecodeGraphs | DecodeGraphs, max_num_seqs: int
+    ) -> ForwardPath:
+        """CPU graphs record adapted decode forwards too (a tape per size and variant;
+        the native LoRA kernel reads the step's slots from a fixed buffer); CUDA graphs
+        hold the base model's forward only, so steps with adapters run eagerly there."""
+        if not isinstance(graphs, CpuDecodeGraphs):
+            return lora.forward_path(self.forward_path)
+        lora.batch.reserve(max_num_seqs)
+        graphs.variant = lora.batch.graph_variant
+        return lora.forward_path(self.forward_path, replay_lora=True)
 
     def _capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, num_groups: int) -> float:
         # Imported here: CPU images ship without Triton.

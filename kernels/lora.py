@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvflow.kernels.cpu import lora as lora_native
+from kvflow.kernels.cpu import native_calls
 
 Slices = Sequence[tuple[int, int]]  # (offset, size) of each packed slice in y
 
@@ -52,8 +53,11 @@ class LoraGroups:
         return len(self.slots)
 
 
-def group_rows(row_slots: np.ndarray, device: torch.device) -> LoraGroups:
-    """Group rows by slot (-1: the base model, no LoRA term)."""
+def group_rows(
+    row_slots: np.ndarray, device: torch.device, out: torch.Tensor | None = None
+) -> LoraGroups:
+    """Group rows by slot (-1: the base model, no LoRA term). `out`: an int32 buffer of
+    at least T rows to hold `row_slots` (the kernels' input), at a fixed address."""
     order = np.argsort(row_slots, kind="stable")
     order = order[row_slots[order] >= 0]
     sorted_slots = row_slots[order]
@@ -64,11 +68,14 @@ def group_rows(row_slots: np.ndarray, device: torch.device) -> LoraGroups:
     for start, end in itertools.pairwise(starts):
         first, last = int(order[start]), int(order[end - 1])
         spans.append((first, last + 1) if last - first == end - start - 1 else None)
+    slots_now = torch.from_numpy(row_slots.astype(np.int32))
+    if out is not None:
+        out[: len(row_slots)].copy_(slots_now)
     return LoraGroups(
         rows=torch.from_numpy(order.astype(np.int64)).to(device),
         starts=starts,
         slots=slots,
-        row_slots=torch.from_numpy(row_slots.astype(np.int32)).to(device),
+        row_slots=slots_now.to(device) if out is None else out[: len(row_slots)],
         spans=spans,
     )
 
@@ -107,4 +114,6 @@ def lora_add(
     elif lora_native.native_applies(x, y, a, b):
         lora_native.lora_add_native(x, y, a, b, slices, groups.row_slots)
     else:
+        if native_calls.is_recording():  # the groups' host lists would be frozen in
+            raise native_calls.NotReplayable("the LoRA torch route reads host lists")
         lora_add_reference(x, y, a, b, slices, groups)

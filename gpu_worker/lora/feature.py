@@ -4,8 +4,10 @@ that applies it.
     on_plan         remember each new request's adapter, forget the finished ones
     before_forward  the step's distinct adapters into slots (manager.py); one slot per
                     scheduled token (-1: the base) into the shared LoraBatch
-    forward         a step with adapters runs eagerly with the mapping (a recorded decode
-                    graph holds the base model's forward only); a step without, as before
+    forward         a step without adapters, as before; a decode step with adapters
+                    replays (or records) a CPU decode graph of the adapted forward
+                    when the graphs take LoRA (`replay_lora`); any other step with
+                    adapters runs eagerly with the mapping
 
 Speculative decoding's verification rows are tokens like any other; a draft model
 (its own forward, outside this path) runs without the adapter.
@@ -57,13 +59,17 @@ class LoraFeature(StepFeature):
         self._adapter_of.clear()
         self.batch.clear()
 
-    def forward_path(self, inner: ForwardPath) -> ForwardPath:
-        """`inner` for steps without adapters; the LoRA eager forward for the others."""
+    def forward_path(self, inner: ForwardPath, replay_lora: bool = False) -> ForwardPath:
+        """`inner` for steps without adapters, and for decode steps with adapters where
+        `replay_lora` (inner replays CPU decode graphs keyed by the batch's variant);
+        the LoRA eager forward for the others."""
 
         def forward(
             model: nn.Module, inputs: ModelInputs, after_layer: AfterLayer | None
         ) -> torch.Tensor | None:
-            if not self.batch.active:
+            if not self.batch.active or (
+                replay_lora and inputs.metadata.is_decode_only and self.batch.replayable
+            ):
                 return inner(model, inputs, after_layer)
             rows = inputs.metadata.logits_indices
             if len(rows) == self.batch.num_tokens:  # every row: one mapping serves all

@@ -21,6 +21,13 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
     return load_bound("lora", {"kvflow_lora_add": args}, march)
 
 
+@functools.cache
+def _offsets(offsets: tuple[int, ...]) -> torch.Tensor:
+    """The slices' offsets as the kernel reads them: made once per layout and kept (a
+    recorded decode graph replays the call with this address; no per-call tensor)."""
+    return torch.tensor(offsets, dtype=torch.int64)
+
+
 def native_applies(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         x.device.type == "cpu"
@@ -50,7 +57,7 @@ def lora_add_native(
         raise ValueError(f"x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} do not match")
     if row_slots.dtype != torch.int32 or row_slots.shape != (rows,):
         raise ValueError("row_slots must be int32 [T]")
-    offsets = torch.tensor([off for off, _ in slices], dtype=torch.int64)
+    offsets = _offsets(tuple(off for off, _ in slices))
     library = _library(march)
     assert library is not None  # native_applies checked it
     status = native_calls.run(

@@ -21,6 +21,15 @@ Recorder = Callable[[NativeFunction, tuple[Any, ...]], None]
 _recorder: Recorder | None = None
 
 
+class NotReplayable(RuntimeError):
+    """A forward being recorded took a route whose replay would be wrong (host data
+    decides its work): the recorder runs that step eagerly instead."""
+
+
+def is_recording() -> bool:
+    return _recorder is not None
+
+
 def run(function: NativeFunction, *args: Any) -> int:
     """`function(*args)`, recorded first when a recorder is installed."""
     if _recorder is not None:

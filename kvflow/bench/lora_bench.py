@@ -5,6 +5,10 @@ adapter and the memory of one slot.
 The adapters are synthetic PEFT directories (random A and B of `--lora-adapter-rank`
 on all seven targets; the attention's four on a mixture-of-experts base), written to a
 temporary directory, so the benchmark needs nothing but the base model.
+
+With `--compare vllm` vLLM's peer (vllm_peer.py) runs the same prompts over the same
+adapter directories, then on its base alone, in one engine: four results, and the
+adapted / base ratio of each server.
 """
 
 from __future__ import annotations
@@ -85,3 +89,23 @@ def temporary_adapters(
 ) -> tuple[tempfile.TemporaryDirectory[str], list[Path]]:
     folder = tempfile.TemporaryDirectory(prefix="kvflow-lora-bench-")
     return folder, make_adapters(model_dir, Path(folder.name), count, rank)
+
+
+def vllm_lora_job(
+    job: dict[str, Any], paths: list[Path], rank: int, max_loras: int
+) -> dict[str, Any]:
+    """kvflow's vLLM job (throughput.vllm_job) with the same adapters and slots."""
+    lora = {"paths": [str(p) for p in paths], "max_lora_rank": rank, "max_loras": max_loras}
+    return {**job, "lora": lora}
+
+
+def ratios(results: list[Any]) -> dict[str, float]:
+    """Adapted / base output tok/s of each server, and kvflow / vLLM with adapters
+    (results: kvflow adapted, kvflow base[, vLLM adapted, vLLM base])."""
+    rate = [r.output_tokens_per_s for r in results]
+    out = {"kvflow_lora_over_base": round(rate[0] / rate[1], 3)}
+    if len(rate) == 4:
+        out["vllm_lora_over_base"] = round(rate[2] / rate[3], 3)
+        out["kvflow_over_vllm_lora"] = round(rate[0] / rate[2], 3)
+        out["kvflow_over_vllm_base"] = round(rate[1] / rate[3], 3)
+    return out

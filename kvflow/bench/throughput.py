@@ -146,7 +146,7 @@ VLLM_KV_CACHE_DTYPES = {"int8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": 
 def vllm_job(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
     """What vLLM's run needs of kvflow's: the same model, dtype, prompts and limits, and
     an 8-bit KV cache where kvflow's is one (vLLM has fp8 formats, no int8: fp8_e4m3
-    stands in for int8, the same bytes per element)."""
+    stands in for int8, the same bytes per element), and `--load-format dummy` passed on."""
     config = llm.engine.config
     return {
         "model": str(llm.engine.model_dir),
@@ -157,21 +157,25 @@ def vllm_job(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, A
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "seed": config.model.seed,
+        "load_format": config.model.load_format,  # dummy: random weights on both sides
     }
 
 
-def run_vllm_peer(python: Any, job: dict[str, Any], env: dict[str, str]) -> ThroughputResult:
+def run_vllm_peer(python: Any, job: dict[str, Any], env: dict[str, str]) -> list[ThroughputResult]:
+    """vLLM's run; with a LoRA job, its adapted run and then its base alone."""
     from kvflow.bench.vllm_compare import run_vllm
 
     result = run_vllm(python, job, env)
-    prompts = job["prompts"]
-    return ThroughputResult(
-        name=f"vllm {result['version']}",
-        num_requests=len(prompts),
-        elapsed_s=result["elapsed_s"],
-        prompt_tokens=result["prompt_tokens"],
-        output_tokens=result["output_tokens"],
+    name, count, prompt_tokens = (
+        f"vllm {result['version']}",
+        len(job["prompts"]),
+        result["prompt_tokens"],
     )
+    runs = [(name, result["elapsed_s"], result["output_tokens"])]
+    if "base_elapsed_s" in result:
+        runs = [(f"{name} LoRA", *runs[0][1:]),
+                (f"{name} base", result["base_elapsed_s"], result["base_output_tokens"])]  # fmt: skip
+    return [ThroughputResult(n, count, s, prompt_tokens, tokens) for n, s, tokens in runs]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
 
     python = peer_python(args.peer_python) if args.compare == "vllm" else None
     if args.lora_adapters:
-        return _run_lora(args)
+        return _run_lora(args, python)
     llm = LLM(**engine_options(args))
     tokenizer = llm.tokenizer
     prompts = random_token_prompts(
@@ -209,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         device = llm.engine.config.device
         env = peer_env(device.device, device.num_threads)
         llm.close()  # the peer gets the cores (and on CUDA the memory) to itself
-        results.append(run_vllm_peer(python, job, env))
+        results.extend(run_vllm_peer(python, job, env))
     _report(results, roofline, args.json, bubble)
     return 0
 
@@ -251,10 +255,12 @@ def _report(
         print(f"pipeline stage {stage}: {100 * share:.1f}% idle")
 
 
-def _run_lora(args: argparse.Namespace) -> int:
-    """The prompts over `--lora-adapters` adapters, then on the base alone (one engine)."""
+def _run_lora(args: argparse.Namespace, python: Any) -> int:
+    """The prompts over `--lora-adapters` adapters, then on the base alone (one engine);
+    with `--compare vllm` (`python`: its interpreter) vLLM does the same after."""
     from kvflow.bench import lora_bench
     from kvflow.bench.roofline import roofline_section
+    from kvflow.bench.vllm_compare import peer_env
     from kvflow.cli.args import engine_options
     from kvflow.gpu_worker.model_files import resolve_model_dir
     from kvflow.offline.llm import LLM
@@ -277,6 +283,16 @@ def _run_lora(args: argparse.Namespace) -> int:
         adapted = run_kvflow(llm, prompts, args.output_len, None, loras, name)
         base = run_kvflow(llm, prompts, args.output_len, None, None, "kvflow base")
         roofline = roofline_section(llm.engine)
-        lora = lora_bench.load_stats(llm, paths[0])
-    _report([adapted, base], roofline, args.json, extra={"lora": lora})
+        lora: dict[str, float] = lora_bench.load_stats(llm, paths[0])
+        results = [adapted, base]
+        if python is not None:
+            rank, max_loras = args.lora_adapter_rank, llm.engine.config.lora.max_loras
+            job = lora_bench.vllm_lora_job(
+                vllm_job(llm, prompts, args.output_len), paths, rank, max_loras
+            )
+            device = llm.engine.config.device
+            llm.close()  # the peer gets the cores to itself
+            results.extend(run_vllm_peer(python, job, peer_env(device.device, device.num_threads)))
+        lora.update(lora_bench.ratios(results))
+    _report(results, roofline, args.json, extra={"lora": lora})
     return 0

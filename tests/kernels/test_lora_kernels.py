@@ -17,6 +17,9 @@ CASES = [  # (rows' slots, K, slice sizes, rank)
     ([0, -1, 1, 0, 2, -1, 1], 40, [24, 8, 8], 8),  # q|k|v, unsorted rows, base rows
     ([1, 1, 1, 1], 19, [13], 4),  # one adapter, consecutive rows (a view), odd sizes
     ([-1, -1], 16, [16, 16], 2),  # the base alone: nothing changes
+    # Slot 0: a block of 8 rows (two 4-row shrink tiles) and one of 2; K past two bf16
+    # passes of 32, a 16-wide pass and a scalar tail; S*R = 6, not a multiple of 4.
+    ([0, 1, 0, 1, 0, 1, 0, 1, 0, -1, 0, 2, 0, 0, 0, 0], 83, [20, 37], 3),
 ]
 
 

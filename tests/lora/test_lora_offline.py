@@ -63,6 +63,11 @@ def test_mixed_batch_equals_peft(
 ) -> None:  # fmt: skip
     llm = LLM(str(lora_base), **ENGINE, num_blocks=64, max_lora_rank=8, **options)
     _interleaved(llm, lora_adapters, peft_reference)
+    graphs = llm.engine.runner.decode_graphs
+    if graphs is not None and "speculative_config" not in options:
+        # Decode steps with adapters were recorded (and replayed) as CPU graphs of their
+        # own: a tape per (size, adapted), the same tokens as PEFT's.
+        assert any(adapted for _, adapted in graphs.tapes)  # type: ignore[union-attr]
     # A decode step of the base alone afterwards still runs the base (slots are kept).
     assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)] == peft_reference[
         None
