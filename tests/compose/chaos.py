@@ -13,9 +13,11 @@ Killing means SIGKILL of the container's PID 1 (tini) from the host: a crash, wh
 
 Outcomes: exact (the reference text), complete (full length, well formed, other text:
 a bfloat16 near-tie flipped by a different batch or a recompute), rejected (503 or
-connection refused before admission: the service said "not now"), error (admitted, then
-an error status or a dropped connection), lost (no answer within the client timeout).
-Each error is charged to the role killed last before it ended.
+connection refused: the service said "not now" before admitting it), error (an error
+status other than 503, or a malformed or short reply), dropped (the connection closed
+without a reply: the HTTP process died with it, or Docker's port proxy had no container
+to forward to), lost (no answer within the client timeout). Each error, drop and loss is
+charged to the role killed last before it ended.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -40,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_compose import COMPOSE_FILE, compose_command, free_port, print_logs, run
 
+OUTCOMES = ("exact", "complete", "rejected", "error", "dropped", "lost")
 PROMPTS = (
     "The capital of France is",
     "Once upon a time, in a small village,",
@@ -110,7 +114,7 @@ class Tally:
         with self.lock:
             self.outcomes[outcome] += 1
             self.samples.setdefault(outcome, detail[:300])
-            if outcome in ("error", "lost"):
+            if outcome in ("error", "dropped", "lost"):
                 before = [role for t, role in self.kills if t <= at]
                 self.errors_by_role[f"{outcome}:{before[-1] if before else 'none'}"] += 1
 
@@ -119,7 +123,7 @@ class Tally:
         kills = Counter(role for _, role in self.kills)
         return {
             "sent": sent,
-            **{k: self.outcomes[k] for k in ("exact", "complete", "rejected", "error", "lost")},
+            **{k: self.outcomes[k] for k in OUTCOMES},
             "kills": dict(kills),
             "errors_by_last_kill": dict(self.errors_by_role),
             "samples": self.samples,
@@ -158,7 +162,10 @@ def one_request(api: str, prompt: str, reference: str, config: ChaosConfig) -> t
     try:
         reply = post(api, request_body(prompt, config.max_tokens), config.client_timeout_s)
     except urllib.error.HTTPError as e:
-        body = e.read().decode(errors="replace")
+        try:
+            body = e.read().decode(errors="replace")
+        except (ConnectionError, http.client.HTTPException) as read_error:
+            body = f"(body lost: {read_error!r})"
         return ("rejected" if e.code == 503 else "error"), f"{e.code} {body}"
     except TimeoutError as e:
         return "lost", repr(e)
@@ -167,8 +174,10 @@ def one_request(api: str, prompt: str, reference: str, config: ChaosConfig) -> t
             return "lost", repr(e)
         if isinstance(e.reason, ConnectionRefusedError):
             return "rejected", repr(e)
-        return "error", repr(e)
-    except (ConnectionError, http.client.HTTPException, json.JSONDecodeError) as e:
+        return "dropped", repr(e)
+    except (ConnectionError, http.client.HTTPException) as e:
+        return "dropped", repr(e)
+    except json.JSONDecodeError as e:
         return "error", repr(e)
     return classify(reply, reference, config.max_tokens)
 
@@ -186,8 +195,8 @@ def load_loop(
         prompt = rng.choice(PROMPTS)
         outcome, detail = one_request(api, prompt, references[prompt], config)
         tally.record(outcome, detail, time.monotonic())
-        if outcome == "rejected":
-            time.sleep(1.0)  # as a client backing off a 503; not a tight loop of refusals
+        if outcome not in ("exact", "complete"):
+            time.sleep(1.0)  # as a client backs off; not a tight loop of refusals
 
 
 def container_pid(compose: list[str], env: dict[str, str], role: str) -> int:
@@ -254,16 +263,30 @@ def run_chaos(api: str, compose: list[str], env: dict[str, str], config: ChaosCo
     tally = Tally()
     deadline = time.monotonic() + config.duration_s
     threads = [
-        threading.Thread(target=load_loop, args=(api, references, config, tally, deadline, i))
+        threading.Thread(
+            target=load_loop, args=(api, references, config, tally, deadline, i), daemon=True
+        )
         for i in range(config.concurrency)
     ]
-    killer = threading.Thread(target=kill_loop, args=(compose, env, config, tally, deadline))
+    killer = threading.Thread(
+        target=kill_loop, args=(compose, env, config, tally, deadline), daemon=True
+    )
     for thread in [*threads, killer]:
         thread.start()
     for thread in [*threads, killer]:  # a load thread ends within one client timeout
         thread.join()
     tally.recovered_s = wait_healthy(api, config, 300.0)
     return tally
+
+
+def patient_health_checks(profile: Profile, directory: Path) -> Path:
+    """A compose override giving each role's health check 30 s and 20 tries: on a loaded
+    machine the check's own Python start can pass 5 s, and `up --wait` must not fail
+    over that (health gates only the start order; restarts follow the process)."""
+    checks = {"healthcheck": {"timeout": "30s", "retries": 20}}
+    path = directory / "chaos-health.yaml"
+    path.write_text(json.dumps({"services": dict.fromkeys(profile.roles, checks)}))
+    return path
 
 
 @contextmanager
@@ -276,20 +299,23 @@ def profile_stack(config: ChaosConfig) -> Iterator[tuple[str, list[str], dict[st
         env[name] = str(free_port())
     if config.tp_model_dir:
         env["KVFLOW_TP_MODEL_DIR"] = config.tp_model_dir
-    compose = [*compose_command(), "-f", str(COMPOSE_FILE), "-p", config.project]
-    compose += ["--profile", config.profile]
-    run([*compose, "down", "-v", "--remove-orphans", "--timeout", "10"], env, 180)
-    up = run([*compose, "up", "-d", "--wait", "--wait-timeout", "900", profile.target], env, 1200)
-    try:
-        if up.returncode != 0:
+    with tempfile.TemporaryDirectory() as directory:
+        override = patient_health_checks(profile, Path(directory))
+        compose = [*compose_command(), "-f", str(COMPOSE_FILE), "-f", str(override)]
+        compose += ["-p", config.project, "--profile", config.profile]
+        run([*compose, "down", "-v", "--remove-orphans", "--timeout", "10"], env, 180)
+        up = run(
+            [*compose, "up", "-d", "--wait", "--wait-timeout", "900", profile.target], env, 1200
+        )
+        try:
+            if up.returncode != 0:
+                raise RuntimeError(f"compose up ({config.profile}) failed:\n{up.stdout}{up.stderr}")
+            yield f"http://127.0.0.1:{port}", compose, env
+        except BaseException:
             print_logs(compose, env)
-            raise RuntimeError(f"compose up ({config.profile}) failed:\n{up.stdout}{up.stderr}")
-        yield f"http://127.0.0.1:{port}", compose, env
-    except BaseException:
-        print_logs(compose, env)
-        raise
-    finally:
-        run([*compose, "down", "-v", "--remove-orphans", "--timeout", "30"], env, 300)
+            raise
+        finally:
+            run([*compose, "down", "-v", "--remove-orphans", "--timeout", "30"], env, 300)
 
 
 def main() -> None:
