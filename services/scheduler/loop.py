@@ -111,6 +111,8 @@ class SchedulerLoop:
         self.recovery = recovery or WorkerRecovery(incarnation)
         # rank -> random id of the worker process that answered the latest hello
         self.worker_incarnations: dict[int, str] = {}
+        # rank -> the worker process its latest heartbeat came from
+        self.heartbeat_incarnations: dict[int, str] = {}
         # perf_counter() when the worker could start the oldest step in flight: when it
         # was sent, or when the step before it came back, whichever was later.
         self._step_started = 0.0
@@ -185,6 +187,7 @@ class SchedulerLoop:
                 self.liveness.beat(rank, now)
                 self.refusals.workers[rank] = message.auth_failures
                 self._check_incarnation(rank, worker, now)
+                self.heartbeat_incarnations[rank] = worker
             case ProcessFailed(rank=rank, error=error):
                 self._worker_lost(f"worker rank {rank} failed: {error}", now)
             case WorkerInfo(rank=0) if self.recovery.answers(message.incarnation):
@@ -286,7 +289,9 @@ class SchedulerLoop:
             logger.warning("while recovering: %s", reason)
             return
         num_preempted = self.core.drop_worker_state()
-        self.recovery.lost(reason, now, num_preempted)
+        group = self.heartbeat_incarnations
+        leaving = sorted(set(group.values()) - {""}) if len(group) > 1 else []
+        self.recovery.lost(reason, now, num_preempted, leaving)
         logger.error(
             "worker lost (%s): %d running request(s) will resume when it is back",
             reason,
@@ -329,7 +334,7 @@ class SchedulerLoop:
                 self._worker_lost(lost, now)
         hello_id = recovery.hello_due(now)
         if hello_id is not None:
-            self.outputs.plans.send(SchedulerHello(hello_id))
+            self.outputs.plans.send(SchedulerHello(hello_id, leave=recovery.leaving))
         if self.dead_reason is None:
             self.dead_reason = recovery.timed_out(now)
 

@@ -16,7 +16,7 @@ since step ids only grow, a late one can never match a step planned afterwards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 HELLO_INTERVAL_S = 0.5  # also covers a new worker's SUB joining after a hello was sent
 WORKER_RECOVERY_TIMEOUT_S = 600.0  # model reload + the supervisor's backoff
@@ -35,13 +35,19 @@ class WorkerRecovery:
     next_hello: float = 0.0
     num_worker_restarts: int = 0  # workers that came back after a loss
     num_resumed_requests: int = 0  # requests preempted by a loss (they resume)
+    # The worker processes each hello of this recovery tells to exit (SchedulerHello.leave):
+    # every rank of a multi-rank group, as it was when a rank was lost.
+    leaving: list[str] = field(default_factory=list)
 
     @property
     def recovering(self) -> bool:
         return self.reason is not None
 
-    def lost(self, reason: str, now: float, num_preempted: int) -> None:
+    def lost(
+        self, reason: str, now: float, num_preempted: int, leaving: list[str] | None = None
+    ) -> None:
         self.reason = reason
+        self.leaving = leaving or []
         self.since = now
         self.next_hello = now
         self.first_generation = self.generation + 1
@@ -69,6 +75,7 @@ class WorkerRecovery:
     def back(self, now: float) -> float:
         """The worker answered: running again; how long the worker was away."""
         self.reason = None
+        self.leaving = []
         self.num_worker_restarts += 1
         return now - self.since
 
