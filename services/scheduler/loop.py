@@ -111,8 +111,6 @@ class SchedulerLoop:
         self.recovery = recovery or WorkerRecovery(incarnation)
         # rank -> random id of the worker process that answered the latest hello
         self.worker_incarnations: dict[int, str] = {}
-        # rank -> the worker process its latest heartbeat came from
-        self.heartbeat_incarnations: dict[int, str] = {}
         # perf_counter() when the worker could start the oldest step in flight: when it
         # was sent, or when the step before it came back, whichever was later.
         self._step_started = 0.0
@@ -187,7 +185,8 @@ class SchedulerLoop:
                 self.liveness.beat(rank, now)
                 self.refusals.workers[rank] = message.auth_failures
                 self._check_incarnation(rank, worker, now)
-                self.heartbeat_incarnations[rank] = worker
+                if self.recovery.rank_restarted(rank, worker) and not self.recovery.recovering:
+                    self._worker_lost(f"worker rank {rank} was restarted (a new process)", now)
             case ProcessFailed(rank=rank, error=error):
                 self._worker_lost(f"worker rank {rank} failed: {error}", now)
             case WorkerInfo(rank=0) if self.recovery.answers(message.incarnation):
@@ -289,9 +288,7 @@ class SchedulerLoop:
             logger.warning("while recovering: %s", reason)
             return
         num_preempted = self.core.drop_worker_state()
-        group = self.heartbeat_incarnations
-        leaving = sorted(set(group.values()) - {""}) if len(group) > 1 else []
-        self.recovery.lost(reason, now, num_preempted, leaving)
+        self.recovery.lost(reason, now, num_preempted)
         logger.error(
             "worker lost (%s): %d running request(s) will resume when it is back",
             reason,
