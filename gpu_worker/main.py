@@ -118,6 +118,10 @@ def _serve(
                 result = runner.execute(message)
                 if answers:
                     results.send(result)
+            case SchedulerHello(leave=leave) if incarnation in leave:
+                # Exit non-zero, so that the restart policy starts this rank again.
+                logger.warning("worker rank %d: its group lost a rank; leaving it", rank)
+                return 1
             case SchedulerHello(incarnation=hello_id):
                 runner.drop_all_requests()
                 logger.info("worker rank %d: hello from scheduler %s", rank, hello_id)

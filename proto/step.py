@@ -126,6 +126,11 @@ class SchedulerHello(msgspec.Struct, tag=True, array_like=True):
     WorkerInfo. This is what lets a restarted scheduler pick up running workers."""
 
     incarnation: str  # random id of this scheduler process
+    # Worker processes (their incarnations) to exit: the ranks of a group that lost a
+    # rank. A surviving rank learns of a dead peer only at its next collective, so an
+    # idle one would keep the old group and the restarted rank would wait at the
+    # rendezvous for ever; once they exit, their restart policy forms the group again.
+    leave: list[str] = []
 
 
 WorkerInput = StepPlan | SchedulerHello | Shutdown

@@ -185,6 +185,8 @@ class SchedulerLoop:
                 self.liveness.beat(rank, now)
                 self.refusals.workers[rank] = message.auth_failures
                 self._check_incarnation(rank, worker, now)
+                if self.recovery.rank_restarted(rank, worker) and not self.recovery.recovering:
+                    self._worker_lost(f"worker rank {rank} was restarted (a new process)", now)
             case ProcessFailed(rank=rank, error=error):
                 self._worker_lost(f"worker rank {rank} failed: {error}", now)
             case WorkerInfo(rank=0) if self.recovery.answers(message.incarnation):
@@ -329,7 +331,7 @@ class SchedulerLoop:
                 self._worker_lost(lost, now)
         hello_id = recovery.hello_due(now)
         if hello_id is not None:
-            self.outputs.plans.send(SchedulerHello(hello_id))
+            self.outputs.plans.send(SchedulerHello(hello_id, leave=recovery.leaving))
         if self.dead_reason is None:
             self.dead_reason = recovery.timed_out(now)
 

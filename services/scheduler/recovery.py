@@ -16,7 +16,7 @@ since step ids only grow, a late one can never match a step planned afterwards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 HELLO_INTERVAL_S = 0.5  # also covers a new worker's SUB joining after a hello was sent
 WORKER_RECOVERY_TIMEOUT_S = 600.0  # model reload + the supervisor's backoff
@@ -35,6 +35,11 @@ class WorkerRecovery:
     next_hello: float = 0.0
     num_worker_restarts: int = 0  # workers that came back after a loss
     num_resumed_requests: int = 0  # requests preempted by a loss (they resume)
+    # The worker processes every hello tells to exit (SchedulerHello.leave): the other
+    # ranks of a multi-rank group, as they were when one rank came back as a new process.
+    # Kept after the recovery: their own restarts are expected, not a new loss.
+    leaving: list[str] = field(default_factory=list)
+    ranks: dict[int, str] = field(default_factory=dict)  # rank -> its latest heartbeat's process
 
     @property
     def recovering(self) -> bool:
@@ -71,6 +76,19 @@ class WorkerRecovery:
         self.reason = None
         self.num_worker_restarts += 1
         return now - self.since
+
+    def rank_restarted(self, rank: int, worker: str) -> bool:
+        """Record the process a heartbeat of `rank` came from. True when a rank of a
+        multi-rank group is back as a new process it was not told to be: the other
+        ranks are still in the old group (a rank learns of a dead peer only at its next
+        collective), where the new one would wait at the rendezvous for them for ever;
+        `leaving` names them, every hello tells them to exit, and their restart policy
+        forms the group again. (A rank merely silent, maybe slow, is not enough.)"""
+        known, self.ranks[rank] = self.ranks.get(rank), worker
+        if not known or known == worker or len(self.ranks) < 2 or known in self.leaving:
+            return False
+        self.leaving = sorted(w for r, w in self.ranks.items() if r != rank and w)
+        return True
 
     def timed_out(self, now: float) -> str | None:
         if self.recovering and now - self.since > self.timeout_s:

@@ -1,8 +1,9 @@
 """A tensor-parallel engine as separate role commands over tcp (how compose's `tp`
 profile runs it, without Docker): `kvflow worker --rank 0|1 --tensor-parallel-size 2
 --distributed-init-method tcp://127.0.0.1:<port>` as two processes, plus the scheduler,
-detokenizer and frontend. Greedy output equals the offline TP=1 engine's, and SIGTERM
-to the scheduler stops both ranks (each hears Shutdown on the plan socket)."""
+detokenizer and frontend. Greedy output equals the offline TP=1 engine's, SIGTERM
+to the scheduler stops both ranks (each hears Shutdown on the plan socket), and a rank
+killed while the group idles brings the group back (the survivor is told to leave it)."""
 
 from __future__ import annotations
 
@@ -34,15 +35,19 @@ def _start_rank(stack: Stack, rank: int, rendezvous: str) -> None:
     stack.processes[f"worker{rank}"] = stack.processes.pop("worker")
 
 
+class TpStack(Stack):
+    rendezvous = ""  # rank 0's store: tcp://127.0.0.1:<port>
+
+
 @pytest.fixture
-def tp_stack(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
-    stack = Stack(tiny_model_dir, tmp_path)
+def tp_stack(tiny_model_dir: Path, tmp_path: Path) -> Iterator[TpStack]:
+    stack = TpStack(tiny_model_dir, tmp_path)
     stack.common += TP
-    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    stack.rendezvous = f"tcp://127.0.0.1:{free_port()}"
     try:
         # Rank 1 first: it waits for rank 0's store, as a container started early would.
         for rank in (1, 0):
-            _start_rank(stack, rank, rendezvous)
+            _start_rank(stack, rank, stack.rendezvous)
         for role in ("scheduler", "detokenizer", "frontend"):
             stack.start(role)
         assert stack.wait_healthy(240.0), stack.logs()
@@ -67,3 +72,20 @@ def test_two_rank_processes_serve_what_one_rank_computes(
     processes["scheduler"].send_signal(signal.SIGTERM)
     for role in ("scheduler", "worker0", "worker1", "detokenizer"):
         assert processes[role].wait(30.0) == 0, f"{role}\n{tp_stack.logs()}"
+
+
+def test_a_rank_killed_while_the_group_idles_brings_the_group_back(tp_stack: TpStack) -> None:
+    """Rank 0 dies between requests. Rank 1, alive in the old group, would learn of it
+    only at its next collective, and the restarted rank 0 would wait at the rendezvous
+    for ever: the recovering scheduler's hello tells rank 1 to leave (exit 1), and both
+    ranks, restarted as a restart policy would, form the group again and serve."""
+    processes = tp_stack.processes
+    processes["worker0"].kill()
+    processes["worker0"].wait()
+    _start_rank(tp_stack, 0, tp_stack.rendezvous)
+    assert processes["worker1"].wait(120.0) == 1, tp_stack.logs()
+    _start_rank(tp_stack, 1, tp_stack.rendezvous)
+    assert tp_stack.wait_healthy(240.0), tp_stack.logs()
+    reply = tp_stack.complete(MAX_TOKENS, timeout=120.0)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == MAX_TOKENS

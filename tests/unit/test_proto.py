@@ -78,7 +78,7 @@ def test_round_trip(message: msgspec.Struct) -> None:
 
 def test_worker_channel_is_a_tagged_union() -> None:
     decoder = msgspec.msgpack.Decoder(WorkerInput)
-    for message in (MESSAGES[3], SchedulerHello("3f2a9c"), Shutdown()):
+    for message in (MESSAGES[3], SchedulerHello("3f2a9c", leave=["w0", "w1"]), Shutdown()):
         assert decoder.decode(msgspec.msgpack.encode(message)) == message
 
 

@@ -136,3 +136,47 @@ def test_a_heartbeat_from_a_new_worker_process_starts_a_recovery() -> None:
     )
     loop.run_once()
     assert not loop.recovery.recovering and loop.worker_incarnations == {0: "w2"}
+
+
+def heartbeats(loop: SchedulerLoop, *workers: tuple[int, str]) -> list[SchedulerHello]:
+    for rank, worker in workers:
+        loop.inbox.put(WorkerHeartbeat(rank, 0.0, worker))
+    loop.run_once()
+    return [m for m in sent(loop.outputs, "plans") if isinstance(m, SchedulerHello)]
+
+
+def test_a_group_whose_rank_restarted_is_told_to_leave_it() -> None:
+    """TP=2 in separate containers: rank 0 restarted while the group idled. Rank 1 (alive,
+    in the old group) would hold the new rank 0 at the rendezvous for ever: every hello
+    tells rank 1's process to exit; its own restart then is expected, not a new loss."""
+    loop, _, _ = make_loop()
+    loop.worker_incarnations[0] = "r0-old"
+    assert heartbeats(loop, (0, "r0-old"), (1, "r1-old")) == []
+    told = heartbeats(loop, (0, "r0-new"))  # it beats before its rendezvous
+    assert loop.recovery.recovering and told and all(m.leave == ["r1-old"] for m in told)
+    told = heartbeats(loop, (1, "r1-new"))  # rank 1 left and came back: nobody else leaves
+    assert told[-1].leave == ["r1-old"]
+    answer_id = told[-1].incarnation
+    loop.inbox.put(WorkerInfo(0, 16, 100, 32, incarnation=answer_id, worker_incarnation="r0-new"))
+    loop.run_once()
+    assert not loop.recovery.recovering
+    heartbeats(loop, (0, "r0-new"), (1, "r1-new"))
+    assert not loop.recovery.recovering
+
+
+def test_a_silent_rank_alone_makes_nobody_leave() -> None:
+    """A rank silent for 5 s on a loaded machine may only be slow: its group is kept, and
+    the hello is answered as before (leaving costs every rank a model load)."""
+    loop, _, _ = make_loop()
+    heartbeats(loop, (0, "r0"), (1, "r1"))
+    lose_worker(loop)
+    told = heartbeats(loop, (0, "r0"), (1, "r1"))
+    assert loop.recovery.recovering and told and all(m.leave == [] for m in told)
+
+
+def test_a_single_rank_engine_tells_nobody_to_leave() -> None:
+    loop, _, _ = make_loop()
+    loop.worker_incarnations[0] = "w1"
+    heartbeats(loop, (0, "w1"))
+    told = heartbeats(loop, (0, "w2"))
+    assert loop.recovery.recovering and told and all(m.leave == [] for m in told)
