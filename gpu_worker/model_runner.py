@@ -44,6 +44,7 @@ from kvflow.gpu_worker.drafter import Drafter, make_drafter
 from kvflow.gpu_worker.forward_paths import ForwardPath, GraphForward, eager_forward
 from kvflow.gpu_worker.grammar_feature import GrammarFeature
 from kvflow.gpu_worker.image_feature import ImageFeature, make_image_feature
+from kvflow.gpu_worker.mrope_feature import MRopeFeature, make_mrope_feature
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
 from kvflow.gpu_worker.kv_layout import kv_layout_of, stage_slots
@@ -163,6 +164,7 @@ class ModelRunner:
         if self.pooler is not None:
             self.forward_path = self.pooler.forward
         self.images: ImageFeature | None = make_image_feature(self.model, self.device)
+        self.mrope: MRopeFeature | None = make_mrope_feature(self.model, self.device)
         self.lora: LoraFeature | None = None
         if config.lora is not None:
             manager = LoraManager(
@@ -176,7 +178,7 @@ class ModelRunner:
         # Hooks run in this order: prompt logprobs while a KV save's copies still run,
         # KV loads before the drafts, the stage's spans last.
         optional = (
-            self.images, self.lora, *self._per_request, self._kv, self._draft, self.stage,
+            self.images, self.mrope, self.lora, *self._per_request, self._kv, self._draft, self.stage,
             self.pooler,
         )  # fmt: skip
         features: list[StepFeature] = [f for f in optional if f is not None]

@@ -59,7 +59,7 @@ from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.engine import AddRequest
 from kvflow.proto.frontend import EngineDead, FrontendOutputs, RequestOutputDelta
 from kvflow.proto.lora import LoRARequest
-from kvflow.proto.multimodal import ImageInput
+from kvflow.proto.multimodal import ImageInput, MRopePositions
 from kvflow.proto.stats import SchedulerStats
 from kvflow.routing import Decision, NoEngineError, Router, RoutingConfig
 from kvflow.runtime.sockets import TypedSocket
@@ -186,6 +186,7 @@ class EngineClient(EngineHealth, InFlightRequests):
         *,
         images: list[ImageInput] | None = None,
         lora_request: LoRARequest | None = None,
+        mrope: MRopePositions | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as they come (`delta.req_id` names the child; see
         `sample_index`). Ends when every sample finished; an engine failure arrives as a
@@ -217,7 +218,7 @@ class EngineClient(EngineHealth, InFlightRequests):
                     priority=priority,
                     cache_salt=cache_salt,
                     frontend_id=self.frontend_id,
-                    images=images or [], lora_request=lora_request,
+                    images=images or [], lora_request=lora_request, mrope=mrope,
                 )  # fmt: skip
                 self._sent[child_id] = SentRequest(request, pinned=data_parallel_rank is not None)
                 self.engines[engine].input.send(request)
