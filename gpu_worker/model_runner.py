@@ -44,13 +44,13 @@ from kvflow.gpu_worker.drafter import Drafter, make_drafter
 from kvflow.gpu_worker.forward_paths import ForwardPath, GraphForward, eager_forward
 from kvflow.gpu_worker.grammar_feature import GrammarFeature
 from kvflow.gpu_worker.image_feature import ImageFeature, make_image_feature
-from kvflow.gpu_worker.mrope_feature import MRopeFeature, make_mrope_feature
 from kvflow.gpu_worker.input_batch import BatchLimits, InputBatch, ModelInputs
 from kvflow.gpu_worker.kv_cache import KVCacheSpec, allocate_kv_cache, kv_storage_dtype
 from kvflow.gpu_worker.kv_layout import kv_layout_of, stage_slots
 from kvflow.gpu_worker.lora.feature import LoraFeature
 from kvflow.gpu_worker.lora.manager import LoraManager
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model, text_config_of
+from kvflow.gpu_worker.mrope_feature import MRopeFeature, make_mrope_feature
 from kvflow.gpu_worker.pooler import PoolingFeature
 from kvflow.gpu_worker.prompt_logprobs import PromptLogprobsFeature
 from kvflow.gpu_worker.sample_step import Verifier, sample_step

@@ -35,7 +35,9 @@ IMAGE_PAD = "<|image_pad|>"
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
     """(h, w): multiples of `factor`, closest to the image's, within the pixel bounds."""
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"an image of {width}x{height}: aspect ratio over 200")
@@ -76,7 +78,9 @@ class QwenVLImageProcessor:
         gh, gw = h // p, w // p
         blocks = pixels.reshape(channels, gh // m, m, p, gw // m, m, p)
         blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
-        frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], self.temporal, p, p))
+        frames = np.broadcast_to(
+            blocks[:, :, :, :, :, None], (*blocks.shape[:5], self.temporal, p, p)
+        )
         rows = frames.reshape(gh * gw, channels * self.temporal * p * p)
         return np.ascontiguousarray(rows, dtype="<f4"), [1, gh, gw]
 

@@ -74,7 +74,9 @@ def hf_expand(path: Path, prompt: str, images: list[Any]) -> tuple[list[int], di
     return ids, dict(inputs)
 
 
-def hf_greedy(path: Path, prompt: str, images: list[Any], max_tokens: int) -> tuple[list[int], list[int]]:
+def hf_greedy(
+    path: Path, prompt: str, images: list[Any], max_tokens: int
+) -> tuple[list[int], list[int]]:
     """(transformers' expanded prompt ids, its greedy continuation)."""
     _, _, model = _hf(path)
     ids, inputs = hf_expand(path, prompt, images)

@@ -122,7 +122,9 @@ class PatchMerger(nn.Module):
         self.unit = config.spatial_merge_size**2  # patches per merged token
         dim = config.hidden_size * self.unit
         self.ln_q = RMSNorm(config.hidden_size, 1e-6)
-        self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, config.out_hidden_size))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, config.out_hidden_size)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, length, _ = x.shape

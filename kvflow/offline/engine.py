@@ -158,7 +158,9 @@ class LLMEngine:
         image_inputs: list[ImageInput] = []
         mrope = None
         if images:
-            prompt_ids, image_inputs, mrope = self._image_prompter().expand(prompt_ids, list(images))
+            prompt_ids, image_inputs, mrope = self._image_prompter().expand(
+                prompt_ids, list(images)
+            )
         prompt_ids = truncate_prompt(prompt_ids, params, self.max_model_len)
         params = with_bad_words_token_ids(params, self.tokenizer)
         if params.structured_outputs is not None:  # a bad grammar fails here, not later

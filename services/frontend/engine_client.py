@@ -215,9 +215,7 @@ class EngineClient(EngineHealth, InFlightRequests):
                     prompt_token_ids=prompt_token_ids,
                     sampling_params=child_sampling_params(params, index),
                     arrival_time=arrival,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    frontend_id=self.frontend_id,
+                    priority=priority, cache_salt=cache_salt, frontend_id=self.frontend_id,
                     images=images or [], lora_request=lora_request, mrope=mrope,
                 )  # fmt: skip
                 self._sent[child_id] = SentRequest(request, pinned=data_parallel_rank is not None)

@@ -76,7 +76,9 @@ PRESSURE = {"async_scheduling": True, "num_blocks": 16}  # two steps in flight, 
     [(2048, {}), (7, {}), (7, PRESSURE)],
     ids=["whole", "chunked", "chunked-async-preempted"],
 )
-def test_greedy_parity(qwen_vl_dir: Path, backend: str, budget: int, options: dict[str, Any]) -> None:
+def test_greedy_parity(
+    qwen_vl_dir: Path, backend: str, budget: int, options: dict[str, Any]
+) -> None:
     """Every case in one engine run (batched, text-only beside images). A 7-token budget
     cuts the 6- and 35-token placeholder runs; each chunk must get its slice of the
     features and of the positions. With 16 KV blocks (the longest request fills them) requests are preempted and resume."""
