@@ -70,6 +70,22 @@ CASES = {
 PRESSURE = {"async_scheduling": True, "num_blocks": 16}  # two steps in flight, preemption
 
 
+def _prompts() -> list[dict[str, Any]]:
+    return [
+        {"prompt": text, "multi_modal_data": {"image": [random_image(*s) for s in sizes]}}
+        for text, sizes in CASES.values()
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(qwen_vl_dir: Path) -> list[tuple[list[int], list[int]]]:
+    """transformers' (prompt ids, greedy tokens) of each case, once for every variant."""
+    return [
+        hf_greedy(qwen_vl_dir, p["prompt"], p["multi_modal_data"]["image"], MAX_TOKENS)
+        for p in _prompts()
+    ]
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize(
     ("budget", "options"),
@@ -77,19 +93,17 @@ PRESSURE = {"async_scheduling": True, "num_blocks": 16}  # two steps in flight, 
     ids=["whole", "chunked", "chunked-async-preempted"],
 )
 def test_greedy_parity(
-    qwen_vl_dir: Path, backend: str, budget: int, options: dict[str, Any]
+    qwen_vl_dir: Path,
+    expected: list[tuple[list[int], list[int]]],
+    backend: str,
+    budget: int,
+    options: dict[str, Any],
 ) -> None:
     """Every case in one engine run (batched, text-only beside images). A 7-token budget
     cuts the 6- and 35-token placeholder runs; each chunk must get its slice of the
-    features and of the positions. With 16 KV blocks (the longest request fills them) requests are preempted and resume."""
-    prompts = [
-        {"prompt": text, "multi_modal_data": {"image": [random_image(*s) for s in sizes]}}
-        for text, sizes in CASES.values()
-    ]
-    expected = [
-        hf_greedy(qwen_vl_dir, p["prompt"], p["multi_modal_data"]["image"], MAX_TOKENS)
-        for p in prompts
-    ]
+    features and of the positions. With 16 KV blocks (the longest request fills them)
+    requests are preempted and resume."""
+    prompts = _prompts()
     llm = LLM(
         str(qwen_vl_dir), dtype="float32", device="cpu", max_num_batched_tokens=budget,
         block_size=4, enable_prefix_caching=False, attention_backend=backend, **options,

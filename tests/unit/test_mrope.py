@@ -52,7 +52,7 @@ def test_feature_slices_chunks_and_continues_past_the_prompt() -> None:
     plan = StepPlan(1, [_new("img", 3, mrope), _new("txt", 4, None)], [], ["txt", "img"], [2, 4])
     feature.on_plan(plan)
     feature.before_forward(plan)
-    expected = [[4, 5] + row[3:7] for row in TABLE]
+    expected = [[4, 5, *row[3:7]] for row in TABLE]
     assert model.positions[-1] is not None and model.positions[-1].tolist() == expected
     assert feature.layer_hook(plan) is not None  # such a step runs eagerly
     # The last prompt token and a generated one (index 10 -> 7).
