@@ -28,8 +28,6 @@ from torch import nn
 from kvflow.gpu_worker.layers.norm import RMSNorm
 from kvflow.gpu_worker.models.clip_vision import activation
 
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
 
 def patch_coordinates(grid_thw: list[int], merge: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, column) [t*h*w] of each patch row, in merge-block order."""
@@ -82,7 +80,7 @@ class VisionMLP(nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj = nn.Linear(dim, hidden), nn.Linear(dim, hidden)
         self.down_proj = nn.Linear(hidden, dim)
-        self.act = ACTIVATIONS.get(act) or activation(act)
+        self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
