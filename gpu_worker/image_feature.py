@@ -133,7 +133,7 @@ class ImageFeature(StepFeature):
 
     def _features(self, images: list[ImageInput]) -> tuple[dict[str, torch.Tensor], set[str]]:
         """Each image's features: from the cache, or encoded (the misses in one batch
-        per pixel shape); and the hashes encoded."""
+        per pixel shape and patch grid); and the hashes encoded."""
         found: dict[str, torch.Tensor] = {}
         missing: dict[str, ImageInput] = {}
         for image in images:
@@ -146,11 +146,11 @@ class ImageFeature(StepFeature):
                 found[image.hash] = cached
         by_shape: dict[tuple[int, ...], list[ImageInput]] = {}
         for image in missing.values():
-            by_shape.setdefault(tuple(image.pixels.shape), []).append(image)
-        encode: Callable[[torch.Tensor], torch.Tensor] = self.model.encode_images  # type: ignore[assignment]
+            by_shape.setdefault((*image.pixels.shape, *image.grid_thw), []).append(image)
+        encode: Callable[[torch.Tensor, list[int]], torch.Tensor] = self.model.encode_images  # type: ignore[assignment]
         for group in by_shape.values():
             pixels = torch.stack([pixels_to_tensor(i.pixels) for i in group]).to(self.device)
-            for image, out in zip(group, encode(pixels)):
+            for image, out in zip(group, encode(pixels, group[0].grid_thw)):
                 if out.shape[0] != image.length:
                     raise InvalidRequestError(
                         f"an image gives {out.shape[0]} features for {image.length} placeholders"

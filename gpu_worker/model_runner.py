@@ -50,6 +50,7 @@ from kvflow.gpu_worker.kv_layout import kv_layout_of, stage_slots
 from kvflow.gpu_worker.lora.feature import LoraFeature
 from kvflow.gpu_worker.lora.manager import LoraManager
 from kvflow.gpu_worker.model_loader import load_hf_config, load_model, text_config_of
+from kvflow.gpu_worker.mrope_feature import MRopeFeature, make_mrope_feature
 from kvflow.gpu_worker.pooler import PoolingFeature
 from kvflow.gpu_worker.prompt_logprobs import PromptLogprobsFeature
 from kvflow.gpu_worker.sample_step import Verifier, sample_step
@@ -163,6 +164,7 @@ class ModelRunner:
         if self.pooler is not None:
             self.forward_path = self.pooler.forward
         self.images: ImageFeature | None = make_image_feature(self.model, self.device)
+        self.mrope: MRopeFeature | None = make_mrope_feature(self.model, self.device)
         self.lora: LoraFeature | None = None
         if config.lora is not None:
             manager = LoraManager(
@@ -176,7 +178,7 @@ class ModelRunner:
         # Hooks run in this order: prompt logprobs while a KV save's copies still run,
         # KV loads before the drafts, the stage's spans last.
         optional = (
-            self.images, self.lora, *self._per_request, self._kv, self._draft, self.stage,
+            self.images, self.mrope, self.lora, *self._per_request, self._kv, self._draft, self.stage,
             self.pooler,
         )  # fmt: skip
         features: list[StepFeature] = [f for f in optional if f is not None]

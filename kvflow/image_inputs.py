@@ -18,12 +18,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from kvflow.errors import InvalidRequestError
-from kvflow.proto.multimodal import MAX_IMAGE_BYTES, ImageInput, PixelTensor
+from kvflow.proto.multimodal import MAX_IMAGE_BYTES, ImageInput, MRopePositions, PixelTensor
 
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 
@@ -59,6 +59,49 @@ def is_vision_model(model_dir: Path) -> bool:
     return "vision_config" in config
 
 
+class ExpandedPrompt(NamedTuple):
+    token_ids: list[int]  # each image token expanded to its placeholder run
+    images: list[ImageInput]  # for the wire
+    mrope: MRopePositions | None  # M-RoPE models' positions (Qwen2.5-VL), else None
+
+
+class Prompter(Protocol):
+    """A vision model's preprocessing: `image_token` is what a chat message shows where
+    an image part was; `expand` runs the preprocessing and expands the prompt."""
+
+    image_token: str
+
+    def expand(self, token_ids: list[int], images: list[Any]) -> ExpandedPrompt: ...
+
+
+def make_image_prompter(model_dir: Path, limits: ImageLimits | None = None) -> Prompter:
+    """The prompter of the model's family: Qwen2.5-VL's own preprocessing
+    (kvflow/qwen_vl_images.py), or the model's AutoProcessor (LLaVA)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("model_type") == "qwen2_5_vl":
+        from kvflow.qwen_vl_images import QwenVLImagePrompter
+
+        return QwenVLImagePrompter(model_dir, limits)
+    return ImagePrompter(model_dir, limits)
+
+
+def check_image_marks(
+    token_ids: list[int], images: list[Any], token_id: int, token: str, limits: ImageLimits
+) -> list[int]:
+    """The indices of the prompt's image tokens, one per image (else a 400)."""
+    if len(images) > limits.max_images:
+        raise InvalidRequestError(
+            f"{len(images)} images in one prompt; the limit is {limits.max_images}",
+            param="messages",
+        )
+    marks = [i for i, t in enumerate(token_ids) if t == token_id]
+    if len(marks) != len(images):
+        raise InvalidRequestError(
+            f"the prompt has {len(marks)} image placeholders ({token!r}) for {len(images)} images"
+        )
+    return marks
+
+
 class ImagePrompter:
     """The model's image preprocessing and placeholder expansion (module docstring)."""
 
@@ -77,22 +120,14 @@ class ImagePrompter:
         # LLaVA-1.5 drops the class token ("default"); "full" keeps it.
         self.extra_tokens = int(processor.num_additional_image_tokens) - (strategy == "default")
 
-    def expand(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
-        """(prompt with each image token expanded, the images for the wire); `images` are
-        PIL images, one per image token of the prompt, in order."""
-        if len(images) > self.limits.max_images:
-            raise InvalidRequestError(
-                f"{len(images)} images in one prompt; the limit is {self.limits.max_images}",
-                param="messages",
-            )
-        marks = [i for i, token in enumerate(token_ids) if token == self.image_token_id]
-        if len(marks) != len(images):
-            raise InvalidRequestError(
-                f"the prompt has {len(marks)} image placeholders ({self.image_token!r}) "
-                f"for {len(images)} images"
-            )
+    def expand(self, token_ids: list[int], images: list[Any]) -> ExpandedPrompt:
+        """The prompt with each image token expanded and the images for the wire;
+        `images` are PIL images, one per image token of the prompt, in order."""
+        marks = check_image_marks(
+            token_ids, images, self.image_token_id, self.image_token, self.limits
+        )
         if not images:
-            return token_ids, []
+            return ExpandedPrompt(token_ids, [], None)
         for image in images:
             self.check_size(image)
         pixels = self.image_processor(images, return_tensors="np")["pixel_values"]
@@ -107,19 +142,22 @@ class ImagePrompter:
             out += [self.image_token_id] * count
             previous = mark + 1
         out += token_ids[previous:]
-        return out, inputs
+        return ExpandedPrompt(out, inputs, None)
 
     def check_size(self, image: Any) -> None:
         width, height = image.size
         self.limits.check_size(width, height)
 
 
-def image_input(pixels: np.ndarray, offset: int, length: int) -> ImageInput:
-    """One image for the wire: raw little-endian bytes, hashed with dtype and shape."""
+def image_input(
+    pixels: np.ndarray, offset: int, length: int, grid_thw: list[int] | None = None
+) -> ImageInput:
+    """One image for the wire: raw little-endian bytes, hashed with dtype, shape and
+    patch grid (the same rows as another grid are another image)."""
     data = np.ascontiguousarray(pixels).tobytes()
     if len(data) > MAX_IMAGE_BYTES:
         raise InvalidRequestError(f"an image's pixels exceed {MAX_IMAGE_BYTES} bytes")
-    dtype, shape = pixels.dtype.name, list(pixels.shape)
-    digest = hashlib.sha256(f"{dtype}{shape}".encode())
+    dtype, shape, grid = pixels.dtype.name, list(pixels.shape), list(grid_thw or [])
+    digest = hashlib.sha256(f"{dtype}{shape}{grid if grid else ''}".encode())
     digest.update(data)
-    return ImageInput(digest.hexdigest(), offset, length, PixelTensor(dtype, shape, data))
+    return ImageInput(digest.hexdigest(), offset, length, PixelTensor(dtype, shape, data), grid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from kvflow.proto.lora import LoRARequest
-from kvflow.proto.multimodal import ImageInput
+from kvflow.proto.multimodal import ImageInput, MRopePositions
 from kvflow.proto.sampling import SamplingParams
 from kvflow.proto.step import TokenLogprobs
 
@@ -29,6 +29,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     # Images whose placeholder runs are in prompt_token_ids (proto/multimodal.py).
     images: list[ImageInput] = []
     lora_request: LoRARequest | None = None  # a LoRA adapter on top of the base model
+    mrope: MRopePositions | None = None  # an M-RoPE model's prompt positions (Qwen2.5-VL)
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

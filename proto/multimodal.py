@@ -31,3 +31,16 @@ class ImageInput(msgspec.Struct, array_like=True, gc=False):
     offset: int
     length: int
     pixels: PixelTensor
+    # Qwen2.5-VL: the patch grid (temporal, height, width) the flat patch rows of
+    # `pixels` [t*h*w, C*tp*p*p] form; empty for a model whose pixels carry their shape.
+    grid_thw: list[int] = []
+
+
+class MRopePositions(msgspec.Struct, array_like=True, gc=False):
+    """A prompt's M-RoPE positions (Qwen2.5-VL), computed once where it is expanded
+    (kvflow/mrope.py): `data` is int32 little-endian [3, num_prompt_tokens], the
+    (temporal, height, width) rows; a token past the prompt at index i has position
+    i + delta on all three rows."""
+
+    delta: int
+    data: bytes

@@ -12,7 +12,7 @@ import msgspec
 
 from kvflow.proto.kv_transfer import KVConnectorMeta, KVTransferStepStats
 from kvflow.proto.lora import LoRARequest
-from kvflow.proto.multimodal import ImageInput
+from kvflow.proto.multimodal import ImageInput, MRopePositions
 from kvflow.proto.sampling import SamplingParams
 
 
@@ -29,6 +29,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     # Hybrid KV cache (kvflow/kv_groups.py): the tables of groups 1.. (empty: one group).
     group_block_ids: list[list[int]] = []
     lora_request: LoRARequest | None = None  # the adapter its tokens run through
+    mrope: MRopePositions | None = None  # its prompt's M-RoPE positions (Qwen2.5-VL)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-_ALIASES = {"su": "longrope"}  # Phi-3's first checkpoints
+# Phi-3's first checkpoints; Qwen2-VL's older configs name M-RoPE's (default) schedule
+# "mrope" (its sections are read by layers/mrope.py).
+_ALIASES = {"su": "longrope", "mrope": "default"}
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:

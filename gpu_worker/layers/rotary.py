@@ -65,6 +65,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """positions [num_tokens] int64 -> Rope with tables in `dtype`."""
         angles = positions.float()[:, None] * self._token_inv_freq(positions).float()
+        return self.tables(angles, dtype)
+
+    def tables(self, angles: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """angles [num_tokens, rotary_dim // 2] fp32 -> Rope with tables in `dtype`."""
         cos = (angles.cos() * self.attention_scaling).to(dtype)
         sin = (angles.sin() * self.attention_scaling).to(dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

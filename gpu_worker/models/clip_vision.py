@@ -27,6 +27,7 @@ ACTIVATIONS = {
     "quick_gelu": _quick_gelu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,  # Qwen2.5-VL's tower (qwen_vision.py)
 }
 
 

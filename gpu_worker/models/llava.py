@@ -88,8 +88,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         """The language model's (first layer, windows): the KV cache groups' plan."""
         return self.decoder.start, self.spec.sliding_windows
 
-    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels [N, 3, S, S] -> features [N, placeholders per image, text hidden]."""
+    def encode_images(self, pixels: torch.Tensor, grid_thw: list[int]) -> torch.Tensor:
+        """pixels [N, 3, S, S] -> features [N, placeholders per image, text hidden]
+        (`grid_thw` is empty: LLaVA's pixels carry their shape)."""
         parts = self.model
         states = parts.vision_tower.hidden_states(pixels, self.feature_layers)  # type: ignore[operator]
         if self.drop_class_token:

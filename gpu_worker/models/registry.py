@@ -18,6 +18,7 @@ from kvflow.gpu_worker.models.mixtral import MixtralForCausalLM
 from kvflow.gpu_worker.models.olmo2 import Olmo2ForCausalLM
 from kvflow.gpu_worker.models.phi3 import Phi3ForCausalLM
 from kvflow.gpu_worker.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvflow.gpu_worker.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from kvflow.gpu_worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from kvflow.gpu_worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from kvflow.gpu_worker.models.smollm3 import SmolLM3ForCausalLM
@@ -40,6 +41,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvflow.config import EngineConfig
 from kvflow.errors import InvalidRequestError
-from kvflow.image_inputs import ImagePrompter, is_vision_model
+from kvflow.image_inputs import Prompter, is_vision_model, make_image_prompter
 from kvflow.lora_files import LoRAAdapterCheck
 from kvflow.metrics.roofline import ModelShape, RooflineMeter, StepCost
 from kvflow.model_limits import read_model_limits
@@ -92,7 +92,7 @@ class LLMEngine:
         self.core = build_engine_core(config, shape, lambda: self.tokenizer)
         self.streams = DetokenizerStreams(self.tokenizer)
         self.outputs = RequestOutputs()
-        self._prompter: ImagePrompter | None = None  # a vision model's, on first use
+        self._prompter: Prompter | None = None  # a vision model's, on first use
         self.lora_adapters = LoRAAdapterCheck(config.lora, self.model_dir)
         self.trace: StepTrace | None = None  # start_trace()
         # Step time and estimated work per phase, for `kvflow bench`'s roofline report.
@@ -156,8 +156,11 @@ class LLMEngine:
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_ids = list(self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
         image_inputs: list[ImageInput] = []
+        mrope = None
         if images:
-            prompt_ids, image_inputs = self._image_prompter().expand(prompt_ids, list(images))
+            prompt_ids, image_inputs, mrope = self._image_prompter().expand(
+                prompt_ids, list(images)
+            )
         prompt_ids = truncate_prompt(prompt_ids, params, self.max_model_len)
         params = with_bad_words_token_ids(params, self.tokenizer)
         if params.structured_outputs is not None:  # a bad grammar fails here, not later
@@ -177,6 +180,7 @@ class LLMEngine:
                     frontend_id=OFFLINE_FRONTEND,
                     images=image_inputs,
                     lora_request=lora_request,
+                    mrope=mrope,
                 )
                 self.core.add_request(message, now=now)
                 self.streams.add(message)
@@ -188,11 +192,11 @@ class LLMEngine:
         """The prompt's image token; None for a model that takes text only."""
         return self._image_prompter().image_token if is_vision_model(self.model_dir) else None
 
-    def _image_prompter(self) -> ImagePrompter:
+    def _image_prompter(self) -> Prompter:
         if self._prompter is None:
             if not is_vision_model(self.model_dir):
                 raise InvalidRequestError("this model takes text only, not images")
-            self._prompter = ImagePrompter(self.model_dir)
+            self._prompter = make_image_prompter(self.model_dir)
         return self._prompter
 
     def abort_request(self, request_id: str) -> None:

@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import InvalidRequestError
-from kvflow.image_inputs import ImagePrompter
+from kvflow.image_inputs import ExpandedPrompt, Prompter, make_image_prompter
 from kvflow.media import MediaOptions, load_image
-from kvflow.proto.multimodal import ImageInput
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.frontend.protocol import ChatCompletionRequest
 from kvflow.services.frontend.serving_common import PreparedPrompt, ServingContext
@@ -28,9 +27,9 @@ TEXT_ONLY = "this model takes text only: image_url parts need a vision model"
 class ChatImages:
     def __init__(self, options: MediaOptions, vision_model_dir: str | None) -> None:
         self.options = options
-        self.prompter: ImagePrompter | None = None
+        self.prompter: Prompter | None = None
         if vision_model_dir is not None:
-            self.prompter = ImagePrompter(Path(vision_model_dir), options.limits)
+            self.prompter = make_image_prompter(Path(vision_model_dir), options.limits)
 
     def conversation(
         self, request: ChatCompletionRequest
@@ -50,9 +49,9 @@ class ChatImages:
         images = [load_image(url, self.options) for url in urls]
         return request.conversation(self.prompter.image_token), images
 
-    def expand(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], list[ImageInput]]:
+    def expand(self, token_ids: list[int], images: list[Any]) -> ExpandedPrompt:
         if not images:
-            return token_ids, []
+            return ExpandedPrompt(token_ids, [], None)
         assert self.prompter is not None  # conversation() refused images otherwise
         return self.prompter.expand(token_ids, images)
 
@@ -67,10 +66,10 @@ def prepare_chat_prompt(
     ctx: ServingContext, token_ids: list[int], images: list[Any], params: SamplingParams
 ) -> PreparedPrompt:
     """ctx.prepare_ids for a rendered chat whose image tokens the images expand."""
-    token_ids, inputs = chat_images(ctx.config.media, ctx.config.vision_model_dir).expand(
+    token_ids, inputs, mrope = chat_images(ctx.config.media, ctx.config.vision_model_dir).expand(
         token_ids, images
     )
     prompt = ctx.prepare_ids(token_ids, params, None)
     if inputs and len(prompt.token_ids) != len(token_ids):
         raise InvalidRequestError("truncate_prompt_tokens cannot cut a prompt with images")
-    return dataclasses.replace(prompt, images=inputs)
+    return dataclasses.replace(prompt, images=inputs, mrope=mrope)

@@ -59,7 +59,7 @@ from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.engine import AddRequest
 from kvflow.proto.frontend import EngineDead, FrontendOutputs, RequestOutputDelta
 from kvflow.proto.lora import LoRARequest
-from kvflow.proto.multimodal import ImageInput
+from kvflow.proto.multimodal import ImageInput, MRopePositions
 from kvflow.proto.stats import SchedulerStats
 from kvflow.routing import Decision, NoEngineError, Router, RoutingConfig
 from kvflow.runtime.sockets import TypedSocket
@@ -190,6 +190,7 @@ class EngineClient(EngineHealth, InFlightRequests):
         *,
         images: list[ImageInput] | None = None,
         lora_request: LoRARequest | None = None,
+        mrope: MRopePositions | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as they come (`delta.req_id` names the child; see
         `sample_index`). Ends when every sample finished; an engine failure arrives as a
@@ -218,10 +219,8 @@ class EngineClient(EngineHealth, InFlightRequests):
                     prompt_token_ids=prompt_token_ids,
                     sampling_params=child_sampling_params(params, index),
                     arrival_time=arrival,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    frontend_id=self.frontend_id,
-                    images=images or [], lora_request=lora_request,
+                    priority=priority, cache_salt=cache_salt, frontend_id=self.frontend_id,
+                    images=images or [], lora_request=lora_request, mrope=mrope,
                 )  # fmt: skip
                 self._sent[child_id] = SentRequest(request, pinned=data_parallel_rank is not None)
                 self.engines[engine].input.send(request)

@@ -32,7 +32,7 @@ from kvflow.errors import (
 from kvflow.model_limits import check_prompt
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.lora import LoRARequest
-from kvflow.proto.multimodal import ImageInput
+from kvflow.proto.multimodal import ImageInput, MRopePositions
 from kvflow.proto.step import TokenLogprobs
 from kvflow.sampling_params import (
     SamplingParams,
@@ -81,6 +81,7 @@ class PreparedPrompt:
     text: str | None  # the prompt as text (given or decoded), for echo
     params: SamplingParams  # validated, with max_tokens resolved for this prompt's length
     images: list[ImageInput] = field(default_factory=list)  # placeholder runs in token_ids
+    mrope: MRopePositions | None = None  # an M-RoPE model's positions of token_ids
 
 
 @dataclass
@@ -212,6 +213,7 @@ class ServingContext:
                 deadline,
                 images=p.images,
                 lora_request=lora_request,
+                mrope=p.mrope,
             )
             for i, p in enumerate(prompts)
         ]

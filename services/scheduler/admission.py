@@ -80,6 +80,9 @@ def check_image_spans(message: AddRequest) -> list[ImageInput]:
             )
     if end > len(message.prompt_token_ids):
         raise InvalidRequestError("an image's placeholder run ends past the prompt")
+    mrope = message.mrope
+    if mrope is not None and len(mrope.data) != 3 * 4 * len(message.prompt_token_ids):
+        raise InvalidRequestError("M-RoPE positions do not match the prompt's length")
     return message.images
 
 
@@ -116,6 +119,7 @@ def admit(message: AddRequest, limits: EngineLimits, queued_time: float) -> Requ
         max_tokens=max_tokens,
         images=check_image_spans(message),
         lora_request=message.lora_request,
+        mrope=message.mrope,
     )
     request.all_token_ids += message.output_token_ids  # recomputed, as after a preemption
     return request

@@ -27,7 +27,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvflow.proto.lora import LoRARequest
-from kvflow.proto.multimodal import ImageInput
+from kvflow.proto.multimodal import ImageInput, MRopePositions
 from kvflow.proto.step import NewRequestData
 from kvflow.sampling_params import SamplingParams
 
@@ -85,6 +85,7 @@ class Request:
         max_tokens: int,
         images: list[ImageInput] | None = None,
         lora_request: LoRARequest | None = None,
+        mrope: MRopePositions | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -111,6 +112,7 @@ class Request:
         # placeholder runs, which the prefix cache's block hashes cover.
         self.images: list[ImageInput] = images or []
         self.image_spans = [(i.offset, i.length, i.hash) for i in self.images]
+        self.mrope = mrope  # an M-RoPE model's prompt positions, for the worker
         # Part of a request already under way (a beam search's later beams): admitted
         # before the queue's other requests (prefill_order.py), which it does not outrun.
         self.expedite = False
@@ -185,6 +187,7 @@ class Request:
             num_computed_tokens=self.num_computed_tokens,
             group_block_ids=group_block_ids,
             lora_request=self.lora_request,
+            mrope=self.mrope,
         )
 
     def reset_for_recompute(self) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 from llava_fixture import make_llava_dir, random_image
+from qwen_vl_fixture import IMAGE as QWEN_IMAGE
+from qwen_vl_fixture import make_qwen_vl_dir
 
 from kvflow import LLM, SamplingParams
 from kvflow.config import CacheConfig
@@ -44,11 +46,21 @@ def test_triton_backend_matches_torch_backend_end_to_end(tiny_model_dir: Any, ar
     )
 
 
-def test_vision_language_models_match_too(tmp_path: Path, embedded_model_dir: Path) -> None:
-    assert VISION == ["LlavaForConditionalGeneration"]  # a new one needs its case here
-    path = str(make_llava_dir(tmp_path, embedded_model_dir, 28))
+def _vision_case(arch: str, path: Path, embedded_model_dir: Path) -> tuple[str, str]:
+    """(model directory, a prompt with one image) of a vision-language architecture."""
+    if arch == "LlavaForConditionalGeneration":
+        return str(make_llava_dir(path, embedded_model_dir, 28)), "USER: <image>\nWhat? ASSISTANT:"
+    assert arch == "Qwen2_5_VLForConditionalGeneration"  # a new one needs its case here
+    return str(make_qwen_vl_dir(path, embedded_model_dir)), f"User: {QWEN_IMAGE}\nWhat? Assistant:"
+
+
+@pytest.mark.parametrize("arch", VISION)
+def test_vision_language_models_match_too(
+    tmp_path: Path, embedded_model_dir: Path, arch: str
+) -> None:
+    path, text = _vision_case(arch, tmp_path, embedded_model_dir)
     prompts = [
-        {"prompt": "USER: <image>\nWhat? ASSISTANT:", "multi_modal_data": {"image": image}}
+        {"prompt": text, "multi_modal_data": {"image": image}}
         for image in (random_image(1, 40, 30), random_image(2, 64, 64))
     ]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from kvflow.proto.engine import AbortRequests, AddRequest, EngineOutputs, TokenDelta
+from kvflow.proto.multimodal import ImageInput, MRopePositions, PixelTensor
 from kvflow.proto.stats import KVBlockMap, PhaseTotals, SchedulerStats, StepRecord
 from kvflow.proto.step import (
     CachedRequestData,
@@ -23,9 +24,14 @@ PARAMS = SamplingParams(
     n=2, max_tokens=7, temperature=0.5, top_k=4, logit_bias={3: -1.5}, stop=["\n"], seed=3
 )
 LOGPROBS = TokenLogprobs(token_ids=[5, 1, 9], logprobs=[-0.1, -2.0, -3.5], rank=1)
+# A Qwen2.5-VL image: 4 patch rows of 2 values on a 1 x 2 x 2 grid, one placeholder at
+# index 1 of a 3-token prompt, and the prompt's M-RoPE positions (int32 [3, 3]).
+QWEN_IMAGE = ImageInput("ab12", 1, 1, PixelTensor("float32", [4, 2], bytes(32)), [1, 2, 2])
+MROPE = MRopePositions(-1, bytes(36))
 
 MESSAGES = [
     AddRequest("r1", [1, 2, 3], PARAMS, arrival_time=12.5, priority=2, cache_salt="t"),
+    AddRequest("r2", [1, 2, 3], PARAMS, arrival_time=1.0, images=[QWEN_IMAGE], mrope=MROPE),
     AbortRequests(["r1", "r2"], finish_reason="stop", stop_reason="###"),
     EngineOutputs(
         deltas=[
@@ -38,7 +44,10 @@ MESSAGES = [
     ),
     StepPlan(
         step_id=3,
-        new_requests=[NewRequestData("r1", [1, 2, 3], 3, PARAMS, [0, 1], 0)],
+        new_requests=[
+            NewRequestData("r1", [1, 2, 3], 3, PARAMS, [0, 1], 0),
+            NewRequestData("r2", [1, 2, 3], 3, PARAMS, [2], 0, [QWEN_IMAGE], mrope=MROPE),
+        ],
         cached_requests=[CachedRequestData("r0", [7], 41)],
         scheduled_req_ids=["r0", "r1"],
         num_scheduled_tokens=[1, 3],
@@ -78,7 +87,8 @@ def test_round_trip(message: msgspec.Struct) -> None:
 
 def test_worker_channel_is_a_tagged_union() -> None:
     decoder = msgspec.msgpack.Decoder(WorkerInput)
-    for message in (MESSAGES[3], SchedulerHello("3f2a9c", leave=["w0", "w1"]), Shutdown()):
+    plan = next(m for m in MESSAGES if isinstance(m, StepPlan))
+    for message in (plan, SchedulerHello("3f2a9c", leave=["w0", "w1"]), Shutdown()):
         assert decoder.decode(msgspec.msgpack.encode(message)) == message
 
 
