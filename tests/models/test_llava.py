@@ -1,5 +1,6 @@
 """LLaVA through the offline engine: greedy tokens equal transformers' at float32, with
-1 and 2 images per prompt, two tower resolutions and two input image sizes; chunked
+1 and 2 images per prompt, two tower resolutions and two input image sizes, a CLIP or a
+SigLIP tower (feature layers and select strategies); chunked
 prefill splitting an image's placeholder run; the encoder cache and the prefix cache on
 a second turn; different images never sharing KV. (A text-only model's refusal of
 images: tests/unit/test_chat_images.py.)"""
@@ -95,6 +96,40 @@ def test_greedy_parity(llava_dirs: Any, tower: int, budget: int, options: dict[s
     if options:
         assert llm.engine.core.scheduler.num_preemptions > 0
     for output, (prompt_ids, tokens) in zip(outputs, expected):
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == tokens
+    llm.close()
+
+
+SIGLIP = {  # tower size, (feature layer, strategy), step budget (5: chunked prefill)
+    "28-last-full": (28, -1, "full", 2048),
+    "42-second-default-chunked": (42, -2, "default", 5),
+    "28-layers-full-chunked": (28, [-3, -1], "full", 5),
+}
+
+
+@pytest.mark.parametrize("case", list(SIGLIP))
+def test_siglip_greedy_parity(
+    tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path, case: str
+) -> None:
+    """A SigLIP tower: the tower's image processor (fixed-size resize, 0.5 mean/std),
+    no class token, learned positions; 1 and 2 images in one batched run."""
+    tower, layer, strategy, budget = SIGLIP[case]
+    path = make_llava_dir(
+        tmp_path_factory.mktemp("siglip"), embedded_model_dir, tower, tower="siglip",
+        feature_layer=layer, strategy=strategy,
+    )  # fmt: skip
+    cases = [CASES["one-small"], CASES["two-mixed"]]
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": [random_image(*s) for s in sizes]}}
+        for text, sizes in cases
+    ]
+    expected = [hf_greedy(path, p["prompt"], p["multi_modal_data"]["image"]) for p in prompts]
+    llm = LLM(
+        str(path), dtype="float32", device="cpu", max_num_batched_tokens=budget,
+        block_size=4, enable_prefix_caching=False,
+    )  # fmt: skip
+    for output, (prompt_ids, tokens) in zip(llm.generate(prompts, GREEDY), expected):
         assert output.prompt_token_ids == prompt_ids
         assert list(output.outputs[0].token_ids) == tokens
     llm.close()
