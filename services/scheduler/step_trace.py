@@ -54,6 +54,7 @@ class StepSample:
     num_preemptions: int  # cumulative
     # Pipeline parallelism: [stage, start_s, end_s] of each stage's compute (wall clock).
     stage_spans: list[list[float]] = field(default_factory=list)
+    encoder_tokens: int = 0  # image features the vision encoder computed
 
     @classmethod
     def of_step(
@@ -64,6 +65,7 @@ class StepSample:
         cost: StepCost,
         span: tuple[float, float],  # (start_s, duration_s)
         stage_spans: list[list[float]],
+        encoder_tokens: int = 0,
     ) -> StepSample:
         return cls(
             step_id=step_id,
@@ -76,6 +78,7 @@ class StepSample:
             kv_cache_usage=scheduler.kv_cache.usage,
             num_preemptions=scheduler.num_preemptions,
             stage_spans=stage_spans,
+            encoder_tokens=encoder_tokens,
         )
 
 
@@ -113,6 +116,7 @@ class StepTrace:
                     "prefill_tokens": batch.num_prompt_tokens,
                     "decode_tokens": batch.num_decode_tokens,
                     "num_logits": batch.num_logits,
+                    "encoder_tokens": sample.encoder_tokens,
                     "preemptions": preempted,
                     "kv_cache_usage_perc": round(100 * sample.kv_cache_usage, 2),
                     "est_flops": sample.cost.flops,

@@ -220,3 +220,33 @@ def test_chat_takes_image_parts_as_the_server_does(llm: LLM, llava_dir: Path) ->
     prompt_ids, tokens = hf_greedy(llava_dir, text, [image_a, image_b])
     assert out.prompt_token_ids == prompt_ids
     assert list(out.outputs[0].token_ids) == tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_encoder_budget_spreads_images_over_steps(
+    llava_dirs: Any, tmp_path: Path, async_scheduling: bool
+) -> None:
+    """Six image requests at once (9 features each, one shared) under a budget of 10
+    features a step: the trace shows at most one image encoded per step, every image
+    encoded once, and the tokens equal an unbudgeted run's."""
+    import json
+
+    path = llava_dirs(42)
+    images = [random_image(20 + n % 5, 40, 30) for n in range(6)]  # 5 different
+    prompts = [{"prompt": ONE, "multi_modal_data": {"image": image}} for image in images]
+    outputs = {}
+    for budget in (2048, 10):
+        llm = LLM(
+            str(path), dtype="float32", device="cpu", block_size=4,
+            max_num_encoder_input_tokens=budget, async_scheduling=async_scheduling,
+        )  # fmt: skip
+        trace = tmp_path / f"trace{budget}.json"
+        llm.engine.start_trace(trace)
+        outputs[budget] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+        llm.engine.stop_trace()
+        steps = [e for e in json.loads(trace.read_text()) if e.get("cat") == "step"]
+        per_step = [e["args"]["encoder_tokens"] for e in steps]
+        assert sum(per_step) == llm.engine.core.counters.mm_encoder_tokens == 5 * 9
+        assert max(per_step) == (9 if budget == 10 else 5 * 9)
+        llm.close()
+    assert outputs[10] == outputs[2048]
