@@ -12,7 +12,8 @@ The file is the Trace Event Format's JSON *array* form, written as steps finish:
 One step is one complete ("X") event named "prefill step" or "decode step" (which of
 the two kinds of tokens is the majority; Perfetto colours by name) spanning plan sent to
 result received, with its numbers in `args`, and counter ("C") events at its start for
-the tracks tokens, requests, kv_cache_usage_perc and preemptions. Timestamps are
+the tracks tokens, requests, kv_cache_usage_perc and preemptions (and encoder_tokens,
+the image features the vision encoder computed, at a step that encoded images). Timestamps are
 wall-clock microseconds (they line up with request timestamps and other processes).
 
 With pipeline parallelism each stage gets a track of its own ("pipeline stage S", one
@@ -116,7 +117,6 @@ class StepTrace:
                     "prefill_tokens": batch.num_prompt_tokens,
                     "decode_tokens": batch.num_decode_tokens,
                     "num_logits": batch.num_logits,
-                    "encoder_tokens": sample.encoder_tokens,
                     "preemptions": preempted,
                     "kv_cache_usage_perc": round(100 * sample.kv_cache_usage, 2),
                     "est_flops": sample.cost.flops,
@@ -124,6 +124,8 @@ class StepTrace:
                 },
             }
         )
+        if sample.encoder_tokens:  # a vision model's step that encoded images
+            self._counter("encoder_tokens", ts, {"computed": sample.encoder_tokens})
         tokens = {"prefill": batch.num_prompt_tokens, "decode": batch.num_decode_tokens}
         self._counter("tokens", ts, tokens)
         requests = {"in_batch": len(batch.query_lens), "running": sample.num_running}

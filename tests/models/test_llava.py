@@ -244,8 +244,8 @@ def test_encoder_budget_spreads_images_over_steps(
         llm.engine.start_trace(trace)
         outputs[budget] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
         llm.engine.stop_trace()
-        steps = [e for e in json.loads(trace.read_text()) if e.get("cat") == "step"]
-        per_step = [e["args"]["encoder_tokens"] for e in steps]
+        events = json.loads(trace.read_text())
+        per_step = [e["args"]["computed"] for e in events if e["name"] == "encoder_tokens"]
         assert sum(per_step) == llm.engine.core.counters.mm_encoder_tokens == 5 * 9
         assert max(per_step) == (9 if budget == 10 else 5 * 9)
         llm.close()
