@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 IMAGE_TOKEN = "<image>"
-TOWERS = {  # name -> (vision config kwargs, feature layer, strategy, extra tokens)
+# name -> (vision config kwargs, feature layer, select strategy, extra tokens an image)
+TOWERS: dict[str, tuple[dict[str, Any], int, Any, int]] = {
     "siglip": (
         dict(
             model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304,
@@ -39,7 +40,7 @@ TOWERS = {  # name -> (vision config kwargs, feature layer, strategy, extra toke
         -2, "default", 1,
     ),
 }  # fmt: skip
-TEXT = dict(
+TEXT: dict[str, Any] = dict(
     hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
     num_key_value_heads=4, max_position_embeddings=4096, rope_theta=10000.0,
     tie_word_embeddings=False, rms_norm_eps=1e-6,
@@ -63,13 +64,14 @@ def write_vlm_dir(path: Path, tokenizer_dir: Path, vision: str = "siglip") -> in
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tower, layer, strategy, extra = TOWERS[vision]
-    size = int(tower["image_size"])  # type: ignore[call-overload]
+    size = int(tower["image_size"])
     config = LlavaConfig(
         vision_config=dict(tower), text_config=LlamaConfig(vocab_size=len(tokenizer), **TEXT),
-        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_token_index=int(tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)),  # type: ignore[arg-type]
         vision_feature_layer=layer, vision_feature_select_strategy=strategy,
         projector_hidden_act="gelu",
     )  # fmt: skip
+    config.architectures = ["LlavaForConditionalGeneration"]
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
     image_processor: Any

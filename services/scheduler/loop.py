@@ -247,9 +247,7 @@ class SchedulerLoop:
         self._step_started = finished_at  # the next step in flight, if any, runs from here
         self._send_deltas(deltas)
 
-    def _measure_step(
-        self, step: StepInFlight, seconds: float, result: StepResult
-    ) -> None:
+    def _measure_step(self, step: StepInFlight, seconds: float, result: StepResult) -> None:
         """Roofline totals always; the trace only when it is on (KV usage after the
         step's update, before the next plan allocates)."""
         cost = self.instruments.roofline.record(step.batch, seconds)

@@ -312,7 +312,8 @@ class Scheduler:
         # allocate_slots counts a new request's KV from its local hit alone.
         request.num_computed_tokens = num_local
         nothing = num_new == 0 and not parked and not num_external  # (a feature's cap)
-        if nothing or self.kv_cache.allocate_slots(request, num_external + num_new, computed) is None:
+        num_slots = num_external + num_new
+        if nothing or self.kv_cache.allocate_slots(request, num_slots, computed) is None:
             request.num_computed_tokens = 0
             return None
         if request.num_cached_tokens < 0:

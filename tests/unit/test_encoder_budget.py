@@ -122,8 +122,7 @@ def test_an_image_larger_than_the_budget_goes_alone(budget: int) -> None:
     plans = [step(scheduler) for _ in range(8)]
     encoded = [tokens for _, tokens in plans if tokens]
     assert encoded == [8, 8]  # each alone in its step, never both in one
-    for plan, tokens in plans:  # a step that encodes one image encodes nothing else
-        assert tokens in (0, 8)
+    assert all(tokens in (0, 8) for _, tokens in plans)  # nothing beside a lone image
 
 
 def test_random_workload_never_encodes_more_than_the_budget() -> None:
