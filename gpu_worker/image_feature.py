@@ -87,6 +87,7 @@ class ImageFeature(StepFeature):
         # Counted per image, not per chunk, so a run split by chunked prefill counts once.
         self.num_queries = 0
         self.num_hits = 0
+        self.num_encoded = 0  # features the encoder computed (the scheduler's budget)
 
     def on_plan(self, plan: StepPlan) -> None:
         self._set(None, None)  # a failed step's rows must never reach a later one
@@ -156,13 +157,14 @@ class ImageFeature(StepFeature):
                         f"an image gives {out.shape[0]} features for {image.length} placeholders"
                     )
                 self.cache.put(image.hash, out)
+                self.num_encoded += image.length
                 found[image.hash] = out
         return found, set(missing)
 
-    def take_counts(self) -> tuple[int, int]:
-        """(queries, hits) since the last call."""
-        counts = (self.num_queries, self.num_hits)
-        self.num_queries = self.num_hits = 0
+    def take_counts(self) -> tuple[int, int, int]:
+        """(queries, hits, features encoded) since the last call."""
+        counts = (self.num_queries, self.num_hits, self.num_encoded)
+        self.num_queries = self.num_hits = self.num_encoded = 0
         return counts
 
     def _set(self, rows: torch.Tensor | None, features: torch.Tensor | None) -> None:

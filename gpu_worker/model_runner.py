@@ -325,7 +325,8 @@ class ModelRunner:
         result.step_id = plan.step_id
         result.execute_time_s = time.perf_counter() - start
         if self.images is not None:
-            result.encoder_cache_queries, result.encoder_cache_hits = self.images.take_counts()
+            counts = self.images.take_counts()
+            result.encoder_cache_queries, result.encoder_cache_hits, result.encoder_tokens = counts
         return result
 
     def _sample(self, plan: StepPlan, inputs: ModelInputs, logits: torch.Tensor) -> StepResult:

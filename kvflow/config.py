@@ -143,6 +143,10 @@ class SchedulerConfig:
         "seconds a request may wait for its first step, else it fails "
         "(HTTP 503); default: no limit",
     )
+    max_num_encoder_input_tokens: int = _opt(
+        0, "image features the vision encoder may compute per step (0: max_num_batched_tokens)"
+    )
+    encoder_cache_size: int = _opt(0, "image features the scheduler counts as cached (0: same)")
     grammar_compile_timeout: float = _opt(
         30.0, "seconds a guided request's grammar may take to compile before it fails"
     )
@@ -159,8 +163,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if self.long_prefill_token_threshold < 0:
-            raise ConfigError("long_prefill_token_threshold must be >= 0")
+        counts = (self.long_prefill_token_threshold, self.max_num_encoder_input_tokens)
+        if min(*counts, self.encoder_cache_size) < 0:
+            raise ConfigError("token thresholds, budgets and cache sizes must be >= 0")
         if self.prefill_order == "shortest" and self.policy == "priority":
             # shortest-first would override the priorities the client asked for
             raise ConfigError("prefill_order shortest works with policy fcfs only")

@@ -115,6 +115,7 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, 
     # those of them whose features came from the encoder cache (not the encoder).
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
+    encoder_tokens: int = 0  # image features the vision encoder computed this step
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):

@@ -123,11 +123,20 @@ class ClipVisionTower(nn.Module):
     def hidden_states(self, pixels: torch.Tensor, indices: list[int]) -> list[torch.Tensor]:
         """hidden_states[i] for each i of `indices` (negative: from the end, as in HF's
         list of num_layers + 1 states), each [N, 1 + P, D]; runs only the layers needed."""
-        count = len(self.encoder.layers) + 1
-        wanted = [i % count for i in indices]
-        states = {0: self.pre_layrnorm(self.embeddings(pixels))}
-        x = states[0]
-        for i, layer in enumerate(self.encoder.layers[: max(wanted)], 1):
-            x = layer(x)
-            states[i] = x
-        return [states[i] for i in wanted]
+        first = self.pre_layrnorm(self.embeddings(pixels))
+        return select_hidden_states(first, self.encoder.layers, indices)
+
+
+def select_hidden_states(
+    first: torch.Tensor, layers: nn.ModuleList, indices: list[int]
+) -> list[torch.Tensor]:
+    """HF's hidden_states[i] (0: `first`, i: after layer i) for each i of `indices`
+    (negative: from the end of the num_layers + 1 states); runs only the layers needed."""
+    count = len(layers) + 1
+    wanted = [i % count for i in indices]
+    states = {0: first}
+    x = first
+    for i, layer in enumerate(layers[: max(wanted)], 1):
+        x = layer(x)
+        states[i] = x
+    return [states[i] for i in wanted]

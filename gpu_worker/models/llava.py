@@ -1,8 +1,9 @@
-"""LLaVA (`LlavaForConditionalGeneration`, as in LLaVA-1.5): a CLIP vision tower, a
-projector (linear-GELU-linear) and kvflow's dense decoder as the language model.
+"""LLaVA (`LlavaForConditionalGeneration`, as in LLaVA-1.5): a CLIP or SigLIP vision
+tower, a projector (linear-GELU-linear) and kvflow's dense decoder as the language model.
 
-    image pixels -> vision tower -> hidden_states[vision_feature_layer] (drop the class
-    token: strategy "default") -> projector -> one embedding per placeholder token
+    image pixels -> vision tower -> hidden_states[vision_feature_layer] (drop the first
+    position: strategy "default", CLIP's class token) -> projector -> one embedding per
+    placeholder token
 
 The language model runs the paged decoder of llama.py unchanged. For a step whose
 tokens include image placeholders, the runner's image feature (image_feature.py) sets
@@ -22,6 +23,7 @@ from torch import nn
 from kvflow.gpu_worker.attention.backend import AttentionBackend
 from kvflow.gpu_worker.models.clip_vision import ClipVisionTower, activation
 from kvflow.gpu_worker.models.llama import LlamaForCausalLM
+from kvflow.gpu_worker.models.siglip_vision import SiglipVisionTower
 from kvflow.gpu_worker.weights import packed_target
 
 
@@ -40,15 +42,25 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))  # type: ignore[no-any-return]
 
 
+VISION_TOWERS: dict[str, type[nn.Module]] = {
+    "clip_vision_model": ClipVisionTower,
+    "siglip_vision_model": SiglipVisionTower,
+}
+
+
 class LlavaParts(nn.Module):
     """`model.`: the language model, the vision tower and the projector."""
 
     def __init__(self, language_model: nn.Module, config: Any) -> None:
         super().__init__()
-        if config.vision_config.model_type != "clip_vision_model":
-            raise ValueError(f"LLaVA vision tower {config.vision_config.model_type!r}: CLIP only")
+        tower = VISION_TOWERS.get(config.vision_config.model_type)
+        if tower is None:
+            raise ValueError(
+                f"LLaVA vision tower {config.vision_config.model_type!r}: "
+                f"supported are {sorted(VISION_TOWERS)}"
+            )
         self.language_model = language_model
-        self.vision_tower = ClipVisionTower(config.vision_config)
+        self.vision_tower = tower(config.vision_config)
         self.multi_modal_projector = LlavaProjector(config)
 
 
@@ -93,7 +105,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         (`grid_thw` is empty: LLaVA's pixels carry their shape)."""
         parts = self.model
         states = parts.vision_tower.hidden_states(pixels, self.feature_layers)  # type: ignore[operator]
-        if self.drop_class_token:
+        if self.drop_class_token:  # (a SigLIP tower has none: HF drops its first patch)
             states = [s[:, 1:] for s in states]
         return parts.multi_modal_projector(torch.cat(states, dim=-1))  # type: ignore[no-any-return]
 
@@ -128,6 +140,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def skips_weight(self, name: str) -> bool:
         name = _canonical(name)
+        if name.startswith("model.vision_tower.head."):  # SigLIP's pooling head: unread
+            return True
         if name.startswith("lm_head."):  # tied to the embedding, or another stage's
             return self.lm_head is None or bool(getattr(self.config, "tie_word_embeddings", 0))
         prefix = "model.language_model."

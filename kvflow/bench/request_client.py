@@ -1,4 +1,5 @@
-"""One streaming /v1/completions request, timed chunk by chunk (vLLM's openai client).
+"""One streaming /v1/completions (or /v1/chat/completions) request, timed chunk by chunk
+(vLLM's openai clients; a chat chunk without content, such as the role, is not one).
 
     sent = perf_counter() before the POST
     for each SSE event with a non-empty `choices` list (a content chunk, text may be ""):
@@ -105,12 +106,15 @@ async def _read_stream(response: httpx.Response, output: RequestOutput) -> None:
             output.error = str(event["error"].get("message", event["error"]))
             return
         if event.get("choices"):
+            text = _chunk_text(event["choices"][0])
+            if text is None:
+                continue  # a chat stream's role-only chunk: no token yet
             if texts:
                 output.itl.append(now - last)
             else:
                 output.ttft = now - output.start_time
             last = now
-            texts.append(event["choices"][0].get("text") or "")
+            texts.append(text)
         elif event.get("usage"):
             output.output_tokens = int(event["usage"].get("completion_tokens") or 0)
     output.generated_text = "".join(texts)
@@ -118,3 +122,10 @@ async def _read_stream(response: httpx.Response, output: RequestOutput) -> None:
     output.success = bool(texts)
     if not texts:
         output.error = "the stream ended without a single content chunk"
+
+
+def _chunk_text(choice: dict[str, Any]) -> str | None:
+    """A completions chunk's text ("" counts), or a chat chunk's content (None: none)."""
+    if "delta" in choice:
+        return choice["delta"].get("content") or None
+    return str(choice.get("text") or "")

@@ -1,7 +1,8 @@
 """`kvflow bench serve`: load-test any OpenAI-compatible server (`vllm bench serve` flags).
 
     /v1/models ─▶ model id, tokenizer (the model's `root` path unless --tokenizer)
-    dataset    ─▶ requests (datasets.py: token-id prompts for random/prefix_repetition)
+    dataset    ─▶ requests (datasets.py: token-id prompts for random/prefix_repetition;
+                  --random-image-size: chat messages with an image each, image_requests.py)
     one test request (fails fast on a misconfigured run), then --num-warmups requests
     for each --request-rate (a comma list sweeps):
         arrivals at Gamma(burstiness) gaps of mean 1/rate, at most --max-concurrency
@@ -30,7 +31,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from kvflow.bench import datasets, request_client, serve_metrics
+from kvflow.bench import datasets, image_requests, request_client, serve_metrics
 from kvflow.bench.datasets import SampleRequest
 from kvflow.bench.request_client import RequestOutput
 from kvflow.bench.serve_report import RunSetup, format_summary, result_json, result_path
@@ -159,8 +160,6 @@ async def check_and_warm_up(
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.endpoint.rstrip("/").endswith("chat/completions"):
-        raise SystemExit("kvflow bench serve: only the completions API is supported")
     if args.num_prompts < 1:
         raise SystemExit("kvflow bench serve: --num-prompts must be at least 1")
     if args.plot:
@@ -172,9 +171,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_bench_tokenizer(tokenizer_id)
     requests = sample_requests(args, tokenizer)
     served_name = args.served_model_name or model_id
-    payloads = [
-        request_client.completion_payload(served_name, r, args.ignore_eos) for r in requests
-    ]
+    payloads = image_requests.make_payloads(args, served_name, requests, tokenizer)
 
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -346,6 +343,7 @@ def _add_dataset_args(data: Any) -> None:
     data.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     data.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     data.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    image_requests.add_args(data)
 
 
 def _add_traffic_args(traffic: Any) -> None:

@@ -268,8 +268,9 @@ class LLMEngine:
         start = min((s for _, s, _ in spans), default=end - result.execute_time_s)
         assert self.trace is not None
         sample = StepSample.of_step(
-            self.scheduler, step.plan.step_id, step.batch, cost, (start, end - start), spans
-        )
+            self.scheduler, step.plan.step_id, step.batch, cost, (start, end - start), spans,
+            result.encoder_tokens,
+        )  # fmt: skip
         self.trace.record_step(sample)
 
     def recover_from_failed_step(self) -> None:

@@ -69,12 +69,14 @@ class TokenCounters:
     num_steps: int = 0
     mm_encoder_cache_queries: int = 0  # images looked up in the worker's encoder cache
     mm_encoder_cache_hits: int = 0
+    mm_encoder_tokens: int = 0  # image features the vision encoder computed
     step_tokens: list[int] = field(default_factory=list)  # since the last take_step_tokens
     started: set[str] = field(default_factory=set)  # requests with a first token
 
     def on_step(self, plan: StepPlan, result: StepResult, deltas: list[TokenDelta]) -> None:
         self.mm_encoder_cache_queries += result.encoder_cache_queries
         self.mm_encoder_cache_hits += result.encoder_cache_hits
+        self.mm_encoder_tokens += result.encoder_tokens
         if plan.scheduled_req_ids:
             self.num_steps += 1
             self.step_tokens.append(plan.total_num_scheduled_tokens)
@@ -348,4 +350,5 @@ def _only_live(result: StepResult, live: set[str]) -> StepResult:
         pooled=[result.pooled[i] for i in keep] if result.pooled else [],
         encoder_cache_queries=result.encoder_cache_queries,
         encoder_cache_hits=result.encoder_cache_hits,
+        encoder_tokens=result.encoder_tokens,
     )

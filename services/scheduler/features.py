@@ -4,8 +4,9 @@ Prompt logprobs and beam search are always on (a request asks for them); jump-fo
 when the scheduler config enables it; speculative decoding, KV transfer, pipeline
 micro-batches and pooling when the deployment has them. The order is the order of the hooks:
 micro-batches first (a busy request is held before a speculator counts a decode).
-Images always travel with their requests (image_inputs.py; a text request costs one
-check per scheduled request).
+Images always travel with their requests (image_inputs.py) and their encoding is
+budgeted per step (encoder_budget.py); a text request costs one check per scheduled
+request in each.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kvflow.kv_transfer.scheduler.connector import KVConnectorScheduler
 from kvflow.kv_transfer.scheduler.step_feature import KVTransferFeature
 from kvflow.pooling import PoolingSpec
 from kvflow.services.scheduler.beam_feature import BeamSearchFeature
+from kvflow.services.scheduler.encoder_budget import EncoderBudgetFeature
 from kvflow.services.scheduler.image_inputs import ImageInputsFeature
 from kvflow.services.scheduler.jump_forward import JumpForwardFeature
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
@@ -53,5 +55,8 @@ def make_step_features(
     features.append(PromptLogprobsFeature())
     if pooling is not None:
         features.append(PoolingFeature(pooling))
+    tokens = config.max_num_batched_tokens
+    encoder_tokens = config.max_num_encoder_input_tokens or tokens
+    features.append(EncoderBudgetFeature(encoder_tokens, config.encoder_cache_size or tokens))
     features.append(ImageInputsFeature())
     return features

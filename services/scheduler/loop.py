@@ -245,13 +245,11 @@ class SchedulerLoop:
             return
         finished_at = time.perf_counter()
         if step.batch.num_tokens:
-            self._measure_step(step, finished_at - self._step_started, result.stage_spans)
+            self._measure_step(step, finished_at - self._step_started, result)
         self._step_started = finished_at  # the next step in flight, if any, runs from here
         self._send_deltas(deltas)
 
-    def _measure_step(
-        self, step: StepInFlight, seconds: float, stage_spans: list[list[float]]
-    ) -> None:
+    def _measure_step(self, step: StepInFlight, seconds: float, result: StepResult) -> None:
         """Roofline totals always; the trace only when it is on (KV usage after the
         step's update, before the next plan allocates)."""
         cost = self.instruments.roofline.record(step.batch, seconds)
@@ -273,7 +271,8 @@ class SchedulerLoop:
                 step.batch,
                 cost,
                 (time.time() - seconds, seconds),
-                stage_spans,
+                result.stage_spans,
+                result.encoder_tokens,
             )
             self.instruments.trace.record_step(sample)
 

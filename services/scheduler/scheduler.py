@@ -173,7 +173,10 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
-        return min(num_new, budget)
+        num_new = min(num_new, budget)
+        for f in self.features:  # e.g. the encoder budget ends a chunk before an image
+            num_new = f.cap_tokens(request, num_new)
+        return num_new
 
     def _schedule_running(self, step: StepBuilder) -> None:
         index = 0
@@ -291,7 +294,7 @@ class Scheduler:
         asynchronous load ends), or None (nothing changed) when it cannot start now."""
         if self.kv_cache.get_block_ids(request.request_id):  # KV loaded for it (or forked)
             num_new = self._num_new_tokens(request, budget)
-            if self.kv_cache.allocate_slots(request, num_new) is None:
+            if num_new == 0 or self.kv_cache.allocate_slots(request, num_new) is None:
                 return None
             return num_new, False
         computed = ComputedBlocks([], 0)
@@ -308,7 +311,9 @@ class Scheduler:
         num_new = 0 if parked else self._num_new_tokens(request, budget)
         # allocate_slots counts a new request's KV from its local hit alone.
         request.num_computed_tokens = num_local
-        if self.kv_cache.allocate_slots(request, num_external + num_new, computed) is None:
+        nothing = num_new == 0 and not parked and not num_external  # (a feature's cap)
+        num_slots = num_external + num_new
+        if nothing or self.kv_cache.allocate_slots(request, num_slots, computed) is None:
             request.num_computed_tokens = 0
             return None
         if request.num_cached_tokens < 0:

@@ -8,9 +8,10 @@ overrides only the points it needs, and a scheduler without features pays one lo
 over an empty list per point::
 
     arriving     on_add (a feature may keep a request out of the queue)
-    schedule()   begin_step ─▶ running: holds_back ─▶ plan_running ─▶ on_scheduled_running
+    schedule()   begin_step ─▶ running: holds_back ─▶ cap_tokens ─▶ plan_running
+                                      ─▶ on_scheduled_running
                              waiting: stops_admission ─▶ skips_admission ─▶
-                                      reads_prefix_cache ─▶ admission
+                                      reads_prefix_cache ─▶ admission ─▶ cap_tokens
                                       ─▶ on_allocated
                  every scheduled request: on_scheduled ─▶ end_step (the plan's extras)
     results      on_result (the step's side outputs) ─▶ on_sampled (per request, before
@@ -116,6 +117,12 @@ class StepFeature:
     def holds_back(self, request: Request) -> bool:
         """A running request that takes no step now (before its tokens are counted)."""
         return False
+
+    def cap_tokens(self, request: Request, num_new: int) -> int:
+        """A request (running, or waiting past its prefix hit) is about to take
+        `num_new` tokens from its num_computed_tokens: how many it may take (0: none
+        this step; a waiting request then stops admission)."""
+        return num_new
 
     def plan_running(self, request: Request, num_new: int, step: StepBuilder) -> Planned | None:
         """Schedule a running request differently from `num_new` plain tokens: a

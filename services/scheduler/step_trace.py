@@ -12,7 +12,8 @@ The file is the Trace Event Format's JSON *array* form, written as steps finish:
 One step is one complete ("X") event named "prefill step" or "decode step" (which of
 the two kinds of tokens is the majority; Perfetto colours by name) spanning plan sent to
 result received, with its numbers in `args`, and counter ("C") events at its start for
-the tracks tokens, requests, kv_cache_usage_perc and preemptions. Timestamps are
+the tracks tokens, requests, kv_cache_usage_perc and preemptions (and encoder_tokens,
+the image features the vision encoder computed, at a step that encoded images). Timestamps are
 wall-clock microseconds (they line up with request timestamps and other processes).
 
 With pipeline parallelism each stage gets a track of its own ("pipeline stage S", one
@@ -54,6 +55,7 @@ class StepSample:
     num_preemptions: int  # cumulative
     # Pipeline parallelism: [stage, start_s, end_s] of each stage's compute (wall clock).
     stage_spans: list[list[float]] = field(default_factory=list)
+    encoder_tokens: int = 0  # image features the vision encoder computed
 
     @classmethod
     def of_step(
@@ -64,6 +66,7 @@ class StepSample:
         cost: StepCost,
         span: tuple[float, float],  # (start_s, duration_s)
         stage_spans: list[list[float]],
+        encoder_tokens: int = 0,
     ) -> StepSample:
         return cls(
             step_id=step_id,
@@ -76,6 +79,7 @@ class StepSample:
             kv_cache_usage=scheduler.kv_cache.usage,
             num_preemptions=scheduler.num_preemptions,
             stage_spans=stage_spans,
+            encoder_tokens=encoder_tokens,
         )
 
 
@@ -120,6 +124,8 @@ class StepTrace:
                 },
             }
         )
+        if sample.encoder_tokens:  # a vision model's step that encoded images
+            self._counter("encoder_tokens", ts, {"computed": sample.encoder_tokens})
         tokens = {"prefill": batch.num_prompt_tokens, "decode": batch.num_decode_tokens}
         self._counter("tokens", ts, tokens)
         requests = {"in_batch": len(batch.query_lens), "running": sample.num_running}

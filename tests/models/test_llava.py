@@ -1,5 +1,6 @@
 """LLaVA through the offline engine: greedy tokens equal transformers' at float32, with
-1 and 2 images per prompt, two tower resolutions and two input image sizes; chunked
+1 and 2 images per prompt, two tower resolutions and two input image sizes, a CLIP or a
+SigLIP tower (feature layers and select strategies); chunked
 prefill splitting an image's placeholder run; the encoder cache and the prefix cache on
 a second turn; different images never sharing KV. (A text-only model's refusal of
 images: tests/unit/test_chat_images.py.)"""
@@ -100,6 +101,40 @@ def test_greedy_parity(llava_dirs: Any, tower: int, budget: int, options: dict[s
     llm.close()
 
 
+SIGLIP = {  # tower size, (feature layer, strategy), step budget (5: chunked prefill)
+    "28-last-full": (28, -1, "full", 2048),
+    "42-second-default-chunked": (42, -2, "default", 5),
+    "28-layers-full-chunked": (28, [-3, -1], "full", 5),
+}
+
+
+@pytest.mark.parametrize("case", list(SIGLIP))
+def test_siglip_greedy_parity(
+    tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path, case: str
+) -> None:
+    """A SigLIP tower: the tower's image processor (fixed-size resize, 0.5 mean/std),
+    no class token, learned positions; 1 and 2 images in one batched run."""
+    tower, layer, strategy, budget = SIGLIP[case]
+    path = make_llava_dir(
+        tmp_path_factory.mktemp("siglip"), embedded_model_dir, tower, tower="siglip",
+        feature_layer=layer, strategy=strategy,
+    )  # fmt: skip
+    cases = [CASES["one-small"], CASES["two-mixed"]]
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": [random_image(*s) for s in sizes]}}
+        for text, sizes in cases
+    ]
+    expected = [hf_greedy(path, p["prompt"], p["multi_modal_data"]["image"]) for p in prompts]
+    llm = LLM(
+        str(path), dtype="float32", device="cpu", max_num_batched_tokens=budget,
+        block_size=4, enable_prefix_caching=False,
+    )  # fmt: skip
+    for output, (prompt_ids, tokens) in zip(llm.generate(prompts, GREEDY), expected):
+        assert output.prompt_token_ids == prompt_ids
+        assert list(output.outputs[0].token_ids) == tokens
+    llm.close()
+
+
 @pytest.fixture(scope="module")
 def llm(llava_dir: Path) -> Iterator[LLM]:
     engine = LLM(str(llava_dir), dtype="float32", device="cpu", block_size=4)
@@ -185,3 +220,33 @@ def test_chat_takes_image_parts_as_the_server_does(llm: LLM, llava_dir: Path) ->
     prompt_ids, tokens = hf_greedy(llava_dir, text, [image_a, image_b])
     assert out.prompt_token_ids == prompt_ids
     assert list(out.outputs[0].token_ids) == tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_encoder_budget_spreads_images_over_steps(
+    llava_dirs: Any, tmp_path: Path, async_scheduling: bool
+) -> None:
+    """Six image requests at once (9 features each, one shared) under a budget of 10
+    features a step: the trace shows at most one image encoded per step, every image
+    encoded once, and the tokens equal an unbudgeted run's."""
+    import json
+
+    path = llava_dirs(42)
+    images = [random_image(20 + n % 5, 40, 30) for n in range(6)]  # 5 different
+    prompts = [{"prompt": ONE, "multi_modal_data": {"image": image}} for image in images]
+    outputs = {}
+    for budget in (2048, 10):
+        llm = LLM(
+            str(path), dtype="float32", device="cpu", block_size=4,
+            max_num_encoder_input_tokens=budget, async_scheduling=async_scheduling,
+        )  # fmt: skip
+        trace = tmp_path / f"trace{budget}.json"
+        llm.engine.start_trace(trace)
+        outputs[budget] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
+        llm.engine.stop_trace()
+        events = json.loads(trace.read_text())
+        per_step = [e["args"]["computed"] for e in events if e["name"] == "encoder_tokens"]
+        assert sum(per_step) == llm.engine.core.counters.mm_encoder_tokens == 5 * 9
+        assert max(per_step) == (9 if budget == 10 else 5 * 9)
+        llm.close()
+    assert outputs[10] == outputs[2048]
