@@ -247,8 +247,10 @@ class ModelRunner:
         num_groups = self.kv_layout.num_groups
         if self.device.type == "cpu":  # one rank: gpu_worker/main.py makes ranks eager
             block_size = self.config.cache.block_size
+            spec = self.config.speculative  # its verification steps replay graphs too
+            query_len = 1 + (spec.num_speculative_tokens if spec is not None else 0)
             self.decode_graphs = make_cpu_decode_graphs(
-                self.model, max_num_seqs, max_model_len, block_size, num_groups
+                self.model, max_num_seqs, max_model_len, block_size, num_groups, query_len
             )
             took = 0.0
         else:
