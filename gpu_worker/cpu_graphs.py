@@ -102,6 +102,7 @@ class CpuDecodeGraphs:
         rows = md.query_start_loc_cpu[-1]
         return (
             md.max_query_len <= self.max_query_len
+            and (md.max_query_len == 1 or not _has_fresh_prompt(md))
             and 0 < rows <= self.static.input_ids.shape[0]
             and rows not in self.refused
             and all(
@@ -171,3 +172,10 @@ class CpuDecodeGraphs:
     @property
     def nbytes(self) -> int:
         return sum(tape.nbytes for tape in self.tapes.values())
+
+
+def _has_fresh_prompt(md: AttentionMetadata) -> bool:
+    """A request whose whole context is this step's queries: a prompt, which attends its
+    own unquantized K/V eagerly (a decode row would read it back from the cache)."""
+    starts = md.query_start_loc_cpu
+    return any(starts[i + 1] - starts[i] == n for i, n in enumerate(md.seq_lens_cpu))
