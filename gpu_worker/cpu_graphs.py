@@ -16,6 +16,9 @@ How it differs from the CUDA graphs:
   kernel reads every length and block table from the static buffers.
 - Bounds: the native kernel follows block tables unchecked, so each replay checks the
   step's lengths against its block tables first, as an eager step's plan does.
+- Verification steps of speculative decoding (queries of up to `max_query_len` tokens)
+  run as one-token decodes, one per query row (token_decodes.py): a verification of
+  k + 1 rows replays the graph of k + 1 decode rows.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kvflow.gpu_worker.attention.torch_backend import TorchAttentionBackend
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata, replaced_metadata
 from kvflow.gpu_worker.graph_inputs import StaticDecodeInputs
 from kvflow.gpu_worker.op_tape import DataDependentOp, OpTape
+from kvflow.gpu_worker.token_decodes import as_token_decodes
 from kvflow.kernels.cpu.native_calls import NotReplayable
 from kvflow.kernels.cpu.paged_decode import check_lengths
 
@@ -41,11 +45,16 @@ DEFAULT_MEMORY_BUDGET = 512 << 20  # bytes of recorded activations over all size
 
 
 def make_cpu_decode_graphs(
-    model: nn.Module, max_num_seqs: int, max_model_len: int, block_size: int, num_groups: int = 1
+    model: nn.Module,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    num_groups: int = 1,
+    max_query_len: int = 1,
 ) -> CpuDecodeGraphs | None:
     """Decode graphs for `model` (its KV cache bound), or None where a replay could not
     stand in for its forward: an attention backend without the native decode kernel, or
-    layers it cannot take."""
+    layers it cannot take. `max_query_len`: 1 + the drafts of a verification step."""
     layers = model.attention_layers()  # type: ignore[operator]  # every decoder has it
     backend = layers[0].backend
     if not isinstance(backend, TorchAttentionBackend) or not backend.has_decode_kernel:
@@ -58,8 +67,9 @@ def make_cpu_decode_graphs(
         # take the torch decode path, which plans on the host.
         return None
     return CpuDecodeGraphs(
-        model, backend, layers[0].kv_cache, max_num_seqs, max_model_len, block_size, num_groups
-    )
+        model, backend, layers[0].kv_cache, max_num_seqs * max_query_len, max_model_len,
+        block_size, num_groups, max_query_len=max_query_len,
+    )  # fmt: skip
 
 
 class CpuDecodeGraphs:
@@ -70,17 +80,19 @@ class CpuDecodeGraphs:
         model: nn.Module,
         backend: TorchAttentionBackend,
         kv_cache: torch.Tensor,  # the first layer's: the plans are made against it
-        max_num_seqs: int,
+        max_rows: int,  # query rows of the largest step replayed
         max_model_len: int,
         block_size: int,
         num_groups: int = 1,  # KV cache groups (kvflow/kv_groups.py): a table each
         memory_budget: int | None = None,  # bytes; None: DEFAULT_MEMORY_BUDGET
+        max_query_len: int = 1,  # longer queries (verification steps) run eagerly
     ) -> None:
         self.model, self.backend, self.kv_cache = model, backend, kv_cache
+        self.max_query_len = max_query_len
         self.max_model_len, self.block_size = max_model_len, block_size
         self.memory_budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
         self.static = StaticDecodeInputs.allocate(
-            max_num_seqs, math.ceil(max_model_len / block_size), kv_cache.device, num_groups
+            max_rows, math.ceil(max_model_len / block_size), kv_cache.device, num_groups
         )
         # (size, variant) -> tape, LRU first. The variant tells apart forwards of one
         # size that run different ops: with LoRA, whether the step has adapted rows
@@ -90,12 +102,15 @@ class CpuDecodeGraphs:
         self.variant: Callable[[], Hashable] = lambda: None
         self.num_replays = 0
         self.num_recordings = 0
+        self.num_verify_replays = 0  # replays that ran a step of longer queries
 
     def can_run(self, md: AttentionMetadata) -> bool:
+        rows = md.query_start_loc_cpu[-1]
         return (
-            md.is_decode_only
-            and 0 < md.num_reqs <= self.static.input_ids.shape[0]
-            and (md.num_reqs, self.variant()) not in self.refused
+            md.max_query_len <= self.max_query_len
+            and (md.max_query_len == 1 or not _has_fresh_prompt(md))
+            and 0 < rows <= self.static.input_ids.shape[0]
+            and (rows, self.variant()) not in self.refused
             and all(
                 group.block_tables.shape[1] <= self.static.block_tables.shape[1]
                 for group in (md, *md.group_metadata)
@@ -106,8 +121,12 @@ class CpuDecodeGraphs:
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
-        """The hidden states [n, hidden] of a decode-only forward: a replay, or the
-        step's own forward recorded when its size has no graph yet."""
+        """The hidden states [num_tokens, hidden] of a forward whose queries are at most
+        `max_query_len` tokens long: a replay, or the step's own forward recorded when
+        its size has no graph yet."""
+        verify = not md.is_decode_only
+        if verify:  # one decode row per query token
+            md = as_token_decodes(md)
         n = md.num_reqs
         # What an eager step's plan checks before the kernel follows the tables (from
         # the host lists: no tensor read).
@@ -122,6 +141,7 @@ class CpuDecodeGraphs:
         self.tapes.move_to_end(key)
         tape.replay()
         self.num_replays += 1
+        self.num_verify_replays += verify
         return tape.output  # type: ignore[no-any-return]  # the recorded forward's hidden
 
     def _record(self, key: tuple[int, Hashable]) -> torch.Tensor:
@@ -160,3 +180,10 @@ class CpuDecodeGraphs:
     @property
     def nbytes(self) -> int:
         return sum(tape.nbytes for tape in self.tapes.values())
+
+
+def _has_fresh_prompt(md: AttentionMetadata) -> bool:
+    """A request whose whole context is this step's queries: a prompt, which attends its
+    own unquantized K/V eagerly (a decode row would read it back from the cache)."""
+    starts = md.query_start_loc_cpu
+    return any(starts[i + 1] - starts[i] == n for i, n in enumerate(md.seq_lens_cpu))

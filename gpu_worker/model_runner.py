@@ -249,8 +249,10 @@ class ModelRunner:
         num_groups = self.kv_layout.num_groups
         if self.device.type == "cpu":  # one rank: gpu_worker/main.py makes ranks eager
             block_size = self.config.cache.block_size
+            spec = self.config.speculative  # its verification steps replay graphs too
+            query_len = 1 + (spec.num_speculative_tokens if spec is not None else 0)
             self.decode_graphs = make_cpu_decode_graphs(
-                self.model, max_num_seqs, max_model_len, block_size, num_groups
+                self.model, max_num_seqs, max_model_len, block_size, num_groups, query_len
             )
             took = 0.0
         else:
@@ -269,7 +271,7 @@ class ModelRunner:
         hold the base model's forward only, so steps with adapters run eagerly there."""
         if not isinstance(graphs, CpuDecodeGraphs):
             return lora.forward_path(self.forward_path)
-        lora.batch.reserve(max_num_seqs)
+        lora.batch.reserve(graphs.static.input_ids.shape[0])  # verify steps: a row per query
         graphs.variant = lora.batch.graph_variant
         return lora.forward_path(self.forward_path, replay_lora=True)
 
