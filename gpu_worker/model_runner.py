@@ -260,11 +260,11 @@ class ModelRunner:
         if self.decode_graphs is not None and self.stage is None:  # a stage runs its own
             self.forward_path = GraphForward(self.decode_graphs)
             if self.lora is not None:
-                self.forward_path = self._lora_graphs(self.lora, self.decode_graphs, max_num_seqs)
+                self.forward_path = self._lora_graphs(self.lora, self.decode_graphs)
         return took
 
     def _lora_graphs(
-        self, lora: LoraFeature, graphs: CpuDecodeGraphs | DecodeGraphs, max_num_seqs: int
+        self, lora: LoraFeature, graphs: CpuDecodeGraphs | DecodeGraphs
     ) -> ForwardPath:
         """CPU graphs record adapted decode forwards too (a tape per size and variant;
         the native LoRA kernel reads the step's slots from a fixed buffer); CUDA graphs
