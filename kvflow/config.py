@@ -61,6 +61,11 @@ class ModelConfig:
         "auto = the checkpoint's weights; dummy = random weights of the model's shapes "
         "(a directory with config.json and tokenizer files suffices: benchmarks)",
     )
+    skip_tokenizer_init: bool = _opt(
+        False,
+        "load no tokenizer: prompts are token ids, outputs token ids with empty text "
+        "(a model directory without tokenizer files; text prompts are refused)",
+    )
     max_model_len: int | None = _opt(None, "context length cap (default: model's own)")
     served_model_name: str | None = _opt(None, "name reported by /v1/models")
     seed: int = _opt(0, "seed of the global sampler generator")

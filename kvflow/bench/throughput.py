@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from kvflow.bench.shapes import add_shape_args, apply_shape_args
+
 
 @dataclass
 class ThroughputResult:
@@ -49,6 +51,7 @@ class ThroughputResult:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
+    add_shape_args(parser)  # --shape NAME / --config DIR: real-size shapes, random weights
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
@@ -183,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     python = peer_python(args.peer_python) if args.compare == "vllm" else None
     if args.lora_adapters:
         return _run_lora(args)
+    apply_shape_args(args)
     llm = LLM(**engine_options(args))
     tokenizer = llm.tokenizer
     prompts = random_token_prompts(
@@ -259,6 +263,7 @@ def _run_lora(args: argparse.Namespace) -> int:
     from kvflow.gpu_worker.model_files import resolve_model_dir
     from kvflow.offline.llm import LLM
 
+    apply_shape_args(args)
     options = engine_options(args)
     model_dir = resolve_model_dir(options.get("model"))
     folder, paths = lora_bench.temporary_adapters(
