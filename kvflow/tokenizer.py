@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import InvalidRequestError
+from kvflow.token_ids_only import TokenIdsOnly
 
 Conversation = list[dict[str, Any]]
 # apply_chat_template's own arguments: a request's template kwargs may not set them.
@@ -20,8 +21,6 @@ def load_tokenizer(model_dir: Path, skip: bool = False) -> Any:
     """The model's HF tokenizer, from disk only (never the hub); `skip`
     (skip_tokenizer_init): none, token ids in and out (kvflow/token_ids_only.py)."""
     if skip:
-        from kvflow.token_ids_only import TokenIdsOnly
-
         return TokenIdsOnly(model_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -76,8 +75,6 @@ def read_eos_token_ids(model_dir: Path) -> frozenset[int]:
     where importing transformers takes seconds of start-up."""
     config_path = model_dir / "tokenizer_config.json"
     if not has_tokenizer_files(model_dir):  # skip_tokenizer_init: the config's own
-        from kvflow.token_ids_only import TokenIdsOnly
-
         return load_eos_token_ids(model_dir, TokenIdsOnly(model_dir))
     if not (model_dir / "tokenizer.json").is_file() or not config_path.is_file():
         return load_eos_token_ids(model_dir, load_decoding_tokenizer(model_dir))
@@ -105,6 +102,8 @@ def apply_chat_template(
 
     `template_kwargs` become template variables (a request's `chat_template_kwargs`);
     they cannot replace the arguments this function itself passes."""
+    if isinstance(tokenizer, TokenIdsOnly):  # skip_tokenizer_init: no template either
+        tokenizer.apply_chat_template(messages)  # raises, naming the flag
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model has no chat template; use completions instead")
     for message in messages:
