@@ -5,7 +5,8 @@ This file is run by the peer's own interpreter (a virtual environment with vLLM'
 or CUDA build), not imported by kvflow: it needs only the standard library and vllm.
 
     stdin:  {"model": dir, "dtype": "float32", "kv_cache_dtype": "auto", "prompts": [[ids]],
-             "output_len": n, "max_num_seqs": n, "max_num_batched_tokens": n, "seed": n}
+             "output_len": n, "max_num_seqs": n, "max_num_batched_tokens": n, "seed": n,
+             "load_format": "auto" | "dummy", "skip_tokenizer_init": bool}
     stdout: a line "kvflow-peer-result: " + {"elapsed_s", "load_s", "prompt_tokens",
              "output_tokens", "version"} (vLLM logs on stdout too)
 
@@ -33,6 +34,8 @@ def main() -> int:
         max_num_batched_tokens=job["max_num_batched_tokens"],
         enable_prefix_caching=False,
         seed=job["seed"],
+        load_format=job.get("load_format", "auto"),
+        skip_tokenizer_init=job.get("skip_tokenizer_init", False),
     )
     load_s = time.perf_counter() - start
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
