@@ -135,6 +135,12 @@ class SchedulerConfig:
         "order in which a step admits waiting prompts: fcfs (queue order) or shortest "
         "(fewest prompt tokens first; a request passed over 32 steps goes first)",
     )
+    admission_hold: float = _opt(
+        0.0,
+        "seconds a waiting prompt may be held while arrivals are due (requests just "
+        "finished or finishing this step, whose clients send again), so that a wave of "
+        "prompts is prefilled in one step; 0 = off (services/scheduler/admission_hold.py)",
+    )
     async_scheduling: bool = _opt(
         False, "plan the next step while the worker runs the current one (2 steps in flight)"
     )
@@ -173,6 +179,8 @@ class SchedulerConfig:
             raise ConfigError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.max_queue_delay is not None and not self.max_queue_delay > 0:
             raise ConfigError(f"max_queue_delay must be > 0 seconds, got {self.max_queue_delay}")
+        if self.admission_hold < 0:
+            raise ConfigError(f"admission_hold must be >= 0 seconds, got {self.admission_hold}")
         if self.grammar_compile_timeout <= 0:
             raise ConfigError("grammar_compile_timeout must be > 0")
 

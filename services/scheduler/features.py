@@ -14,6 +14,7 @@ from kvflow.config import SchedulerConfig
 from kvflow.kv_transfer.scheduler.connector import KVConnectorScheduler
 from kvflow.kv_transfer.scheduler.step_feature import KVTransferFeature
 from kvflow.pooling import PoolingSpec
+from kvflow.services.scheduler.admission_hold import AdmissionHoldFeature
 from kvflow.services.scheduler.beam_feature import BeamSearchFeature
 from kvflow.services.scheduler.image_inputs import ImageInputsFeature
 from kvflow.services.scheduler.jump_forward import JumpForwardFeature
@@ -54,4 +55,6 @@ def make_step_features(
     if pooling is not None:
         features.append(PoolingFeature(pooling))
     features.append(ImageInputsFeature())
+    if config.admission_hold > 0:  # last: it sees the plan the others shaped
+        features.append(AdmissionHoldFeature(config.admission_hold))
     return features
