@@ -17,10 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-
-from kvflow.bench.shapes import add_shape_args, apply_shape_args
 from tqdm import tqdm
 
+from kvflow.bench.shapes import add_shape_args, apply_shape_args
 from kvflow.bench.throughput import random_token_prompts
 from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters
 

@@ -49,17 +49,19 @@ SHAPES: dict[str, Shape] = {
         ),
         3.09,
     ),
-    # A Qwen3-MoE of ~1B parameters: 48 experts, top-8, 16 layers (~0.3B active).
+    # A Qwen3-MoE of ~1B parameters: 48 experts, top-8, 16 layers, expert width 384
+    # (the config of docs/benchmarks.md's first MoE figures), the embedded tokenizer's
+    # vocabulary (text prompts cover all of it).
     "qwen3-moe-1b": Shape(
         "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
         dict(
-            hidden_size=1024, intermediate_size=3072, moe_intermediate_size=320,
+            hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384,
             num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
             num_experts=48, num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True,
-            vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0,
+            vocab_size=49152, tie_word_embeddings=True, rope_theta=1000000.0,
             rms_norm_eps=1e-6, max_position_embeddings=32768,
         ),
-        1.00,
+        1.04,
     ),
 }  # fmt: skip
 

@@ -40,8 +40,8 @@ from kvflow.metrics.roofline import StepBatch
 from kvflow.proto.engine import AddRequest, TokenDelta
 from kvflow.proto.stats import GrammarStats
 from kvflow.proto.step import StepPlan, StepResult
-from kvflow.services.scheduler.admission_hold import AdmissionHoldFeature
 from kvflow.services.scheduler.admission import EngineLimits, admit
+from kvflow.services.scheduler.admission_hold import AdmissionHoldFeature
 from kvflow.services.scheduler.grammar_compiler import GrammarCompiler
 from kvflow.services.scheduler.grammar_matcher import RequestGrammar
 from kvflow.services.scheduler.queue_limits import QueueLimits

@@ -49,7 +49,7 @@ def test_token_ids_in_and_out(bare_dir: Path, embedded_model_dir: Path, skip: bo
         assert output.prompt is None
     with pytest.raises(InvalidRequestError, match="send prompts as token ids"):
         llm.generate(["Hello"], params)
-    with pytest.raises(InvalidRequestError, match="skip-tokenizer-init.*no chat template"):
+    with pytest.raises(InvalidRequestError, match=r"skip-tokenizer-init.*no chat template"):
         llm.chat([{"role": "user", "content": "Hi"}], params)
     if not skip:  # the same ids as the engine with its tokenizer
         llm.close()

@@ -4,7 +4,6 @@ prompts get token ids back (empty text), text prompts and chat get a 400 naming 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
