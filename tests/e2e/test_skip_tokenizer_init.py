@@ -38,7 +38,7 @@ def test_token_ids_in_and_out(bare_dir: Path, embedded_model_dir: Path, skip: bo
         pytest.importorskip("transformers")
     model = bare_dir if skip else embedded_model_dir
     llm = LLM(str(model), load_format="dummy", skip_tokenizer_init=True, num_threads=1,
-              block_size=4, dtype="float32")  # fmt: skip
+              block_size=4, num_blocks=64, dtype="float32")  # fmt: skip
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": [1, 2, 3, 4]}, [5, 6, 7]]
     outputs = llm.generate(prompts, params)
@@ -55,7 +55,7 @@ def test_token_ids_in_and_out(bare_dir: Path, embedded_model_dir: Path, skip: bo
         llm.close()
         del llm
         with_tokenizer = LLM(str(model), load_format="dummy", num_threads=1, block_size=4,
-                             dtype="float32")  # fmt: skip
+                             num_blocks=64, dtype="float32")  # fmt: skip
         again = with_tokenizer.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
         assert again[0].outputs[0].text != ""
