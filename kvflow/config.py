@@ -61,6 +61,9 @@ class ModelConfig:
         "auto = the checkpoint's weights; dummy = random weights of the model's shapes "
         "(a directory with config.json and tokenizer files suffices: benchmarks)",
     )
+    skip_tokenizer_init: bool = _opt(
+        False, "no tokenizer: token-id prompts, outputs token ids with empty text"
+    )
     max_model_len: int | None = _opt(None, "context length cap (default: model's own)")
     served_model_name: str | None = _opt(None, "name reported by /v1/models")
     seed: int = _opt(0, "seed of the global sampler generator")
@@ -130,6 +133,9 @@ class SchedulerConfig:
         "order in which a step admits waiting prompts: fcfs (queue order) or shortest "
         "(fewest prompt tokens first; a request passed over 32 steps goes first)",
     )
+    admission_hold: float = _opt(
+        0.0, "seconds a waiting prompt may wait for due arrivals to prefill with; 0 = off"
+    )
     async_scheduling: bool = _opt(
         False, "plan the next step while the worker runs the current one (2 steps in flight)"
     )
@@ -173,8 +179,8 @@ class SchedulerConfig:
             raise ConfigError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.max_queue_delay is not None and not self.max_queue_delay > 0:
             raise ConfigError(f"max_queue_delay must be > 0 seconds, got {self.max_queue_delay}")
-        if self.grammar_compile_timeout <= 0:
-            raise ConfigError("grammar_compile_timeout must be > 0")
+        if self.grammar_compile_timeout <= 0 or self.admission_hold < 0:
+            raise ConfigError("grammar_compile_timeout must be > 0, admission_hold >= 0")
 
     @property
     def sheds_load(self) -> bool:

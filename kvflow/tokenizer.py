@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import InvalidRequestError
+from kvflow.token_ids_only import TokenIdsOnly
 
 Conversation = list[dict[str, Any]]
 # apply_chat_template's own arguments: a request's template kwargs may not set them.
@@ -16,15 +17,18 @@ _OWN_ARGUMENTS = frozenset(
 )
 
 
-def load_tokenizer(model_dir: Path) -> Any:
-    """The model's HF tokenizer, from disk only (never the hub)."""
+def load_tokenizer(model_dir: Path, skip: bool = False) -> Any:
+    """The model's HF tokenizer, from disk only (never the hub); `skip`
+    (skip_tokenizer_init): none, token ids in and out (kvflow/token_ids_only.py)."""
+    if skip:
+        return TokenIdsOnly(model_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def load_decoding_tokenizer(model_dir: Path) -> Any:
+def load_decoding_tokenizer(model_dir: Path, skip: bool = False) -> Any:
     """A tokenizer for processes that only decode or read EOS ids (scheduler, worker,
     detokenizer, bench client).
 
@@ -32,12 +36,18 @@ def load_decoding_tokenizer(model_dir: Path) -> Any:
     imports torch; the generic fast class loads from `tokenizer.json` in ~3 s. Decoding is
     the same Rust backend and the special tokens come from the same tokenizer_config.json.
     """
-    if not (model_dir / "tokenizer.json").is_file():
-        return load_tokenizer(model_dir)
+    if skip or not (model_dir / "tokenizer.json").is_file():
+        return load_tokenizer(model_dir, skip)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+
+
+def has_tokenizer_files(model_dir: Path) -> bool:
+    """Whether the directory holds a tokenizer (a GGUF's is converted into it)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any((model_dir / name).is_file() for name in names)
 
 
 def _generation_config_eos(model_dir: Path) -> set[int]:
@@ -64,6 +74,8 @@ def read_eos_token_ids(model_dir: Path) -> frozenset[int]:
     (worker, scheduler): the `tokenizers` library reads tokenizer.json in milliseconds,
     where importing transformers takes seconds of start-up."""
     config_path = model_dir / "tokenizer_config.json"
+    if not has_tokenizer_files(model_dir):  # skip_tokenizer_init: the config's own
+        return load_eos_token_ids(model_dir, TokenIdsOnly(model_dir))
     if not (model_dir / "tokenizer.json").is_file() or not config_path.is_file():
         return load_eos_token_ids(model_dir, load_decoding_tokenizer(model_dir))
     from tokenizers import Tokenizer
@@ -90,6 +102,8 @@ def apply_chat_template(
 
     `template_kwargs` become template variables (a request's `chat_template_kwargs`);
     they cannot replace the arguments this function itself passes."""
+    if isinstance(tokenizer, TokenIdsOnly):  # skip_tokenizer_init: no template either
+        tokenizer.apply_chat_template(messages)  # raises, naming the flag
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model has no chat template; use completions instead")
     for message in messages:

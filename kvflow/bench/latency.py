@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from kvflow.bench.shapes import add_shape_args, apply_shape_args
 from kvflow.bench.throughput import random_token_prompts
 from kvflow.services.scheduler.spec_decode.speculator import SpecDecodeCounters
 
@@ -26,6 +27,7 @@ PERCENTAGES = (10, 25, 50, 75, 90, 99)  # vLLM's
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
+    add_shape_args(parser)  # --shape NAME / --config DIR: real-size shapes, random weights
     """Bench flags only; the caller adds the engine flags (as for `bench throughput`)."""
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
@@ -77,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from kvflow.offline.llm import LLM
     from kvflow.sampling_params import SamplingParams
 
+    apply_shape_args(args)
     llm = LLM(**engine_options(args))
     max_model_len = llm.engine.max_model_len
     if max_model_len < args.input_len + args.output_len:

@@ -35,6 +35,7 @@ from kvflow.bench import datasets, image_requests, request_client, serve_metrics
 from kvflow.bench.datasets import SampleRequest
 from kvflow.bench.request_client import RequestOutput
 from kvflow.bench.serve_report import RunSetup, format_summary, result_json, result_path
+from kvflow.bench.shapes import add_shape_args, shape_model_dir
 
 __all__ = ["BenchmarkRun", "add_args", "arrival_times", "run"]
 
@@ -99,14 +100,15 @@ def load_bench_tokenizer(name: str) -> Any:
     """An HF tokenizer from a directory, a GGUF file (via kvflow's conversion cache) or
     a locally cached hub name; never downloads. A directory with tokenizer.json loads
     the generic fast class (seconds faster than AutoTokenizer, same Rust tokenizer)."""
-    from kvflow.tokenizer import load_decoding_tokenizer
+    from kvflow.tokenizer import has_tokenizer_files, load_decoding_tokenizer
 
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         from kvflow.gpu_worker.model_files import resolve_model_dir
 
         path = resolve_model_dir(str(path))
-    return load_decoding_tokenizer(path)
+    # A bare config.json (a --skip-tokenizer-init server): token-id prompts only.
+    return load_decoding_tokenizer(path, skip=path.is_dir() and not has_tokenizer_files(path))
 
 
 def sample_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]:
@@ -166,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
         from kvflow.bench.plot import require_matplotlib
 
         require_matplotlib()
+    shape_dir = shape_model_dir(args)  # --shape/--config: the served preset's tokenizer
+    if shape_dir is not None and args.tokenizer is None:
+        args.tokenizer = str(shape_dir)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     model_id, tokenizer_id = resolve_model(args, base_url)
     tokenizer = load_bench_tokenizer(tokenizer_id)
@@ -307,6 +312,7 @@ def parse_rates(text: str) -> list[float]:
 def add_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `vllm bench serve` that kvflow implements, with vLLM's defaults."""
     _add_server_args(parser.add_argument_group("server"))
+    add_shape_args(parser)
     _add_dataset_args(parser.add_argument_group("dataset"))
     _add_traffic_args(parser.add_argument_group("traffic"))
     _add_result_args(parser.add_argument_group("results"))

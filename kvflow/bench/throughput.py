@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from kvflow.bench.shapes import add_shape_args, apply_shape_args
+
 
 @dataclass
 class ThroughputResult:
@@ -49,11 +51,17 @@ class ThroughputResult:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
+    add_shape_args(parser)  # --shape NAME / --config DIR: real-size shapes, random weights
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
-    parser.add_argument("--compare", choices=["transformers", "vllm"], default=None)
+    parser.add_argument(
+        "--compare", choices=["transformers", "vllm", "llama.cpp"], action="append",
+        help="also run the same workload on a peer (repeatable: --compare vllm --compare "
+        "llama.cpp); llama.cpp runs BF16 and Q8_0 GGUFs of the same shapes "
+        "(kvflow/bench/llama_cpp_peer.py)",
+    )  # fmt: skip
     parser.add_argument(
         "--peer-python",
         default=None,
@@ -157,7 +165,9 @@ def vllm_job(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, A
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "seed": config.model.seed,
-        "load_format": config.model.load_format,  # dummy: random weights on both sides
+        # a --shape/--config run: random weights there too, and no tokenizer if none
+        "load_format": config.model.load_format,
+        "skip_tokenizer_init": config.model.skip_tokenizer_init,
     }
 
 
@@ -178,15 +188,33 @@ def run_vllm_peer(python: Any, job: dict[str, Any], env: dict[str, str]) -> list
     return [ThroughputResult(n, count, s, prompt_tokens, tokens) for n, s, tokens in runs]
 
 
+def run_llama_cpp_peer(
+    model_dir: Any, args: argparse.Namespace, num_threads: int | None
+) -> list[ThroughputResult]:
+    """llama.cpp's BF16 and Q8_0 runs of the same batch (kvflow/bench/llama_cpp_peer.py)."""
+    import os
+
+    from kvflow.bench.llama_cpp_peer import Workload, run_llama_cpp
+
+    threads = num_threads or len(os.sched_getaffinity(0))
+    work = Workload(args.num_prompts, args.input_len, args.output_len, threads)
+    return [
+        ThroughputResult(name, row["pl"], row["t"], row["pl"] * row["pp"], row["pl"] * row["tg"])
+        for name, row in run_llama_cpp(model_dir, work).items()
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     from kvflow.bench.roofline import roofline_section
     from kvflow.bench.vllm_compare import peer_env, peer_python
     from kvflow.cli.args import engine_options
     from kvflow.offline.llm import LLM
 
-    python = peer_python(args.peer_python) if args.compare == "vllm" else None
+    compare = args.compare or []
+    python = peer_python(args.peer_python) if "vllm" in compare else None
     if args.lora_adapters:
         return _run_lora(args, python)
+    apply_shape_args(args)
     llm = LLM(**engine_options(args))
     tokenizer = llm.tokenizer
     prompts = random_token_prompts(
@@ -203,17 +231,17 @@ def run(args: argparse.Namespace) -> int:
         from kvflow.bench.pipeline_bubble import idle_shares, read_stage_spans
 
         bubble = idle_shares(read_stage_spans(args.trace_file))
-    if args.compare == "transformers":
-        model_dir = str(llm.engine.model_dir)
-        dtype = llm.engine.config.model.dtype
-        del llm
-        results.append(run_transformers(model_dir, dtype, prompts, args.output_len))
+    model_dir, dtype = llm.engine.model_dir, llm.engine.config.model.dtype
+    job = vllm_job(llm, prompts, args.output_len)
+    device = llm.engine.config.device
+    llm.close()  # the peers get the cores (and on CUDA the memory) to themselves
+    del llm
+    if "transformers" in compare:
+        results.append(run_transformers(str(model_dir), dtype, prompts, args.output_len))
     if python is not None:
-        job = vllm_job(llm, prompts, args.output_len)
-        device = llm.engine.config.device
-        env = peer_env(device.device, device.num_threads)
-        llm.close()  # the peer gets the cores (and on CUDA the memory) to itself
-        results.extend(run_vllm_peer(python, job, env))
+        results.extend(run_vllm_peer(python, job, peer_env(device.device, device.num_threads)))
+    if "llama.cpp" in compare:
+        results += run_llama_cpp_peer(model_dir, args, device.num_threads)
     _report(results, roofline, args.json, bubble)
     return 0
 
@@ -248,11 +276,27 @@ def _report(
     if "speedup_output_tokens_per_s" in report:
         ratio = report["speedup_output_tokens_per_s"]
         print(f"kvflow / {results[1].name} output tok/s: {ratio}x")
+    if len(results) > 2:
+        print("\n".join(comparison_table(results)))
     print("\n".join(roofline_lines(roofline)))
     for key, values in (extra or {}).items():
         print(f"{key}: " + ", ".join(f"{name} {value}" for name, value in values.items()))
     for stage, share in report.get("pipeline_idle_share", {}).items():
         print(f"pipeline stage {stage}: {100 * share:.1f}% idle")
+
+
+def comparison_table(results: list[ThroughputResult]) -> list[str]:
+    """One markdown table, an engine per column: kvflow | vLLM | llama.cpp BF16 | ..."""
+    rows = [
+        ("output tok/s", [f"{r.output_tokens_per_s:.1f}" for r in results]),
+        ("total tok/s", [f"{r.total_tokens_per_s:.1f}" for r in results]),
+        ("requests/s", [f"{r.requests_per_s:.2f}" for r in results]),
+        ("wall s", [f"{r.elapsed_s:.2f}" for r in results]),
+    ]
+    lines = ["| | " + " | ".join(r.name for r in results) + " |"]
+    lines.append("|---|" + "---:|" * len(results))
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+    return lines
 
 
 def _run_lora(args: argparse.Namespace, python: Any) -> int:
@@ -265,6 +309,7 @@ def _run_lora(args: argparse.Namespace, python: Any) -> int:
     from kvflow.gpu_worker.model_files import resolve_model_dir
     from kvflow.offline.llm import LLM
 
+    apply_shape_args(args)
     options = engine_options(args)
     model_dir = resolve_model_dir(options.get("model"))
     folder, paths = lora_bench.temporary_adapters(

@@ -7,6 +7,7 @@ or CUDA build), not imported by kvflow: it needs only the standard library and v
     stdin:  {"model": dir, "dtype": "float32", "kv_cache_dtype": "auto", "prompts": [[ids]],
              "output_len": n, "max_num_seqs": n, "max_num_batched_tokens": n, "seed": n,
              "load_format": "auto" or "dummy" (random weights, vLLM's own option),
+             "skip_tokenizer_init": bool,
              optionally "lora": {"paths": [adapter dirs], "max_lora_rank": n, "max_loras": n}}
     stdout: a line "kvflow-peer-result: " + {"elapsed_s", "load_s", "prompt_tokens",
              "output_tokens", "version"} (vLLM logs on stdout too); with "lora", the run
@@ -38,6 +39,7 @@ def main() -> int:
         enable_prefix_caching=False,
         seed=job["seed"],
         load_format=job.get("load_format", "auto"),
+        skip_tokenizer_init=job.get("skip_tokenizer_init", False),
         **_lora_options(job.get("lora")),
     )
     load_s = time.perf_counter() - start

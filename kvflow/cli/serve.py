@@ -290,7 +290,10 @@ def _run_detokenizer(args: argparse.Namespace) -> int:
 
     config = _config(args)
     return run_detokenizer(
-        resolve_addresses(args), _model_dir(config), launcher_address=args.launcher_address
+        resolve_addresses(args),
+        _model_dir(config),
+        launcher_address=args.launcher_address,
+        skip_tokenizer_init=config.model.skip_tokenizer_init,
     )
 
 

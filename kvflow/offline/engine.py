@@ -72,7 +72,7 @@ class LLMEngine:
         self.config = config
         self.model_dir: Path = resolve_model_dir(config.model.model)
         check_model_split(config.parallel, self.model_dir)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir, config.model.skip_tokenizer_init)
         self.eos_token_ids = load_eos_token_ids(self.model_dir, self.tokenizer)
         model_limits = read_model_limits(self.model_dir, config.model.max_model_len)
         self.max_model_len = model_limits.max_model_len

@@ -267,11 +267,15 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 def _prompt_and_images(prompt: Prompt) -> tuple[str | list[int], list[Any]]:
     if not isinstance(prompt, dict):
         return prompt, []
-    unknown = sorted(set(prompt) - {"prompt", "multi_modal_data"})
-    if unknown or "prompt" not in prompt:
+    # {"prompt": text or ids} or vLLM's {"prompt_token_ids": ids}, + images
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
         raise ValueError(
-            f"a prompt dict has 'prompt' and 'multi_modal_data' (got {sorted(prompt)})"
+            "a prompt dict has 'prompt' or 'prompt_token_ids', and 'multi_modal_data' "
+            f"(got {sorted(prompt)})"
         )
+    if "prompt_token_ids" in prompt:
+        prompt = {**prompt, "prompt": list(prompt["prompt_token_ids"])}
     data = dict(prompt.get("multi_modal_data") or {})
     if set(data) - {"image"}:
         raise ValueError(f"multi_modal_data takes 'image' only (got {sorted(data)})")

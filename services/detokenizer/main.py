@@ -38,12 +38,17 @@ _POLL_MS = 200
 
 
 def run_detokenizer(
-    addresses: ServiceAddresses, model_dir: Path, *, launcher_address: str | None = None
+    addresses: ServiceAddresses,
+    model_dir: Path,
+    skip_tokenizer_init: bool = False,
+    *,
+    launcher_address: str | None = None,
 ) -> int:
-    """Run until Shutdown from the scheduler or SIGTERM (0), or a fatal error (1)."""
+    """Run until Shutdown from the scheduler or SIGTERM (0), or a fatal error (1).
+    `skip_tokenizer_init`: no tokenizer, every text delta is empty (token ids only)."""
 
     def body(context: zmq.Context, link: LauncherLink, stop: StopFlag) -> int:
-        streams = DetokenizerStreams(load_decoding_tokenizer(model_dir))
+        streams = DetokenizerStreams(load_decoding_tokenizer(model_dir, skip_tokenizer_init))
         shell = _DetokenizerShell(context, addresses, streams)
         link.ready()
         logger.info("detokenizer ready")

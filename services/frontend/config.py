@@ -92,6 +92,7 @@ class FrontendConfig:
     tls: TlsConfig | None = None  # None: plain HTTP
     lora: LoRAConfig | None = None  # --enable-lora: adapters served by name (lora_registry.py)
     model_dir: str = ""  # the base model's directory (its config.json checks adapters)
+    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts only (else a 400)
 
     @property
     def url(self) -> str:

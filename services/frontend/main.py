@@ -63,7 +63,7 @@ def run_frontend(
     if tokenizer is None:
         from kvflow.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir, config.skip_tokenizer_init)
     client = EngineClient(
         addresses,
         config.frontend_id,

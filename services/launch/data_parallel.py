@@ -104,7 +104,8 @@ class EngineGroup:
         args = (self.config, addresses, self.model_dir, self.scheduler_options)
         children.start("scheduler", 0, scheduler, *args)
         detokenizer = functools.partial(_named, f"kvflow-e{e}-detok", run_detokenizer)
-        children.start("detokenizer", 0, detokenizer, addresses, self.model_dir)
+        skip = self.config.model.skip_tokenizer_init
+        children.start("detokenizer", 0, detokenizer, addresses, self.model_dir, skip)
 
     def stop(self, timeout_s: float) -> None:
         if self.children is not None:
@@ -186,7 +187,7 @@ def serve_data_parallel(config: EngineConfig, options: ServeOptions) -> int:
         EngineGroup(i, config, model_dir, base / f"engine{i}", scheduler_options, context)
         for i in options.dp_hosts.local_ranks(size)
     ]
-    preload = _TokenizerPreload(model_dir)
+    preload = _TokenizerPreload(model_dir, config.model.skip_tokenizer_init)
     supervisor = Supervisor(groups, options, stop)
     try:
         start_engines(groups, options, stop)

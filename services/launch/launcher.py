@@ -101,7 +101,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     addresses = ServiceAddresses.ipc(str(ipc_dir))
     context = zmq.Context()
     children = ChildProcesses(context, f"ipc://{ipc_dir}/launcher")
-    preload = _TokenizerPreload(model_dir)
+    preload = _TokenizerPreload(model_dir, config.model.skip_tokenizer_init)
     from kvflow.services.scheduler.main import SchedulerOptions
 
     # The scheduler passes these on in its stats, with the worker's own phases.
@@ -264,8 +264,9 @@ class _TokenizerPreload:
     """The frontend's tokenizer takes seconds to import and load: do it while the
     children start, in a thread (off the critical path, which is the worker's load)."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, skip: bool = False) -> None:
         self._model_dir = model_dir
+        self._skip = skip  # skip_tokenizer_init
         self._result: Any = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="kvflow-preload", daemon=True)
@@ -275,7 +276,7 @@ class _TokenizerPreload:
         try:
             from kvflow.tokenizer import load_tokenizer
 
-            self._result = load_tokenizer(self._model_dir)
+            self._result = load_tokenizer(self._model_dir, self._skip)
         except Exception as exc:  # re-raised in the serving thread by get()
             self._error = exc
 
@@ -304,7 +305,8 @@ def _start_children(
     for rank, args in enumerate(worker_rank_args(config, addresses, model_dir)):
         children.start("worker", rank, run_worker, *args)
     children.start("scheduler", 0, run_scheduler, config, addresses, model_dir, scheduler_options)
-    children.start("detokenizer", 0, run_detokenizer, addresses, model_dir)
+    skip = config.model.skip_tokenizer_init
+    children.start("detokenizer", 0, run_detokenizer, addresses, model_dir, skip)
 
 
 def _ready_line(frontend: FrontendConfig, start: float) -> Callable[[], None]:
@@ -348,5 +350,6 @@ def make_frontend_config(
         media=options.media,
         vision_model_dir=str(model_dir) if is_vision_model(model_dir) else None,
         lora=config.lora if config.lora.enable_lora else None,
+        skip_tokenizer_init=config.model.skip_tokenizer_init,
         model_dir=str(model_dir),
     )

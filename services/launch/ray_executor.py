@@ -100,7 +100,7 @@ def serve_on_ray(config: EngineConfig, options: ServeOptions) -> int:
     engines: list[RayEngine] = []
     try:
         model_dir = _resolve_model(config)  # this host's copy: tokenizer, chat template
-        preload = _TokenizerPreload(model_dir)
+        preload = _TokenizerPreload(model_dir, config.model.skip_tokenizer_init)
         _connect(ray, options.ray_address)
         engines = _place_engines(ray, config, options)
         logger.info("%d engines ready on Ray in %.1f s", len(engines), time.monotonic() - start)

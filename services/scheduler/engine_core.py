@@ -41,6 +41,7 @@ from kvflow.proto.engine import AddRequest, TokenDelta
 from kvflow.proto.stats import GrammarStats
 from kvflow.proto.step import StepPlan, StepResult
 from kvflow.services.scheduler.admission import EngineLimits, admit
+from kvflow.services.scheduler.admission_hold import AdmissionHoldFeature
 from kvflow.services.scheduler.grammar_compiler import GrammarCompiler
 from kvflow.services.scheduler.grammar_matcher import RequestGrammar
 from kvflow.services.scheduler.queue_limits import QueueLimits
@@ -248,6 +249,12 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self.waiting_for_grammar)
 
     # ---- steps -------------------------------------------------------------------
+
+    @property
+    def holds_admission(self) -> bool:
+        """The last plan held waiting prompts back (admission_hold.py): plan again soon."""
+        hold = self.scheduler.feature(AdmissionHoldFeature)
+        return hold is not None and hold.holding
 
     def can_schedule(self) -> bool:
         return (

@@ -15,6 +15,7 @@ from kvflow.config import SchedulerConfig
 from kvflow.kv_transfer.scheduler.connector import KVConnectorScheduler
 from kvflow.kv_transfer.scheduler.step_feature import KVTransferFeature
 from kvflow.pooling import PoolingSpec
+from kvflow.services.scheduler.admission_hold import AdmissionHoldFeature
 from kvflow.services.scheduler.beam_feature import BeamSearchFeature
 from kvflow.services.scheduler.encoder_budget import EncoderBudgetFeature
 from kvflow.services.scheduler.image_inputs import ImageInputsFeature
@@ -59,4 +60,6 @@ def make_step_features(
     encoder_tokens = config.max_num_encoder_input_tokens or tokens
     features.append(EncoderBudgetFeature(encoder_tokens, config.encoder_cache_size or tokens))
     features.append(ImageInputsFeature())
+    if config.admission_hold > 0:  # last: it sees the plan the others shaped
+        features.append(AdmissionHoldFeature(config.admission_hold))
     return features

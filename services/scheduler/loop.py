@@ -144,6 +144,9 @@ class SchedulerLoop:
             return 0.0
         if self.core.waiting_for_grammar:  # compiles finish off the inbox: look again soon
             return GRAMMAR_POLL_S
+        if self.core.holds_admission:  # the hold ends by the clock too: plan again soon
+            self._stalled = False
+            return GRAMMAR_POLL_S
         return min(max(self._next_stats - now, 0.0), STATS_INTERVAL_S)
 
     def _poll_grammars(self) -> None:

@@ -151,7 +151,9 @@ def _serve(
         pooling,
         group_windows_from_wire(info.kv_group_windows),
     )
-    core = build_engine_core(config, shape, lambda: load_tokenizer(model_dir))
+    core = build_engine_core(
+        config, shape, lambda: load_tokenizer(model_dir, config.model.skip_tokenizer_init)
+    )
     ranks = range(config.parallel.world_size)
     liveness = Liveness(heartbeat_timeout_s, dict.fromkeys(ranks, time.monotonic()))
     loop = SchedulerLoop(
