@@ -16,7 +16,7 @@ from kvflow.errors import InvalidRequestError
 from kvflow.offline.engine import LLMEngine
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.lora import LoRARequest
-from kvflow.proto.multimodal import ImageInput
+from kvflow.proto.multimodal import ImageInput, MRopePositions
 from kvflow.sampling_params import SamplingParams, child_request_ids
 from kvflow.services.frontend.request_deadline import Deadline
 
@@ -57,6 +57,7 @@ class OfflineEngineClient:
         *,
         images: list[ImageInput] | None = None,
         lora_request: LoRARequest | None = None,
+        mrope: MRopePositions | None = None,  # with images only, which lines do not take
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as the steps make them; ends when every one finished."""
         if images:  # the offline engine takes PIL images (LLM.generate), not wire inputs

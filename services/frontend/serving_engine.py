@@ -13,7 +13,7 @@ from typing import Protocol
 
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.lora import LoRARequest
-from kvflow.proto.multimodal import ImageInput
+from kvflow.proto.multimodal import ImageInput, MRopePositions
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.frontend.request_deadline import Deadline
 
@@ -43,4 +43,5 @@ class ServingEngine(Protocol):
         *,
         images: list[ImageInput] | None = None,
         lora_request: LoRARequest | None = None,
+        mrope: MRopePositions | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]: ...

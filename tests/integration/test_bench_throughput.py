@@ -155,5 +155,5 @@ def test_lora_throughput_compared_with_vllm(tiny_model_dir: Path, tmp_path: Path
     assert json.loads(Path(f"{log}.lora").read_text()) == ["adapter0", "adapter1", "adapter0"]
     rate = {name: report[name]["output_tokens_per_s"] for name in runs}
     lora = report["lora"]
-    assert lora["vllm_lora_over_base"] == pytest.approx(rate[runs[2]] / rate[runs[3]], abs=2e-3)
-    assert lora["kvflow_over_vllm_lora"] == pytest.approx(rate[runs[0]] / rate[runs[2]], abs=2e-3)
+    assert lora["vllm_lora_over_base"] == pytest.approx(rate[runs[2]] / rate[runs[3]], rel=5e-3)
+    assert lora["kvflow_over_vllm_lora"] == pytest.approx(rate[runs[0]] / rate[runs[2]], rel=5e-3)
