@@ -17,6 +17,15 @@ inputs), one `LLM.embed` call over every input, timed as kvflow's run is timed.
 import json
 import sys
 import time
+from typing import Any
+
+
+def _pooler_config(config_type: Any, pooling_type: str, normalize: bool) -> Any:
+    """vLLM's pooler options; releases from 0.32 call `normalize` `use_activation`."""
+    try:
+        return config_type(pooling_type=pooling_type, normalize=normalize)
+    except (TypeError, ValueError):  # pydantic's ValidationError is a ValueError
+        return config_type(pooling_type=pooling_type, use_activation=normalize)
 
 
 def main() -> int:
@@ -34,7 +43,7 @@ def main() -> int:
         max_num_seqs=job["max_num_seqs"],
         max_num_batched_tokens=job["max_num_batched_tokens"],
         enable_prefix_caching=False,
-        pooler_config=PoolerConfig(pooling_type=job["pooling_type"], normalize=job["normalize"]),
+        pooler_config=_pooler_config(PoolerConfig, job["pooling_type"], job["normalize"]),
         seed=job["seed"],
     )
     load_s = time.perf_counter() - start
