@@ -22,6 +22,7 @@ from torch import nn
 
 from kvflow.gpu_worker.attention.backend import AttentionBackend
 from kvflow.gpu_worker.models.clip_vision import ClipVisionTower, activation
+from kvflow.gpu_worker.models.image_embeddings import with_image_embeddings
 from kvflow.gpu_worker.models.llama import LlamaForCausalLM
 from kvflow.gpu_worker.models.siglip_vision import SiglipVisionTower
 from kvflow.gpu_worker.weights import packed_target
@@ -122,13 +123,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         received: Any = None,
         output_rows: torch.Tensor | None = None,
     ) -> Any:
-        if received is None and self._image_rows is not None:
-            rows, features = self._image_rows
-            hidden = self.decoder.embed_tokens(input_ids)
-            hidden = hidden.index_copy(0, rows, features.to(hidden.dtype))
-            # The decoder starts from these embeddings as a later pipeline stage starts
-            # from what it received; no residual yet (its first layer takes them).
-            received = (hidden, None)
+        embed = self.decoder.embed_tokens
+        received = with_image_embeddings(embed, input_ids, self._image_rows, received)
         return self.decoder(input_ids, positions, received, output_rows)
 
     def checkpoint_target(self, name: str) -> tuple[str, Any]:

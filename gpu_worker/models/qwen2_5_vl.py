@@ -22,6 +22,7 @@ import torch
 from kvflow.gpu_worker.attention.backend import AttentionBackend
 from kvflow.gpu_worker.layers.mrope import MRopeEmbedding
 from kvflow.gpu_worker.layers.rotary import rope_parameters
+from kvflow.gpu_worker.models.image_embeddings import with_image_embeddings
 from kvflow.gpu_worker.models.qwen import Qwen2ForCausalLM
 from kvflow.gpu_worker.models.qwen_vision import QwenVisionTower
 from kvflow.gpu_worker.models.spec import DEFAULT_ROPE, head_dim_of
@@ -74,13 +75,8 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     ) -> Any:
         if self._mrope_positions is not None:
             positions = self._mrope_positions
-        if received is None and self._image_rows is not None:
-            rows, features = self._image_rows
-            embed = self.model.embed_tokens
-            assert embed is not None
-            hidden = embed(input_ids)
-            hidden = hidden.index_copy(0, rows, features.to(hidden.dtype))
-            received = (hidden, None)  # the first layer starts from these embeddings
+        embed = self.model.embed_tokens
+        received = with_image_embeddings(embed, input_ids, self._image_rows, received)
         return self.model(input_ids, positions, received, output_rows)
 
     def checkpoint_target(self, name: str) -> tuple[str, Any]:
