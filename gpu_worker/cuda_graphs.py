@@ -32,7 +32,7 @@ from kvflow.gpu_worker.attention.triton_backend import TritonAttentionBackend
 from kvflow.gpu_worker.attn_metadata import AttentionMetadata, forward_context
 from kvflow.gpu_worker.graph_inputs import StaticDecodeInputs
 from kvflow.kernels.launch_utils import num_sms
-from kvflow.kernels.paged_attention import choose_num_splits
+from kvflow.kernels.paged_attention import SplitKVScratch, choose_num_splits
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,9 @@ class DecodeGraphs:
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [size, hidden] written by each replay
-        self._scratch = None  # the split-KV buffers the graphs write to, kept alive
+        self._scratch: SplitKVScratch | None = (
+            None  # the split-KV buffers the graphs write to, kept alive
+        )
         self.num_replays = 0
 
     def can_run(self, md: AttentionMetadata) -> bool:

@@ -7,13 +7,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from kvflow.errors import ConfigError
 from kvflow.gpu_worker.model_files import set_offline
+
+if TYPE_CHECKING:  # the models import torch layers and kernels: loaded when a model is
+    from kvflow.gpu_worker.models.llama import LlamaForCausalLM
 
 # A Llama config.json that states every field the model code reads needs no defaults,
 # so it is read as plain JSON: importing transformers' config classes costs ~2.7 s of
@@ -74,7 +76,7 @@ def load_model(
     attention_backend: str,
     quantization: str = "none",
     load_format: str = "auto",
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """The model of `model_dir` on `device` in `dtype`, weights loaded, in eval mode;
     `quantization` as gpu_worker/quantization.py describes; `load_format` "dummy":
     random weights (gpu_worker/dummy_weights.py), no checkpoint read."""
@@ -89,7 +91,7 @@ def load_model(
     model_class = get_model_class(getattr(config, "architectures", None))
     backend = get_attention_backend(attention_backend)
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(config, backend)  # type: ignore[call-arg]
+        model = model_class(config, backend)
     if load_format not in ("auto", "dummy"):
         raise ConfigError(f"load_format must be auto or dummy, got {load_format!r}")
     if load_format == "dummy":

@@ -27,6 +27,7 @@ import dataclasses
 import gc
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -129,8 +130,9 @@ class ModelRunner:
         )
         self.batch = InputBatch(limits, self.vocab_size, set(config.eos_token_ids), self.device)
         # Unseeded requests share one generator, seeded from the engine's seed.
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.model.seed))
-        self.verifier = Verifier(self.batch, self.sampler.generator)
+        generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
+        self.sampler = Sampler(generator)
+        self.verifier = Verifier(self.batch, generator)
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | CpuDecodeGraphs | None = None
         self._build_features(kv_dtype)
@@ -361,7 +363,7 @@ def _hybrid_allowed(config: RunnerConfig) -> bool:
 
 
 def _cuda_kv_budget(
-    device: torch.device, utilization: float, models: list[torch.nn.Module]
+    device: torch.device, utilization: float, models: Sequence[torch.nn.Module]
 ) -> float:
     """Bytes for this engine's KV cache: `utilization` of the device is its share for
     weights (the model's, and a draft model's) + KV (so engines can share a device, as

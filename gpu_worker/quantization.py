@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+import torch
 from torch import nn
 
 from kvflow.errors import ConfigError
@@ -38,7 +39,9 @@ def _weights_of(layer: nn.Module, method: str) -> QuantWeights:
     blocks = getattr(layer, "blocks", None)
     if method == "gguf" and blocks is not None:
         return QuantWeights.from_blocks(blocks)
-    return QuantWeights.from_float(layer.weight)
+    weight = layer.weight
+    assert isinstance(weight, torch.Tensor)
+    return QuantWeights.from_float(weight)
 
 
 def quantize_model(model: nn.Module, method: str) -> int:

@@ -90,8 +90,8 @@ def latent_attention(
             blocks = kv_cache[0].index_select(0, prefill.block_ids)
             context = blocks.view(-1, width)[: prefill.seq_len]
         query = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
-        mask = prefill.mask(None, query.device)
-        out[rows] = attend_decompressed(query, context, mask, kv_b, nope, scale)
+        causal = prefill.mask(None, query.device)
+        out[rows] = attend_decompressed(query, context, causal, kv_b, nope, scale)
     return out
 
 

@@ -43,7 +43,8 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))  # type: ignore[no-any-return]
 
 
-VISION_TOWERS: dict[str, type[nn.Module]] = {
+VisionTower = ClipVisionTower | SiglipVisionTower
+VISION_TOWERS: dict[str, type[VisionTower]] = {
     "clip_vision_model": ClipVisionTower,
     "siglip_vision_model": SiglipVisionTower,
 }
@@ -61,7 +62,7 @@ class LlavaParts(nn.Module):
                 f"supported are {sorted(VISION_TOWERS)}"
             )
         self.language_model = language_model
-        self.vision_tower = tower(config.vision_config)
+        self.vision_tower: VisionTower = tower(config.vision_config)
         self.multi_modal_projector = LlavaProjector(config)
 
 
@@ -94,8 +95,14 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self._image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
+    def parts(self) -> LlavaParts:
+        parts = self._modules["model"]
+        assert isinstance(parts, LlavaParts)
+        return parts
+
+    @property
     def decoder(self) -> Any:
-        return self.model.language_model
+        return self.parts.language_model
 
     def kv_layer_windows(self) -> tuple[int, tuple[int | None, ...]]:
         """The language model's (first layer, windows): the KV cache groups' plan."""
@@ -104,11 +111,12 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def encode_images(self, pixels: torch.Tensor, grid_thw: list[int]) -> torch.Tensor:
         """pixels [N, 3, S, S] -> features [N, placeholders per image, text hidden]
         (`grid_thw` is empty: LLaVA's pixels carry their shape)."""
-        parts = self.model
-        states = parts.vision_tower.hidden_states(pixels, self.feature_layers)  # type: ignore[operator]
+        parts = self.parts
+        states = parts.vision_tower.hidden_states(pixels, self.feature_layers)
         if self.drop_class_token:  # (a SigLIP tower has none: HF drops its first patch)
             states = [s[:, 1:] for s in states]
-        return parts.multi_modal_projector(torch.cat(states, dim=-1))  # type: ignore[no-any-return]
+        features: torch.Tensor = parts.multi_modal_projector(torch.cat(states, dim=-1))
+        return features
 
     def set_image_embeddings(
         self, rows: torch.Tensor | None, features: torch.Tensor | None

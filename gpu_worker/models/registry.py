@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torch import nn
-
 from kvflow.errors import UnsupportedModelError
 from kvflow.gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvflow.gpu_worker.models.gemma2 import Gemma2ForCausalLM
@@ -23,7 +21,7 @@ from kvflow.gpu_worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from kvflow.gpu_worker.models.qwen3_moe import Qwen3MoeForCausalLM
 from kvflow.gpu_worker.models.smollm3 import SmolLM3ForCausalLM
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -45,7 +43,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(architectures: Sequence[str] | None) -> type[nn.Module]:
+def get_model_class(architectures: Sequence[str] | None) -> type[LlamaForCausalLM]:
     """The class of the first supported entry of config.architectures."""
     for name in architectures or ():
         if name in MODEL_CLASSES:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kvflow.kernels.cpu import native_calls
 from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
 
-_SIGNATURES = {
+_SIGNATURES: dict[str, list[type]] = {
     "kvflow_prefill_attention": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 8, ctypes.c_float],
     "kvflow_prefill_attention_supports": [INT64],
 }

@@ -249,7 +249,8 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     header), in OpenAI's shape."""
     assert isinstance(exc, HTTPException)
     error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    error = APIError(exc.status_code, exc.detail, error_type=error_type, headers=exc.headers)
+    headers = dict(exc.headers) if exc.headers is not None else None
+    error = APIError(exc.status_code, exc.detail, error_type=error_type, headers=headers)
     return error_response(error)
 
 

@@ -172,7 +172,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         return BeamSearch(
             beam_width=_or(best_of, _or(self.n, 1)),
             length_penalty=_or(self.length_penalty, 1.0),
-            early_stopping=_or(self.early_stopping, False),
+            early_stopping=False if self.early_stopping is None else self.early_stopping,
         )
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:

@@ -295,7 +295,8 @@ class ServedRequest(ABC):
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(arrival_time)
         self.lora_request = ctx.check_model(model)  # the response names the adapter
-        self.model = ctx.config.served_model_name if self.lora_request is None else model
+        lora = self.lora_request
+        self.model = ctx.config.served_model_name if lora is None else lora.lora_name
         self.prompts = prompts
         self.priority = priority
         self.cache_salt = cache_salt

@@ -210,10 +210,10 @@ class BeamSearchFeature(StepFeature):
         new_beams = [self._fork(group, beams[c.parent], c.token_id, events) for _, c in forks]
         for i, continuation in enumerate(nexts):  # after the forks: they copy the parent
             if first_child[continuation.parent] == i:
-                parent = beams[continuation.parent]
-                parent.append_output_token(continuation.token_id)
-                self._next_token[parent.request_id] = continuation.token_id
-                new_beams.insert(i, parent)
+                kept = beams[continuation.parent]  # continues in place, the first child
+                kept.append_output_token(continuation.token_id)
+                self._next_token[kept.request_id] = continuation.token_id
+                new_beams.insert(i, kept)
         group.beams = new_beams
 
     def _forks_fit(self, parents: list[Request]) -> bool:
