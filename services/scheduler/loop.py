@@ -25,14 +25,12 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
 
 from kvflow.errors import InvalidRequestError
-from kvflow.metrics.roofline import RooflineMeter
 from kvflow.proto.control import PeerRefusals, ProcessFailed, WorkerHeartbeat, WorkerInfo
 from kvflow.proto.engine import (
     DETOKENIZER_PROMPT_TAIL,
@@ -41,14 +39,14 @@ from kvflow.proto.engine import (
     EngineOutputs,
     TokenDelta,
 )
-from kvflow.proto.stats import SchedulerStats, StepRecord
+from kvflow.proto.stats import SchedulerStats
 from kvflow.proto.step import SchedulerHello, Shutdown, StepResult
 from kvflow.services.scheduler.block_map import block_map
-from kvflow.services.scheduler.engine_core import EngineCore, StepInFlight
+from kvflow.services.scheduler.engine_core import EngineCore
+from kvflow.services.scheduler.instruments import Instruments
 from kvflow.services.scheduler.liveness import EngineRefusals, Liveness, WorkerDisconnected
 from kvflow.services.scheduler.recovery import WorkerRecovery
 from kvflow.services.scheduler.spec_decode.speculator import spec_decode_stats
-from kvflow.services.scheduler.step_trace import StepSample, StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +58,6 @@ INTEGRITY_INTERVAL_S = 1.0
 # (the unit and integration tests run the check directly, on pools of every size).
 IDLE_INTEGRITY_MAX_BLOCKS = 65_536
 _MAX_DRAIN = 4096  # messages handled between two steps at most
-_MAX_RECENT_STEPS = 64  # steps per stats message for the web UI's timeline (newest kept)
 
 
 class Sender(Protocol):
@@ -74,18 +71,6 @@ class Outputs:
     plans: Sender  # PUB worker_plan
     detokenizer: Sender  # PUSH detokenizer_input
     stats: Sender  # PUB stats
-
-
-@dataclass
-class Instruments:
-    """What the loop measures besides tokens: estimated work per step phase, an optional
-    step trace, and start-up facts it only passes on in its stats."""
-
-    roofline: RooflineMeter = field(default_factory=lambda: RooflineMeter(None))
-    trace: StepTrace | None = None
-    startup_phases: dict[str, float] = field(default_factory=dict)
-    peak_flops: float = 0.0  # FLOP/s, 0 = unknown
-    peak_bandwidth: float = 0.0  # bytes/s, 0 = unknown
 
 
 class SchedulerLoop:
@@ -119,8 +104,6 @@ class SchedulerLoop:
         self._stalled = False  # the last plan was empty: wait for a message, do not spin
         self._next_stats = 0.0
         self._next_integrity = 0.0
-        self._recent_steps: deque[StepRecord] = deque(maxlen=_MAX_RECENT_STEPS)
-        self._preemptions_seen = 0
 
     # ---- the loop ----------------------------------------------------------------
 
@@ -248,36 +231,10 @@ class SchedulerLoop:
             return
         finished_at = time.perf_counter()
         if step.batch.num_tokens:
-            self._measure_step(step, finished_at - self._step_started, result)
+            seconds = finished_at - self._step_started
+            self.instruments.record_step(self.core.scheduler, step, seconds, result)
         self._step_started = finished_at  # the next step in flight, if any, runs from here
         self._send_deltas(deltas)
-
-    def _measure_step(self, step: StepInFlight, seconds: float, result: StepResult) -> None:
-        """Roofline totals always; the trace only when it is on (KV usage after the
-        step's update, before the next plan allocates)."""
-        cost = self.instruments.roofline.record(step.batch, seconds)
-        preemptions = self.core.scheduler.num_preemptions
-        batch = step.batch
-        self._recent_steps.append(
-            StepRecord(
-                batch.num_prompt_tokens,
-                batch.num_decode_tokens,
-                seconds,
-                preemptions - self._preemptions_seen,
-            )
-        )
-        self._preemptions_seen = preemptions
-        if self.instruments.trace is not None:
-            sample = StepSample.of_step(
-                self.core.scheduler,
-                step.plan.step_id,
-                step.batch,
-                cost,
-                (time.time() - seconds, seconds),
-                result.stage_spans,
-                result.encoder_tokens,
-            )
-            self.instruments.trace.record_step(sample)
 
     def _send_deltas(self, deltas: list[TokenDelta]) -> None:
         if deltas:
@@ -384,7 +341,7 @@ class SchedulerLoop:
             recovering=self.recovery.reason or "",
             num_worker_restarts=self.recovery.num_worker_restarts,
             num_resumed_requests=self.recovery.num_resumed_requests,
-            recent_steps=self._take_recent_steps(),
+            recent_steps=instruments.take_recent_steps(),
             kv_block_map=block_map(self.core.scheduler.kv_cache.block_pool),
             grammar=self.core.grammar_stats(),
             kv_transfer=stats.features.kv_transfer,
@@ -392,8 +349,3 @@ class SchedulerLoop:
             **spec_decode_stats(stats.features.spec_decode),
             cluster_auth_failures=self.refusals.by_role(),
         )
-
-    def _take_recent_steps(self) -> list[StepRecord]:
-        steps = list(self._recent_steps)
-        self._recent_steps.clear()
-        return steps

@@ -57,8 +57,9 @@ from kvflow.runtime.cluster_auth import REFUSAL_EVENTS, count_refused_handshake,
 from kvflow.runtime.lifecycle import LauncherLink, StopFlag, close_flushing, run_role
 from kvflow.runtime.sockets import TypedSocket
 from kvflow.services.scheduler.assembly import EngineShape, build_engine_core
+from kvflow.services.scheduler.instruments import Instruments
 from kvflow.services.scheduler.liveness import Liveness, WorkerDisconnected
-from kvflow.services.scheduler.loop import Instruments, Outputs, SchedulerLoop
+from kvflow.services.scheduler.loop import Outputs, SchedulerLoop
 from kvflow.services.scheduler.recovery import WORKER_RECOVERY_TIMEOUT_S, WorkerRecovery
 from kvflow.services.scheduler.step_trace import StepTrace
 from kvflow.tokenizer import load_tokenizer, read_eos_token_ids

@@ -26,7 +26,7 @@ from kvflow.proto.step import (
 )
 from kvflow.services.scheduler.grammar_matcher import build_bitmask
 from kvflow.services.scheduler.jump_forward import JumpForwardFeature
-from kvflow.services.scheduler.kv_cache_manager import ComputedBlocks, KVCacheManager
+from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.prefill_order import PrefillOrder
 from kvflow.services.scheduler.request import Request, RequestStatus
 from kvflow.services.scheduler.request_queue import make_request_queue
@@ -35,6 +35,7 @@ from kvflow.services.scheduler.snapshot import SchedulerSnapshot, take_snapshot
 from kvflow.services.scheduler.spec_decode.speculator import Speculator
 from kvflow.services.scheduler.spec_decode.step_feature import SpecDecodeFeature
 from kvflow.services.scheduler.step_features import StepBuilder, StepFeature
+from kvflow.services.scheduler.waiting_blocks import allocate_waiting
 
 logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=StepFeature)
@@ -267,7 +268,9 @@ class Scheduler:
             if any(f.skips_admission(request) for f in self.features):
                 passed_over.add(request.request_id)
                 continue
-            allocated = self._allocate_waiting(request, step.budget)
+            allocated = allocate_waiting(
+                request, step.budget, self.kv_cache, self.features, self._num_new_tokens
+            )
             if allocated is None:
                 break  # nobody behind it jumps the queue for lack of KV blocks
             num_new, parked = allocated
@@ -287,42 +290,6 @@ class Scheduler:
     def _take_waiting(self, request: Request) -> None:
         # `remove` when admitted ahead of its queue position (prefill order `shortest`)
         self.waiting.pop() if self.waiting.peek() is request else self.waiting.remove(request)
-
-    def _allocate_waiting(self, request: Request, budget: int) -> tuple[int, bool] | None:
-        """Blocks for a waiting request's next chunk (after its prefix-cache hit and
-        what a feature loads from outside): (tokens to compute, parked until an
-        asynchronous load ends), or None (nothing changed) when it cannot start now."""
-        if self.kv_cache.get_block_ids(request.request_id):  # KV loaded for it (or forked)
-            num_new = self._num_new_tokens(request, budget)
-            if num_new == 0 or self.kv_cache.allocate_slots(request, num_new) is None:
-                return None
-            return num_new, False
-        computed = ComputedBlocks([], 0)
-        if all(f.reads_prefix_cache(request) for f in self.features):
-            computed = self.kv_cache.get_computed_blocks(request)
-        externals = [f.admission(request, computed) for f in self.features]
-        if None in externals:
-            return None
-        external = next((e for e in externals if e and e.num_tokens), None)
-        num_external = 0 if external is None else external.num_tokens
-        parked = external is not None and external.parked
-        num_local = computed.num_computed_tokens
-        request.num_computed_tokens = num_local + num_external
-        num_new = 0 if parked else self._num_new_tokens(request, budget)
-        # allocate_slots counts a new request's KV from its local hit alone.
-        request.num_computed_tokens = num_local
-        nothing = num_new == 0 and not parked and not num_external  # (a feature's cap)
-        num_slots = num_external + num_new
-        if nothing or self.kv_cache.allocate_slots(request, num_slots, computed) is None:
-            request.num_computed_tokens = 0
-            return None
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_local
-        if external is not None:
-            request.num_computed_tokens += num_external
-            for f in self.features:
-                f.on_allocated(request, num_local, external)
-        return num_new, parked
 
     # ---- results -----------------------------------------------------------------
 

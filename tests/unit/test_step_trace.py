@@ -24,9 +24,10 @@ from kvflow.proto.step import StepResult
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.scheduler.admission import EngineLimits
 from kvflow.services.scheduler.engine_core import EngineCore
+from kvflow.services.scheduler.instruments import Instruments
 from kvflow.services.scheduler.kv_cache_manager import KVCacheManager
 from kvflow.services.scheduler.liveness import Liveness
-from kvflow.services.scheduler.loop import Instruments, Outputs, SchedulerLoop
+from kvflow.services.scheduler.loop import Outputs, SchedulerLoop
 from kvflow.services.scheduler.scheduler import Scheduler
 from kvflow.services.scheduler.step_trace import StepSample, StepTrace
 
