@@ -7,6 +7,7 @@ process shell (and the offline engine) only feed it plans. A step::
     batch.apply_plan
     features.before_forward      (KV loads, draft-model proposals)
     batch.prepare_inputs
+    features.on_inputs           (M-RoPE positions that one row serves)
     forward_path                 eager, a decode graph, or a pipeline stage's part
     compute_logits               (or features.pool: the pooling runner's vectors, pooler.py)
     features.on_logits           (grammar bitmask)
@@ -317,6 +318,8 @@ class ModelRunner:
         if not plan.scheduled_req_ids:
             return self._idle_step(plan)
         inputs = self.batch.prepare_inputs(plan)
+        for on_inputs in features.on_inputs:
+            on_inputs(plan, inputs)
         after_layer = features.layer_hook(plan)
         with forward_context(inputs.metadata, after_layer):
             hidden = self.forward_path(self.model, inputs, after_layer)

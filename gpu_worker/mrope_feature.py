@@ -6,8 +6,13 @@ computed once where the prompt was expanded (kvflow/mrope.py), in `NewRequestDat
 scheduled token at index i of its request, column i of that table, or i + delta on all
 three rows past the prompt (generated tokens); a request without images has i on all
 three. So a chunk that splits an image, a prefix-cache hit and a resumed request all
-read the same positions. A step with such a request runs eagerly (a decode graph
-replays 1-D positions); steps of text-only requests keep their graphs.
+read the same positions.
+
+Where the three rows agree on every token of the step (decodes, text), M-RoPE is the
+plain rotary at that one position, so the feature writes it into the step's 1-D
+positions and the step may replay a decode graph. Only a step with image tokens (rows
+that differ) gives the model the [3, T] table, and runs eagerly: a decode graph
+replays 1-D positions.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 import torch
 
 from kvflow.gpu_worker.attn_metadata import AfterLayer
+from kvflow.gpu_worker.input_batch import ModelInputs
 from kvflow.gpu_worker.step_features import StepFeature
 from kvflow.mrope import positions_array
 from kvflow.proto.step import StepPlan
@@ -31,6 +37,7 @@ class MRopeFeature(StepFeature):
         self.device = device
         self._tables: dict[str, tuple[np.ndarray, int]] = {}  # req id -> ([3, N], delta)
         self._active = False
+        self._flat: torch.Tensor | None = None  # the step's 1-D positions, when one row serves
 
     def on_plan(self, plan: StepPlan) -> None:
         self._set(None)
@@ -41,8 +48,21 @@ class MRopeFeature(StepFeature):
                 self._tables[new.req_id] = (positions_array(new.mrope), new.mrope.delta)
 
     def before_forward(self, plan: StepPlan) -> None:
+        self._flat = None
         if not self._tables or not any(r in self._tables for r in plan.scheduled_req_ids):
             return
+        table = self._step_table(plan)
+        if (table[0] == table[1]).all() and (table[1] == table[2]).all():
+            self._flat = torch.from_numpy(np.ascontiguousarray(table[0])).to(self.device)
+        else:
+            self._set(torch.from_numpy(table).to(self.device))
+
+    def on_inputs(self, plan: StepPlan, inputs: ModelInputs) -> None:
+        if self._flat is not None:
+            inputs.positions = self._flat
+
+    def _step_table(self, plan: StepPlan) -> np.ndarray:
+        """[3, T] positions of the step's tokens, in the plan's order."""
         starts = {new.req_id: new.num_computed_tokens for new in plan.new_requests}
         starts.update((c.req_id, c.num_computed_tokens) for c in plan.cached_requests)
         parts = []
@@ -56,7 +76,7 @@ class MRopeFeature(StepFeature):
             inside = index < table.shape[1]
             prompt = table[:, np.minimum(index, table.shape[1] - 1)]  # [3, n]
             parts.append(np.where(inside, prompt, index + delta))
-        self._set(torch.from_numpy(np.concatenate(parts, axis=1)).to(self.device))
+        return np.concatenate(parts, axis=1)
 
     def _set(self, positions: torch.Tensor | None) -> None:
         self.model.set_mrope_positions(positions)  # type: ignore[operator]
@@ -73,6 +93,7 @@ class MRopeFeature(StepFeature):
     def clear(self) -> None:
         self._tables.clear()
         self._set(None)
+        self._flat = None
 
 
 def make_mrope_feature(model: torch.nn.Module, device: torch.device) -> MRopeFeature | None:

@@ -5,6 +5,7 @@
         batch.apply_plan(plan)
         before_forward(plan)               KV loads; the draft model's proposals
         inputs = batch.prepare_inputs(plan)
+        on_inputs(plan, inputs)            M-RoPE rows that one rotary position serves
         forward(inputs, layer_hook(plan))  a KV producer copies each layer out meanwhile
         pool(plan, inputs, hidden) -> result              the pooling runner: replaces
                                                           logits, sampling and after_step
@@ -43,6 +44,9 @@ class StepFeature:
     def before_forward(self, plan: StepPlan) -> None:
         """The batch holds the plan; the step's inputs are not built yet."""
 
+    def on_inputs(self, plan: StepPlan, inputs: ModelInputs) -> None:
+        """Edit the step's inputs (ids, positions) before its forward."""
+
     def layer_hook(self, plan: StepPlan) -> AfterLayer | None:
         """Called by each attention layer once its K/V are stored (None: not this step)."""
         return None
@@ -68,7 +72,7 @@ class StepFeature:
 
 
 _HOOKS = (
-    "on_plan", "before_forward", "layer_hook", "pool", "on_logits", "after_step", "on_idle", "clear",
+    "on_plan", "before_forward", "on_inputs", "layer_hook", "pool", "on_logits", "after_step", "on_idle", "clear",
 )  # fmt: skip
 
 
@@ -80,6 +84,7 @@ class StepFeatures:
         hooks = {name: _overriding(self.features, name) for name in _HOOKS}
         self.on_plan: tuple[Callable[[StepPlan], None], ...] = hooks["on_plan"]
         self.before_forward: tuple[Callable[[StepPlan], None], ...] = hooks["before_forward"]
+        self.on_inputs: tuple[Callable[[StepPlan, ModelInputs], None], ...] = hooks["on_inputs"]
         self._layer_hooks: tuple[Callable[[StepPlan], AfterLayer | None], ...] = hooks["layer_hook"]
         self.pool: tuple[Callable[[StepPlan, ModelInputs, torch.Tensor], StepResult], ...] = hooks[
             "pool"

@@ -114,6 +114,9 @@ def test_greedy_parity(
     outputs = llm.generate(prompts, GREEDY)
     if "async_scheduling" in options:
         assert llm.engine.core.scheduler.num_preemptions > 0
+    graphs = llm.engine.runner.decode_graphs
+    if graphs is not None:  # decodes beside image requests replay (M-RoPE's rows agree)
+        assert graphs.num_replays > 0
     for output, (prompt_ids, tokens) in zip(outputs, expected):
         assert output.prompt_token_ids == prompt_ids
         assert list(output.outputs[0].token_ids) == tokens
