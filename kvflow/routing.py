@@ -1,6 +1,6 @@
 """Which engine serves a request (data parallelism): a sans-IO policy core.
 
-    request ──▶ Router.route(tokens, salt, rank) ──▶ Decision(engine, policy, prefix_hit)
+    request ──▶ Router.route(tokens, salt, rank, lora, images) ──▶ Decision(engine, policy, prefix_hit)
     stats   ──▶ Router.observe_load(engine, waiting, running)
     availability ──▶ Router.set_available(engine, bool)   restart ──▶ Router.forget(engine)
 
@@ -11,8 +11,9 @@ Policies (`--load-balance`):
   out instead of landing on the engine that looked idle; counting every request this
   frontend has in flight on top would count each twice once the stats include it;
 - `prefix-aware` (default): the engine that last took the longest prefix of this prompt,
-  by block-hash chain (the same `extend_block_hashes` the engines' prefix cache uses, so
-  a "hit" here is a block the engine may still hold); least-load when no prefix is known
+  by block-hash chain (the same `extend_block_hashes` the engines' prefix cache uses,
+  with the images' hashes, so a "hit" here is a block the engine may still hold: two
+  prompts whose placeholder runs hold different images share no block); least-load when no prefix is known
   or when that engine's score exceeds the least-loaded one's by `overload_threshold`;
 - `round-robin`.
 An explicit `data_parallel_rank` wins over every policy. Engines not available (dead,
@@ -23,9 +24,10 @@ cache died with it).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvflow.block_hash import BlockHash, extend_block_hashes
+from kvflow.block_hash import BlockHash, ImageSpan, extend_block_hashes
 from kvflow.config import LoadBalance
 
 WAITING_WEIGHT = 4
@@ -92,7 +94,7 @@ class Router:
 
     def route(
         self, token_ids: list[int], cache_salt: str | None = None, rank: int | None = None,
-        lora_id: int = 0,
+        lora_id: int = 0, image_spans: Sequence[ImageSpan] = (),
     ) -> Decision:  # fmt: skip
         candidates = [i for i in range(self.num_engines) if self._available[i]]
         if rank is not None:
@@ -108,7 +110,7 @@ class Router:
         elif self.config.policy == "least-load":
             decision = Decision(self._least_loaded(candidates), "least-load")
         else:
-            decision = self._prefix_aware(candidates, token_ids, cache_salt, lora_id)
+            decision = self._prefix_aware(candidates, token_ids, cache_salt, lora_id, image_spans)
         self._loads[decision.engine].sent += 1
         return decision
 
@@ -123,10 +125,11 @@ class Router:
         return self._round_robin([i for i in candidates if self.score(i) == best])
 
     def _prefix_aware(
-        self, candidates: list[int], token_ids: list[int], cache_salt: str | None, lora_id: int
-    ) -> Decision:
+        self, candidates: list[int], token_ids: list[int], cache_salt: str | None, lora_id: int,
+        image_spans: Sequence[ImageSpan],
+    ) -> Decision:  # fmt: skip
         block_size = self.config.block_size
-        hashes = extend_block_hashes([], token_ids, block_size, cache_salt, lora_id=lora_id)
+        hashes = extend_block_hashes([], token_ids, block_size, cache_salt, image_spans, lora_id)
         owner = self._longest_prefix_owner(hashes, candidates)
         least = self._least_loaded(candidates) if owner is None else None
         if owner is not None:

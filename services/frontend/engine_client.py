@@ -54,6 +54,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvflow.block_hash import ImageSpan
 from kvflow.errors import EngineDeadError
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.engine import AddRequest
@@ -200,7 +201,8 @@ class EngineClient(EngineHealth, InFlightRequests):
         Every sample goes to one engine: they share the prompt's KV blocks there."""
         assert "#" not in request_id, "'#' separates a request id from its sample index"
         self.check_rank(data_parallel_rank)
-        engine = self._route(prompt_token_ids, cache_salt, data_parallel_rank, lora_request)
+        spans = [(i.offset, i.length, i.hash) for i in images or ()]
+        engine = self._route(prompt_token_ids, cache_salt, data_parallel_rank, lora_request, spans)
         child_ids = child_request_ids(request_id, params.n)
         queue: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()
         unfinished = set(child_ids)
@@ -239,14 +241,14 @@ class EngineClient(EngineHealth, InFlightRequests):
 
     def _route(
         self, token_ids: list[int], cache_salt: str | None, rank: int | None,
-        lora: LoRARequest | None = None,
+        lora: LoRARequest | None = None, image_spans: Sequence[ImageSpan] = (),
     ) -> int:  # fmt: skip
         problems = self.engine_problems()
         for engine in self.engines:
             self.router.set_available(engine.index, problems[str(engine.index)] is None)
         try:
             lora_id = 0 if lora is None else lora.lora_int_id
-            decision = self.router.route(token_ids, cache_salt, rank, lora_id)
+            decision = self.router.route(token_ids, cache_salt, rank, lora_id, image_spans)
         except NoEngineError as exc:
             raise EngineDeadError(self.health_problem() or str(exc)) from exc
         for listener in self._route_listeners:

@@ -216,6 +216,20 @@ def metric_values(base_url: str) -> dict[str, float]:
     }
 
 
+def by_engine(base_url: str, name: str, **match: str) -> dict[str, float]:
+    """Engine label -> the sum of `name`'s samples whose labels include `match`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=5.0).text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == name and all(labels.get(k) == v for k, v in match.items()):
+                totals[labels["engine"]] = totals.get(labels["engine"], 0.0) + sample.value
+    return totals
+
+
 def signed_kv_params(remote_address: str, secret: Any = None) -> dict[str, Any]:
     """kv_transfer_params as `kvflow proxy` signs them: under the tests' cluster secret
     (tests/conftest.py), or under `secret` (a ClusterSecret)."""

@@ -18,10 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import (
     MODEL_NAME,
     Server,
+    by_engine,
     child_pid,
     sse_events,
     start_server,
@@ -46,23 +46,6 @@ def dp_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def _prompt(seed: int, length: int = 24) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(100, 40000) for _ in range(length)]
-
-
-def _samples(base_url: str) -> list[tuple[str, dict[str, str], float]]:
-    text = httpx.get(base_url + "/metrics", timeout=5.0).text
-    return [
-        (s.name, s.labels, s.value)
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    ]
-
-
-def _by_engine(base_url: str, name: str, **match: str) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for sample, labels, value in _samples(base_url):
-        if sample == name and all(labels.get(k) == v for k, v in match.items()):
-            totals[labels["engine"]] = totals.get(labels["engine"], 0.0) + value
-    return totals
 
 
 def _stream(base_url: str, prompt: list[int], max_tokens: int) -> tuple[list[str], str | None]:
@@ -96,10 +79,10 @@ def test_64_concurrent_streams_equal_one_engine(dp_server: Server, tiny_model_di
     assert all(pieces[-1] == "length" for pieces, _ in results)
     assert ["".join(pieces[:-1]) for pieces, _ in results] == offline
     assert len(set(offline)) > 32  # each stream got its own tokens, not a neighbour's
-    routed = _by_engine(dp_server.base_url, "kvflow:router_requests_total")
+    routed = by_engine(dp_server.base_url, "kvflow:router_requests_total")
     assert routed["0"] > 0 and routed["1"] > 0, routed  # both engines served
     # Request-level series carry the engine that served the request.
-    served = _by_engine(dp_server.base_url, "kvflow:request_success_total")
+    served = by_engine(dp_server.base_url, "kvflow:request_success_total")
     assert served == routed, (served, routed)
 
 
@@ -113,16 +96,16 @@ def test_offline_llm_refuses_data_parallelism(tiny_model_dir: Path) -> None:
 def _shared_prefix_workload(base_url: str) -> float:
     """8 groups of 6 prompts, each group sharing a 256-token prefix; the hit rate."""
     before = (
-        sum(_by_engine(base_url, "kvflow:prefix_cache_hits_total").values()),
-        sum(_by_engine(base_url, "kvflow:prefix_cache_queries_total").values()),
+        sum(by_engine(base_url, "kvflow:prefix_cache_hits_total").values()),
+        sum(by_engine(base_url, "kvflow:prefix_cache_queries_total").values()),
     )
     prompts = [_prompt(1000 + g, 256) + _prompt(i, 16) for i in range(6) for g in range(8)]
     for start in range(0, len(prompts), 8):  # a wave at a time: earlier waves are cached
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda p: _stream(base_url, p, 2), prompts[start : start + 8]))
     time.sleep(1.5)  # the engines' next stats carry the last counts
-    hits = sum(_by_engine(base_url, "kvflow:prefix_cache_hits_total").values()) - before[0]
-    queries = sum(_by_engine(base_url, "kvflow:prefix_cache_queries_total").values()) - before[1]
+    hits = sum(by_engine(base_url, "kvflow:prefix_cache_hits_total").values()) - before[0]
+    queries = sum(by_engine(base_url, "kvflow:prefix_cache_queries_total").values()) - before[1]
     return hits / queries
 
 
@@ -130,7 +113,7 @@ def test_prefix_aware_beats_round_robin_on_cache_hits(
     dp_server: Server, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     prefix_aware = _shared_prefix_workload(dp_server.base_url)
-    hits = _by_engine(dp_server.base_url, "kvflow:router_prefix_hits_total")
+    hits = by_engine(dp_server.base_url, "kvflow:router_prefix_hits_total")
     assert sum(hits.values()) >= 32, hits
     rr = start_server(
         tiny_model_dir, tmp_path_factory.mktemp("rr"), *DP2, "--load-balance", "round-robin"
@@ -176,11 +159,11 @@ def test_an_engine_death_moves_its_requests_and_it_comes_back(
     assert "re-routed" in dp_server.log_path.read_text(), dp_server.log_tail()
     # The supervisor restarts engine 1; its new incarnation puts it back into routing.
     assert wait_for(lambda: _healthy(url), timeout_s=240.0), dp_server.log_tail()
-    before = _by_engine(url, "kvflow:router_requests_total").get("1", 0.0)
+    before = by_engine(url, "kvflow:router_requests_total").get("1", 0.0)
     with ThreadPoolExecutor(8) as pool:
         again = list(pool.map(lambda i: _stream(url, _prompt(9000 + i), 4), range(8)))
     assert all(e is None for _, e in again), again
-    assert _by_engine(url, "kvflow:router_requests_total")["1"] > before
+    assert by_engine(url, "kvflow:router_requests_total")["1"] > before
 
 
 def test_a_worker_death_is_resumed_by_its_engine(dp_server: Server, tiny_model_dir: Path) -> None:
@@ -218,14 +201,14 @@ def _healthy(url: str) -> bool:
 
 def test_an_explicit_data_parallel_rank_wins(dp_server: Server) -> None:
     url = dp_server.base_url
-    before = _by_engine(url, "kvflow:router_requests_total", policy="rank")
+    before = by_engine(url, "kvflow:router_requests_total", policy="rank")
     for rank in (1, 1, 0):
         body = {"model": MODEL_NAME, "prompt": _prompt(7), "max_tokens": 2}
         response = httpx.post(
             url + "/v1/completions", json=body | {"data_parallel_rank": rank}, timeout=60
         )
         assert response.status_code == 200, response.text
-    after = _by_engine(url, "kvflow:router_requests_total", policy="rank")
+    after = by_engine(url, "kvflow:router_requests_total", policy="rank")
     assert after["1"] - before.get("1", 0.0) == 2 and after["0"] - before.get("0", 0.0) == 1
     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "data_parallel_rank": 2}
     response = httpx.post(url + "/v1/completions", json=body, timeout=60)
@@ -257,7 +240,7 @@ def test_two_api_servers_share_the_port(
         # Each frontend counts what it routed, and publishes its share for the other:
         # a scrape, whichever process the kernel picks, shows the sum (24) every time.
         def summed() -> bool:
-            return _by_engine(server.base_url, "kvflow:router_requests_total")["0"] == 24
+            return by_engine(server.base_url, "kvflow:router_requests_total")["0"] == 24
 
         assert wait_for(summed, timeout_s=30.0)
         assert all(summed() for _ in range(10))
@@ -318,10 +301,10 @@ def test_standalone_roles_of_two_engines_behind_one_frontend(
                 url + "/v1/completions", json=body | {"data_parallel_rank": rank}, timeout=60
             )
             assert response.status_code == 200, response.text
-        routed = _by_engine(url, "kvflow:router_requests_total", policy="rank")
+        routed = by_engine(url, "kvflow:router_requests_total", policy="rank")
         assert routed == {"0": 1.0, "1": 2.0}
         assert wait_for(
-            lambda: set(_by_engine(url, "kvflow:num_requests_running")) == {"0", "1"}, 10.0
+            lambda: set(by_engine(url, "kvflow:num_requests_running")) == {"0", "1"}, 10.0
         )
     finally:
         for process in processes:

@@ -1,20 +1,31 @@
 """A tiny LLaVA served by `kvflow serve`, driven by the openai client: a chat message
 with an image as a data: URL gives transformers' greedy tokens; a refused image is a 400
 and the server keeps serving; the second turn with the same image hits the prefix cache,
-and with other text before it, the encoder cache (kvflow:mm_encoder_cache_hits_total)."""
+and with other text before it, the encoder cache (kvflow:mm_encoder_cache_hits_total).
+With --data-parallel-size 2, chats with images get one engine's answers and spread over
+both engines."""
 
 from __future__ import annotations
 
 import base64
 import io
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from llava_fixture import make_llava_dir, random_image
-from serve_harness import MODEL_NAME, Server, metric_values, start_server, stop_server, wait_for
+from serve_harness import (
+    MODEL_NAME,
+    Server,
+    by_engine,
+    metric_values,
+    start_server,
+    stop_server,
+    wait_for,
+)
 
 openai = pytest.importorskip("openai")
 
@@ -27,10 +38,13 @@ def llava_dir(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path
     return make_llava_dir(tmp_path_factory.mktemp("llava"), embedded_model_dir, 28)
 
 
+LIMITS = ["--limit-mm-per-prompt", '{"image": 2}', "--block-size", "4"]
+DP2 = ["--data-parallel-size", "2", "--load-balance", "round-robin"]
+
+
 @pytest.fixture(scope="module")
 def server(llava_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    limits = ["--limit-mm-per-prompt", '{"image": 2}', "--block-size", "4"]
-    srv = start_server(llava_dir, tmp_path_factory.mktemp("serve"), *limits)
+    srv = start_server(llava_dir, tmp_path_factory.mktemp("serve"), *LIMITS)
     yield srv
     code, survivors = stop_server(srv)
     assert survivors == [] and code == 0, srv.log_tail()
@@ -53,18 +67,26 @@ def hf_greedy(path: Path, messages: list[dict[str, Any]], image: Any) -> tuple[i
     return length, processor.tokenizer.decode(out[0, length:], skip_special_tokens=True)
 
 
+def _image_url(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _image_chat(url: str) -> list[dict[str, Any]]:
+    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}]
+    return [{"role": "user", "content": parts}]
+
+
 def test_chat_with_a_data_url_image(server: Server, llava_dir: Path) -> None:
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
     image = random_image(5, 64, 48)
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")  # type: ignore[attr-defined]
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}]
+    chat = _image_chat(_image_url(image))
 
     def ask(*before: dict[str, str]) -> Any:
         return client.chat.completions.create(
             model=MODEL_NAME,
-            messages=[*before, {"role": "user", "content": parts}],
+            messages=[*before, *chat],
             max_tokens=MAX_TOKENS,
             temperature=0.0,
             extra_body={"ignore_eos": True},
@@ -99,3 +121,34 @@ def test_chat_with_a_data_url_image(server: Server, llava_dir: Path) -> None:
         return hits == 1 and values["kvflow:mm_encoder_cache_queries_total"] == 2
 
     assert wait_for(counted, timeout_s=10.0), metric_values(server.base_url)
+
+
+def test_data_parallel_serves_images_like_one_engine(
+    server: Server, llava_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Six chats, each with its own image, sent at once to two engines (round-robin: the
+    default prefix-aware policy keeps them on the engine that holds their shared chat
+    template): one engine's answers, and both engines serve some."""
+    urls = [_image_url(random_image(20 + i, 40 + 8 * i, 48)) for i in range(6)]
+    dp = start_server(llava_dir, tmp_path_factory.mktemp("dp"), *LIMITS, *DP2)
+    try:
+
+        def answers(base_url: str) -> list[str | None]:
+            client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+
+            def ask(url: str) -> str | None:
+                reply = client.chat.completions.create(
+                    model=MODEL_NAME, messages=_image_chat(url), max_tokens=MAX_TOKENS,
+                    temperature=0.0, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                return reply.choices[0].message.content
+
+            with ThreadPoolExecutor(len(urls)) as pool:
+                return list(pool.map(ask, urls))
+
+        assert answers(dp.base_url) == answers(server.base_url)
+        served = by_engine(dp.base_url, "kvflow:request_success_total")
+        assert sorted(served) == ["0", "1"] and all(served.values()), served
+    finally:
+        code, survivors = stop_server(dp)
+    assert survivors == [] and code == 0, dp.log_tail()

@@ -86,6 +86,19 @@ def test_prefix_aware_uses_the_engines_hash_with_the_salt() -> None:
     assert not other.prefix_hit and other.engine != owner
 
 
+def test_prefix_aware_tells_images_apart() -> None:
+    """Placeholder runs are the same ids for every image: the images' hashes decide,
+    as in the engines' block hashes."""
+    router = _router("prefix-aware", engines=2)
+    prompt = [9] * 32 + _prompt(0, 16)  # an image's placeholders fill blocks 0 and 1
+    owner = router.route(prompt, image_spans=[(0, 32, "cat")]).engine
+    other = router.route(prompt, image_spans=[(0, 32, "dog")])  # no block in common
+    assert not other.prefix_hit and other.engine != owner
+    again = router.route(prompt, image_spans=[(0, 32, "cat")])
+    assert again.prefix_hit and again.engine == owner
+    assert not router.route(prompt).prefix_hit  # the ids alone are yet another prefix
+
+
 def test_a_partial_block_is_not_a_prefix() -> None:
     router = _router("prefix-aware", engines=2)
     router.route(list(range(15)))  # less than one block: nothing to remember
