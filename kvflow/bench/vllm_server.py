@@ -30,7 +30,7 @@ class VllmServe:
     model: Path
     dtype: str
     max_model_len: int
-    kv_cache_gib: float
+    kv_cache_gib: int
     seed: int = 0
     load_format: str = "dummy"
     extra_args: tuple[str, ...] = ()
@@ -50,7 +50,7 @@ def server_args(serve: VllmServe, port: int) -> list[str]:
 
 def server_env(serve: VllmServe, num_threads: int | None, shim_dir: Path) -> dict[str, str]:
     env = peer_env("cpu", num_threads)
-    env["VLLM_CPU_KVCACHE_SPACE"] = f"{serve.kv_cache_gib:g}"
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(serve.kv_cache_gib)
     env["PYTHONPATH"] = str(shim_dir)  # nothing of kvflow's environment
     return env
 
@@ -66,4 +66,3 @@ def launch(
     return instances.launch_command(
         "vllm", command, port, log_dir, env=server_env(serve, num_threads, shim_dir)
     )
-

@@ -58,7 +58,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-warmups", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV space, both engines")
+    parser.add_argument(
+        "--kv-cache-gib", type=int, default=1, help="KV space, both engines (vLLM: whole GiB)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kvflow-args", default="", help="more `kvflow serve` flags (one string)")
     parser.add_argument("--compare", choices=["vllm"], default=None)
@@ -79,7 +81,7 @@ def kvflow_serve_args(args: argparse.Namespace, model: Path) -> list[str]:
     return [
         "serve", "--model", str(model), "--load-format", "dummy", "--dtype", args.dtype,
         "--host", "127.0.0.1", "--max-model-len", str(args.max_model_len),
-        "--kv-cache-memory", f"{args.kv_cache_gib:g}", "--no-enable-prefix-caching",
+        "--kv-cache-memory", str(args.kv_cache_gib), "--no-enable-prefix-caching",
         "--seed", str(args.seed), *shlex.split(args.kvflow_args),
     ]  # fmt: skip
 

@@ -25,7 +25,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 IMAGE_TOKEN = "<image>"
 TEXT_HEAD_DIM = 64
@@ -37,7 +37,7 @@ class Tower:
     config: dict[str, Any]  # the full-size vision config
     head_dim: int
     feature_layer: int
-    strategy: str  # "full" keeps every feature, "default" drops the CLS one
+    strategy: Literal["default", "full"]  # "full" keeps every feature, "default" drops the CLS one
     extra_tokens: int  # positions an image has beyond its patches (CLIP's CLS)
 
 
@@ -185,7 +185,9 @@ def add_size_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-layers", type=int, default=None, help="default 24")
     parser.add_argument("--vision-hidden", type=int, default=None, help="default the tower's")
     parser.add_argument("--vision-layers", type=int, default=None, help="default the tower's")
-    parser.add_argument("--image-size", type=int, default=None, help="tower input px, default its own")
+    parser.add_argument(
+        "--image-size", type=int, default=None, help="tower input px, default its own"
+    )
 
 
 def sizes_of(args: argparse.Namespace) -> Sizes:

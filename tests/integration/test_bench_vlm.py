@@ -23,7 +23,7 @@ TINY = [
     "--vision-layers", "1", "--image-size", "28",
     "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
     "--max-concurrency", "2", "--num-warmups", "0", "--request-image-size", "40x30",
-    "--kv-cache-gib", "0.05", "--max-model-len", "256", "--json",
+    "--max-model-len", "256", "--json",
 ]  # fmt: skip
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvflow.bench import serve, vlm, vlm_config, vllm_server
+from kvflow.bench import serve, vllm_server, vlm, vlm_config
 from kvflow.cli.main import build_parser
 
 
@@ -43,9 +43,11 @@ def test_the_client_gets_the_same_workload_for_either_engine(tmp_path: Path) -> 
 
 
 def test_both_servers_get_the_same_model_settings(tmp_path: Path) -> None:
-    args = _args("--max-model-len", "2048", "--kv-cache-gib", "2", "--kvflow-args", "--block-size 32")
+    args = _args(
+        "--max-model-len", "2048", "--kv-cache-gib", "2", "--kvflow-args", "--block-size 32"
+    )
     ours = vlm.kvflow_serve_args(args, tmp_path)
-    spec = vllm_server.VllmServe(tmp_path, "bfloat16", 2048, 2.0, extra_args=("--x",))
+    spec = vllm_server.VllmServe(tmp_path, "bfloat16", 2048, 2, extra_args=("--x",))
     peer = vllm_server.server_args(spec, 1234)
     for flag, value in [("--model", str(tmp_path)), ("--load-format", "dummy"),
                         ("--dtype", "bfloat16"), ("--max-model-len", "2048"), ("--seed", "0")]:  # fmt: skip
@@ -67,7 +69,7 @@ def _document(**overrides: Any) -> dict[str, Any]:
 def test_figures_come_from_the_result_and_failures_are_errors() -> None:
     result = vlm.engine_result("kvflow", _document())
     assert (result.output_tok_s, result.ttft_p50_ms, result.ttft_p99_ms) == (12.5, 100.0, 300.0)
-    with pytest.raises(RuntimeError, match="1 requests failed.*boom"):
+    with pytest.raises(RuntimeError, match=r"1 requests failed.*boom"):
         vlm.engine_result("vllm", _document(failed=1, errors=["", "boom"]))
 
 

@@ -7,7 +7,6 @@ and a request's own timeout (408, the request aborted)."""
 from __future__ import annotations
 
 import json
-
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -102,8 +101,8 @@ def _reference_depth(value: object) -> int:
     "value",
     [
         {"a": "x\\", "b": [["]"]]},  # an escaped backslash ends right before the quote
-        {"a": "\\\"[[", "b": [{"c": "\\"}]},
-        ["\u005b[", {"k\"[": [[[]]]}],
+        {"a": '\\"[[', "b": [{"c": "\\"}]},
+        ["\u005b[", {'k"[': [[[]]]}],
         {"url": "data:image/png;base64," + "A/+9" * 50_000, "n": [[1]]},
     ],
 )
