@@ -45,17 +45,34 @@ def free_port() -> int:
 def launch(name: str, args: list[str], log_dir: Path, cpus: list[int] | None) -> Instance:
     """`kvflow <args> --port <free>` (args start with "serve" or "proxy")."""
     port = free_port()
+    command = [sys.executable, "-m", "kvflow.cli.main", *args, "--port", str(port)]
+    return launch_command(name, command, port, log_dir, cpus)
+
+
+def launch_command(
+    name: str,
+    command: list[str],
+    port: int,
+    log_dir: Path,
+    cpus: list[int] | None = None,
+    env: dict[str, str] | None = None,
+) -> Instance:
+    """Any server process listening on 127.0.0.1:`port` (e.g. a peer engine's)."""
     log_path = log_dir / f"{name}.log"
     # Open for the instance's lifetime: stop() closes it.
     log = open(log_path, "wb")  # noqa: SIM115
-    command = [sys.executable, "-m", "kvflow.cli.main", *args, "--port", str(port)]
 
     def pin() -> None:  # in the child, before exec: no threads exist there yet
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
 
     process = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=pin,
+        env=env,
     )
     return Instance(name, process, f"http://127.0.0.1:{port}", log_path, log)
 

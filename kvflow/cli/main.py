@@ -74,6 +74,7 @@ _BENCHES = [
     ("guided", "guided", "per-step cost of guided decoding (JSON schema)", True),
     ("serve", "serve", "load-test any OpenAI-compatible server", False),
     ("vlm-config", "vlm_config", "write a ~1B LLaVA config dir (--load-format dummy)", False),
+    ("vlm", "vlm", "image-request serving speed, kvflow vs (--compare) vLLM", False),
     ("startup", "startup", "time `kvflow serve` to ready and first token", True),
     ("spec-decode", "spec_decode", "single-stream tok/s with speculation", True),
     ("kv-transfer", "kv_transfer", "zmq KV connector GB/s vs a memcpy", False),

@@ -33,6 +33,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvflow.runtime.cluster_auth import cluster_settings
+from kvflow.services.frontend.chat_images import chat_images
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.engine_client import EngineClient
 from kvflow.services.frontend.engine_view import EngineView
@@ -91,6 +92,8 @@ def build_app(
     kv_params = KVParamsGate(cluster_settings().secret, metrics.count_kv_params_rejected)
     ctx = ServingContext(config, engine_client, tokenizer, metrics, kv_params)
     images = config.vision_model_dir is not None
+    if images:  # the model's processor loads now, not in the event loop on the first image
+        chat_images(config.media, config.vision_model_dir)
     web_ui = WebUI(view, UIConfig(images, config.media.limits.max_images if images else 0))
 
     shared = None

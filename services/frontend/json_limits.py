@@ -20,8 +20,10 @@ from kvflow.errors import InvalidRequestError
 
 # OpenAI's request shapes nest < 10 deep; JSON schemas in response_format a few dozen.
 MAX_JSON_DEPTH = 128
-# A JSON string: quotes around anything but quotes and backslashes, or escapes.
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# A JSON string: quotes around runs of anything but quotes and backslashes, separated by
+# escapes. Written as runs ("unrolled"), not one alternation a character: a base64 image
+# of a megabyte then takes ~10 ms to skip instead of ~200 ms, in the event loop.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the brackets
 
 

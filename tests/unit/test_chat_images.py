@@ -62,8 +62,18 @@ def vision(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: Path) -
     harness = start_harness(
         tmp_path_factory.mktemp("ipc"), media=media, vision_model_dir=str(llava)
     )
+    harness.vision_key = (media, str(llava))  # type: ignore[attr-defined]
     yield harness
     harness.stop()
+
+
+def test_the_processor_is_loaded_before_the_first_request(vision: Harness) -> None:
+    from kvflow.services.frontend.chat_images import chat_images
+
+    # build_app loaded it (not the event loop on the first image): this is a cache hit.
+    hits = chat_images.cache_info().hits
+    loaded = chat_images(*vision.vision_key)  # type: ignore[attr-defined]
+    assert loaded.prompter is not None and chat_images.cache_info().hits == hits + 1
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ and a request's own timeout (408, the request aborted)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -86,6 +87,28 @@ def test_json_depth_ignores_brackets_in_strings() -> None:
     assert json_depth(b'{"a": "[[[{{{", "b": ["\\"[["]}') == 2
     assert json_depth(b'"[[["') == 0 and json_depth(b"7") == 0
     assert json_depth(b"[[1], [[2]]]") == 3
+
+
+def _reference_depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_reference_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_reference_depth, value), default=0)
+    return 0
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"a": "x\\", "b": [["]"]]},  # an escaped backslash ends right before the quote
+        {"a": '\\"[[', "b": [{"c": "\\"}]},
+        ["\u005b[", {'k"[': [[[]]]}],
+        {"url": "data:image/png;base64," + "A/+9" * 50_000, "n": [[1]]},
+    ],
+)
+def test_json_depth_matches_the_parsed_nesting(value: object) -> None:
+    body = json.dumps(value).encode()
+    assert json_depth(body) == _reference_depth(value)
 
 
 BAD = [
