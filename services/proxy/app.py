@@ -32,6 +32,7 @@ from kvflow.cluster_secret import ClusterSecret
 from kvflow.errors import ConfigError
 from kvflow.services.proxy.decode_send import (
     Exchange,
+    Held,
     ProxyCounters,
     relay_stream,
     send_with_resend,
@@ -65,15 +66,7 @@ def build_app(
         body: dict[str, Any] = await request.json()
         counters.requests += 1
         held = await send_with_resend(exchange, request.url.path, body, _auth(request))
-        headers = {k: v for k, v in held.response.headers.items() if k not in _HOP_HEADERS}
-        if held.rest is None:
-            return Response(held.first, held.response.status_code, headers)
-        return StreamingResponse(
-            relay_stream(held, counters),
-            status_code=held.response.status_code,
-            headers=headers,
-            background=BackgroundTask(held.response.aclose),
-        )
+        return _client_response(held, counters)
 
     async def models(request: Request) -> Response:
         response = await client.get(pools.decode_urls[0] + "/v1/models", headers=_auth(request))
@@ -107,6 +100,19 @@ def build_app(
         await client.aclose()
 
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _client_response(held: Held, counters: ProxyCounters) -> Response:
+    """The decode side's answer as the client's: whole, or a stream relayed as it comes."""
+    headers = {k: v for k, v in held.response.headers.items() if k not in _HOP_HEADERS}
+    if held.rest is None:
+        return Response(held.first, held.response.status_code, headers)
+    return StreamingResponse(
+        relay_stream(held, counters),
+        status_code=held.response.status_code,
+        headers=headers,
+        background=BackgroundTask(held.response.aclose),
+    )
 
 
 def _auth(request: Request) -> dict[str, str]:
