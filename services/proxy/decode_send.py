@@ -7,7 +7,9 @@
 Each send is a fresh pair: the prompt is prefilled again (its KV may have died with the
 decode instance, and the new signature names the prefill instance that holds it now),
 and the decode instance is the next in turn, another one than the one that failed when
-there are several. Once the client has bytes of the answer nothing is resent: a stream
+there are several. When every decode instance refuses connections (down, or restarting),
+a prefill instance, itself a whole engine, serves the request as one colocated server
+would: slower for the prompts it prefills meanwhile, but an answer. Once the client has bytes of the answer nothing is resent: a stream
 that breaks then ends with an error event (see `relay_stream`).
 """
 
@@ -35,6 +37,7 @@ class ProxyCounters:
     requests: int = 0
     prefill_failures: int = 0
     resends: dict[str, int] = field(default_factory=lambda: {f.value: 0 for f in Failure})
+    prefill_fallbacks: int = 0  # sends to a prefill instance as a whole request
     gave_up: int = 0  # requests answered with the decode side's failure after the resends
     broken_streams: int = 0  # streams ended by an error event after their first chunk
 
@@ -60,21 +63,36 @@ class Exchange:
     counters: ProxyCounters
 
 
+@dataclass
+class _Tries:
+    """One client request's sends so far."""
+
+    first_failure: float | None = None
+    failures: int = 0
+    resends: int = 0  # dropped or 5xx
+    failed_decode: str | None = None
+    unreachable: set[str] = field(default_factory=set)  # decode URLs refused since a fallback
+
+
 async def send_with_resend(
     ex: Exchange, path: str, body: dict[str, Any], headers: dict[str, str]
 ) -> Held:
     """The decode side's answer to hold; after the last allowed failure, that failure's
     answer (its 5xx as is; a 502/503 when no instance answered)."""
-    first_failure: float | None = None
-    failures = resends = 0
-    failed_decode: str | None = None
+    tries = _Tries()
     while True:
-        prefill_url, kv_address, decode_url = ex.pools.pick(avoid_decode=failed_decode)
-        await _prefill(ex, prefill_url + path, body, headers)
-        request = decode_request(body, kv_address, ex.secret, time.time())
+        prefill_url, kv_address, decode_url = ex.pools.pick(avoid_decode=tries.failed_decode)
+        fallback = ex.policy.prefill_fallback and tries.unreachable >= set(ex.pools.decode_urls)
+        if fallback:  # no decode instance takes connections: a prefill instance serves it
+            ex.counters.prefill_fallbacks += 1
+            tries.unreachable.clear()
+            target, request = prefill_url, decode_request(body, "", None, 0.0)
+        else:
+            await _prefill(ex, prefill_url + path, body, headers)
+            target, request = decode_url, decode_request(body, kv_address, ex.secret, time.time())
         held: Held | None = None
         try:
-            held = await _send(ex.client, decode_url + path, request, headers, body)
+            held = await _send(ex.client, target + path, request, headers, body)
             failure = failure_of_status(held.response.status_code)
             reason = f"answered {held.response.status_code}"
         except httpx.HTTPError as exc:
@@ -84,20 +102,23 @@ async def send_with_resend(
         if failure is None and held is not None:
             return held
         now = time.monotonic()
-        first_failure = now if first_failure is None else first_failure
-        failures += 1
-        resends += failure is not Failure.UNREACHABLE
-        pause = ex.policy.delay(failure, failures, resends, now - first_failure)
+        tries.first_failure = now if tries.first_failure is None else tries.first_failure
+        tries.failures += 1
+        tries.resends += failure is not Failure.UNREACHABLE
+        waited = now - tries.first_failure
+        pause = ex.policy.delay(failure, tries.failures, tries.resends, waited)
         if pause is None:
             ex.counters.gave_up += 1
-            logger.warning("decode at %s %s: giving up after %d failures", decode_url, reason,
-                           failures)  # fmt: skip
-            return held if held is not None else _gave_up(failure, reason, now - first_failure)
+            logger.warning("%s %s: giving up after %d failures", target, reason, tries.failures)
+            return held if held is not None else _gave_up(failure, reason, waited)
         if held is not None:
             await held.response.aclose()
         ex.counters.resends[failure.value] += 1
-        failed_decode = decode_url
-        logger.warning("decode at %s %s: resending in %.2f s", decode_url, reason, pause)
+        if not fallback:
+            tries.failed_decode = decode_url
+            if failure is Failure.UNREACHABLE:
+                tries.unreachable.add(decode_url)
+        logger.warning("%s %s: resending in %.2f s", target, reason, pause)
         await asyncio.sleep(pause)
 
 
@@ -161,7 +182,7 @@ def _gave_up(failure: Failure, reason: str, waited_s: float) -> Held:
     """The answer when no decode instance took the request: 503 when none was reachable
     (the client may retry later), else 502 (instances took it and failed)."""
     status = 503 if failure is Failure.UNREACHABLE else 502
-    message = f"no decode instance completed the request within {waited_s:.0f} s ({reason})"
+    message = f"no instance completed the request within {waited_s:.0f} s ({reason})"
     error = {"error": {"message": message, "type": "ServiceUnavailableError", "code": status}}
     response = httpx.Response(status, headers={"content-type": "application/json"})
     return Held(response, json.dumps(error).encode(), None)

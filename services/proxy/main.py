@@ -48,6 +48,11 @@ def add_proxy_parser(subparsers: Any) -> None:
         default=60.0,
         help="seconds a failed request may wait for a decode instance to take it again",
     )
+    proxy.add_argument(
+        "--no-prefill-fallback",
+        action="store_true",
+        help="never send a request whole to a prefill instance when no decode instance answers",
+    )
     add_cluster_args(proxy)
     proxy.set_defaults(handler=run_proxy)
 
@@ -59,7 +64,11 @@ def run_proxy(args: argparse.Namespace) -> int:
         args.prefill_kv_address,
     )
     try:
-        policy = ResendPolicy(max_resends=args.resend_max, wait_s=args.resend_wait)
+        policy = ResendPolicy(
+            max_resends=args.resend_max,
+            wait_s=args.resend_wait,
+            prefill_fallback=not args.no_prefill_fallback,
+        )
         app = build_app(pools, args.timeout, cluster_settings().secret, policy)
     except (ConfigError, ValueError) as exc:
         raise SystemExit(f"kvflow proxy: {exc}") from None

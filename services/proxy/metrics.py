@@ -29,6 +29,11 @@ def render_metrics(counters: ProxyCounters) -> str:
         "reason",
     )
     counter(
+        "proxy_prefill_fallbacks_total",
+        "Requests sent whole to a prefill instance: every decode instance refused them.",
+        {"": counters.prefill_fallbacks},
+    )
+    counter(
         "proxy_decode_gave_up_total",
         "Requests answered with the decode side's failure once resends ran out.",
         {"": counters.gave_up},

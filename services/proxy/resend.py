@@ -6,8 +6,10 @@ proxy holds back a non-streamed answer until it has it whole, and a stream's sta
 line until its first chunk. What failed decides the bound:
 
 - `unreachable`: the connection was refused or never opened (the instance is down or
-  restarting). Nothing reached it, so the proxy waits for one to come back, backing
-  off, for at most `wait_s` since the request's first failure.
+  restarting). Nothing reached it. Once every decode instance has refused, a prefill
+  instance serves the request whole (`prefill_fallback`); while that fails too, the
+  proxy waits for one to come back, backing off, for at most `wait_s` since the
+  request's first failure.
 - `dropped`: the connection broke after the request was sent (the instance died
   holding it), or `status`: a 5xx that a dying or recovering engine gives (500, 502,
   503, 504). The prompt is prefilled again and the request resent, at most
@@ -56,6 +58,8 @@ class ResendPolicy:
     wait_s: float = 60.0  # since the first failure, for every kind
     backoff_s: float = 0.25  # first pause; doubles after each failure
     max_backoff_s: float = 2.0
+    # Every decode instance refused: send the request whole to a prefill instance.
+    prefill_fallback: bool = True
 
     def __post_init__(self) -> None:
         if self.max_resends < 0 or self.wait_s < 0:

@@ -3,7 +3,8 @@
 greedy completions; one decode instance's whole process group is SIGKILLed while it
 holds requests. The proxy prefills and sends those again (and the new ones it would
 have routed there) to the live decode instance, so every request answers 200 with the
-offline engine's exact text, and the proxy's /metrics counts the resends."""
+offline engine's exact text, and the proxy's /metrics counts the resends. With both
+decode instances gone, the prefill instance serves requests whole."""
 
 from __future__ import annotations
 
@@ -88,6 +89,13 @@ def test_a_killed_decode_instance_loses_no_answer(tiny_model_dir: Path, tmp_path
         resent = httpx.get(url + "/metrics").text
         dropped = 'kvflow:proxy_decode_resends_total{reason="dropped"}'
         assert float(resent.split(dropped)[1].split()[0]) >= 1, resent
+
+        # No decode instance left: the prefill instance (a whole engine) serves it.
+        stop_server(decodes[1])
+        send(0)
+        assert answers[0].status_code == 200, answers[0].text
+        assert answers[0].json()["choices"][0]["text"] == expected[0]
+        assert "kvflow:proxy_prefill_fallbacks_total 1" in httpx.get(url + "/metrics").text
     finally:
         proxy.terminate()
         proxy.wait(timeout=10)

@@ -5,6 +5,7 @@ the app against fake instances (httpx.MockTransport), no network."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -77,16 +78,21 @@ def _serve(
     body: dict[str, Any],
     decode_urls: tuple[str, ...] = ("http://d0",),
     policy: ResendPolicy = FAST,
+    prefill: Handler | None = None,
 ) -> tuple[httpx.Response, list[str], str]:
-    """One client request through the proxy: its response, the upstream calls in order,
-    and the proxy's /metrics."""
+    """One client request through the proxy: its response, the upstream calls in order
+    (host, and "p0+" for a prefill instance asked the whole request), and /metrics."""
     calls: list[str] = []
 
     def upstream(request: httpx.Request) -> httpx.Response:
-        calls.append(f"{request.url.host}")
-        if request.url.host == "p0":
-            return httpx.Response(200, json=ANSWER)
-        return decode(request, sum(c != "p0" for c in calls))
+        host = request.url.host
+        whole = host == "p0" and json.loads(request.content).get("max_tokens") != 1
+        calls.append(host + "+" if whole else host)
+        if host != "p0":
+            return decode(request, sum(c.startswith("d") for c in calls))
+        if prefill is not None:
+            return prefill(request, calls.count("p0+"))
+        return httpx.Response(200, json=ANSWER)
 
     pools = InstancePools(["http://p0"], list(decode_urls))
     app = build_app(pools, policy=policy, transport=httpx.MockTransport(upstream))
@@ -114,7 +120,8 @@ def test_a_dropped_request_is_prefilled_and_decoded_again() -> None:
             return _refused(request)  # restarting
         return httpx.Response(200, json=ANSWER)
 
-    response, calls, metrics = _serve(decode, {"prompt": "The capital of France is"})
+    no_fallback = dataclasses.replace(FAST, prefill_fallback=False)
+    response, calls, metrics = _serve(decode, {"prompt": "x", "max_tokens": 8}, policy=no_fallback)
     assert response.status_code == 200 and response.json() == ANSWER
     assert calls == ["p0", "d0"] * 3  # every send prefills again
     assert 'kvflow:proxy_decode_resends_total{reason="dropped"} 1' in metrics
@@ -147,10 +154,30 @@ def test_resends_are_bounded_and_the_last_failure_is_answered() -> None:
     assert "kvflow:proxy_decode_gave_up_total 1" in metrics
 
     short = ResendPolicy(wait_s=0.3, backoff_s=0.01, max_backoff_s=0.05)
-    response, calls, _ = _serve(lambda r, n: _refused(r), {"prompt": "x"}, policy=short)
+    nobody = lambda r, n: _refused(r)  # noqa: E731
+    response, calls, _ = _serve(nobody, {"prompt": "x"}, policy=short, prefill=nobody)
     assert response.status_code == 503  # nobody took it within wait_s
-    assert 4 < calls.count("d0") < 30
-    assert "no decode instance completed the request" in response.json()["error"]["message"]
+    assert 2 < calls.count("d0") < 30 and calls.count("p0+") == calls.count("d0")
+    assert "no instance completed the request" in response.json()["error"]["message"]
+
+
+def test_when_every_decode_instance_refuses_a_prefill_instance_serves_it_whole() -> None:
+    def decode(request: httpx.Request, n: int) -> httpx.Response:
+        return _refused(request) if n <= 2 else httpx.Response(200, json=ANSWER)
+
+    body = {"prompt": "x", "max_tokens": 8, "kv_transfer_params": {"remote_address": "evil"}}
+    response, calls, metrics = _serve(decode, body, ("http://d0", "http://d1"))
+    assert response.status_code == 200
+    assert calls == ["p0", "d0", "p0", "d1", "p0+"]  # both refused: p0 serves it
+    assert "kvflow:proxy_prefill_fallbacks_total 1" in metrics
+
+    # The prefill instance down too: back to waiting for a decode instance.
+    def prefill(request: httpx.Request, whole: int) -> httpx.Response:
+        return _refused(request)
+
+    response, calls, _ = _serve(decode, body, prefill=prefill)
+    assert response.status_code == 200
+    assert calls == ["p0", "d0", "p0+"] * 2 + ["p0", "d0"]  # decode, whole prefill in turn
 
 
 def test_a_stream_is_resent_before_its_first_chunk_and_ends_in_an_error_after() -> None:
