@@ -8,15 +8,16 @@
 A prefill that fails (instance down, error status) is logged and the request still
 goes to decode: with shared storage the decode instance loads only blocks that exist
 and computes the rest; with zmq its pull fails after --kv-load-timeout and its
---kv-load-failure-policy decides (recompute: the answer, later; fail: an error). Usage and timings are the decode
-instance's, which counts the whole prompt as its own (as one server would).
+--kv-load-failure-policy decides (recompute: the answer, later; fail: an error). A
+decode instance that fails a request before the client has any of its answer (refused,
+dropped, a 5xx) has it prefilled and sent again (decode_send.py, resend.py). Usage and
+timings are the decode instance's, which counts the whole prompt as its own (as one
+server would).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,50 +30,43 @@ from starlette.routing import Route
 
 from kvflow.cluster_secret import ClusterSecret
 from kvflow.errors import ConfigError
-from kvflow.services.proxy.pairing import InstancePools, decode_request, prefill_request
-
-logger = logging.getLogger(__name__)
+from kvflow.services.proxy.decode_send import (
+    Exchange,
+    Held,
+    ProxyCounters,
+    relay_stream,
+    send_with_resend,
+)
+from kvflow.services.proxy.metrics import render_metrics
+from kvflow.services.proxy.pairing import InstancePools
+from kvflow.services.proxy.resend import ResendPolicy
 
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
 
-class ProxyCounters:
-    def __init__(self) -> None:
-        self.requests = 0
-        self.prefill_failures = 0
-
-
 def build_app(
-    pools: InstancePools, timeout_s: float = 600.0, secret: ClusterSecret | None = None
+    pools: InstancePools,
+    timeout_s: float = 600.0,
+    secret: ClusterSecret | None = None,
+    policy: ResendPolicy | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> Starlette:
-    """`secret` signs the decode requests' kv_transfer_params (needed with KV addresses)."""
+    """`secret` signs the decode requests' kv_transfer_params (needed with KV addresses);
+    `transport` replaces the network (tests)."""
     if pools.prefill_kv_addresses and secret is None:
         raise ConfigError(
             "--prefill-kv-address needs the cluster secret (--cluster-secret-file): decode "
             "instances pull KV only from an address the proxy signed"
         )
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), transport=transport)
     counters = ProxyCounters()
+    exchange = Exchange(client, pools, secret, policy or ResendPolicy(), counters)
 
     async def forward(request: Request) -> Response:
         body: dict[str, Any] = await request.json()
         counters.requests += 1
-        prefill_url, kv_address, decode_url = pools.pick()
-        headers = _auth(request)
-        await _prefill(client, prefill_url + request.url.path, body, headers, counters)
-        upstream = client.build_request(
-            "POST",
-            decode_url + request.url.path,
-            json=decode_request(body, kv_address, secret, time.time()),
-            headers=headers,
-        )
-        response = await client.send(upstream, stream=True)
-        return StreamingResponse(
-            _relay(response),
-            status_code=response.status_code,
-            headers={k: v for k, v in response.headers.items() if k not in _HOP_HEADERS},
-            background=BackgroundTask(response.aclose),
-        )
+        held = await send_with_resend(exchange, request.url.path, body, _auth(request))
+        return _client_response(held, counters)
 
     async def models(request: Request) -> Response:
         response = await client.get(pools.decode_urls[0] + "/v1/models", headers=_auth(request))
@@ -85,14 +79,19 @@ def build_app(
                 "decode": pools.decode_urls,
                 "requests": counters.requests,
                 "prefill_failures": counters.prefill_failures,
+                "decode_resends": counters.resends,
             }
         )
+
+    async def metrics(request: Request) -> Response:
+        return Response(render_metrics(counters), media_type="text/plain; version=0.0.4")
 
     routes = [
         Route("/v1/completions", forward, methods=["POST"]),
         Route("/v1/chat/completions", forward, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
 
     @contextlib.asynccontextmanager
@@ -103,29 +102,17 @@ def build_app(
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-async def _prefill(
-    client: httpx.AsyncClient,
-    url: str,
-    body: dict[str, Any],
-    headers: dict[str, str],
-    counters: ProxyCounters,
-) -> None:
-    try:
-        response = await client.post(url, json=prefill_request(body), headers=headers)
-    except httpx.HTTPError as exc:
-        counters.prefill_failures += 1
-        logger.warning("prefill at %s failed (%s): decode computes the prompt", url, exc)
-        return
-    if response.status_code != 200:
-        counters.prefill_failures += 1
-        logger.warning(
-            "prefill at %s answered %d: decode computes the prompt", url, response.status_code
-        )
-
-
-async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
-    async for chunk in response.aiter_raw():
-        yield chunk
+def _client_response(held: Held, counters: ProxyCounters) -> Response:
+    """The decode side's answer as the client's: whole, or a stream relayed as it comes."""
+    headers = {k: v for k, v in held.response.headers.items() if k not in _HOP_HEADERS}
+    if held.rest is None:
+        return Response(held.first, held.response.status_code, headers)
+    return StreamingResponse(
+        relay_stream(held, counters),
+        status_code=held.response.status_code,
+        headers=headers,
+        background=BackgroundTask(held.response.aclose),
+    )
 
 
 def _auth(request: Request) -> dict[str, str]:

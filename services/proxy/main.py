@@ -12,6 +12,7 @@ from kvflow.runtime.cluster_args import add_cluster_args
 from kvflow.runtime.cluster_auth import cluster_settings
 from kvflow.services.proxy.app import build_app
 from kvflow.services.proxy.pairing import InstancePools
+from kvflow.services.proxy.resend import ResendPolicy
 
 
 def add_proxy_parser(subparsers: Any) -> None:
@@ -35,6 +36,23 @@ def add_proxy_parser(subparsers: Any) -> None:
     proxy.add_argument(
         "--timeout", type=float, default=600.0, help="seconds an instance may take to answer"
     )
+    proxy.add_argument(
+        "--resend-max",
+        type=int,
+        default=3,
+        help="times a request is resent after a decode instance dropped it or answered a 5xx",
+    )
+    proxy.add_argument(
+        "--resend-wait",
+        type=float,
+        default=60.0,
+        help="seconds a failed request may wait for a decode instance to take it again",
+    )
+    proxy.add_argument(
+        "--no-prefill-fallback",
+        action="store_true",
+        help="never send a request whole to a prefill instance when no decode instance answers",
+    )
     add_cluster_args(proxy)
     proxy.set_defaults(handler=run_proxy)
 
@@ -46,8 +64,13 @@ def run_proxy(args: argparse.Namespace) -> int:
         args.prefill_kv_address,
     )
     try:
-        app = build_app(pools, args.timeout, cluster_settings().secret)
-    except ConfigError as exc:
+        policy = ResendPolicy(
+            max_resends=args.resend_max,
+            wait_s=args.resend_wait,
+            prefill_fallback=not args.no_prefill_fallback,
+        )
+        app = build_app(pools, args.timeout, cluster_settings().secret, policy)
+    except (ConfigError, ValueError) as exc:
         raise SystemExit(f"kvflow proxy: {exc}") from None
     print(f"kvflow proxy: http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", log_level="warning")

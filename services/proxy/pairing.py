@@ -76,10 +76,13 @@ class InstancePools:
         self._prefill = Router(config, len(self.prefill_urls))
         self._decode = Router(config, len(self.decode_urls))
 
-    def pick(self) -> tuple[str, str, str]:
-        """(prefill url, its KV address or "", decode url) for the next request."""
+    def pick(self, avoid_decode: str | None = None) -> tuple[str, str, str]:
+        """(prefill url, its KV address or "", decode url) for the next request; a
+        resend passes the decode instance that failed it, taken only if it is the one."""
         prefill = self._prefill.route([]).engine
         decode = self._decode.route([]).engine
+        if self.decode_urls[decode] == avoid_decode and len(self.decode_urls) > 1:
+            decode = self._decode.route([]).engine
         kv_address = self.prefill_kv_addresses[prefill] if self.prefill_kv_addresses else ""
         return self.prefill_urls[prefill], kv_address, self.decode_urls[decode]
 
