@@ -99,7 +99,8 @@ async def send_with_resend(
             failure, reason = failure_of_error(exc), f"{type(exc).__name__}: {exc}"
             if failure is None:
                 raise
-        if failure is None and held is not None:
+        if failure is None:
+            assert held is not None  # (an error that is no failure was raised above)
             return held
         now = time.monotonic()
         tries.first_failure = now if tries.first_failure is None else tries.first_failure
