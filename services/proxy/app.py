@@ -69,7 +69,19 @@ def build_app(
         return _client_response(held, counters)
 
     async def models(request: Request) -> Response:
-        response = await client.get(pools.decode_urls[0] + "/v1/models", headers=_auth(request))
+        """The first instance that answers (decode, then prefill): every instance serves
+        the same model, and one that is down must not fail the listing."""
+        response: httpx.Response | None = None
+        for url in [*pools.decode_urls, *pools.prefill_urls]:
+            try:
+                response = await client.get(url + "/v1/models", headers=_auth(request))
+            except httpx.HTTPError:
+                continue
+            if response.status_code < 500:
+                break
+        if response is None:
+            message = "no instance answers /v1/models"
+            return JSONResponse({"error": {"message": message, "code": 503}}, status_code=503)
         return Response(response.content, response.status_code, media_type="application/json")
 
     async def health(request: Request) -> Response:

@@ -196,3 +196,31 @@ def test_a_stream_is_resent_before_its_first_chunk_and_ends_in_an_error_after() 
     assert "the decode instance failed during the stream" in error["message"]
     assert events[2] == "data: [DONE]"
     assert "kvflow:proxy_broken_streams_total 1" in metrics
+
+
+def test_models_asks_the_instances_in_turn() -> None:
+    """/v1/models: the first instance that answers; a down one does not fail it, and
+    none answering is a 503."""
+    listing = {"object": "list", "data": [{"id": "m"}]}
+    down: set[str] = set()
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        if request.url.host in down:
+            return _refused(request)
+        return httpx.Response(200, json={**listing, "from": request.url.host})
+
+    pools = InstancePools(["http://p0"], ["http://d0", "http://d1"])
+    app = build_app(pools, policy=FAST, transport=httpx.MockTransport(upstream))
+
+    async def ask() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            return await client.get("/v1/models")
+
+    answered = []
+    for hosts in [set(), {"d0"}, {"d0", "d1"}, {"d0", "d1", "p0"}]:
+        down.clear()
+        down.update(hosts)
+        response = asyncio.run(ask())
+        answered.append((response.status_code, response.json().get("from")))
+    assert answered == [(200, "d0"), (200, "d1"), (200, "p0"), (503, None)]
