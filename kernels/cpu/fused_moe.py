@@ -71,7 +71,9 @@ def _gate_up_columns(w13: torch.Tensor, inter: int) -> torch.Tensor:
     columns, gate 0-15, up 0-15, gate 16-31, up 16-31 (the kernel's four vectors)."""
     half = PANEL // 2
     gate, up = (torch.nn.functional.pad(w, (0, 0, 0, -inter % half)) for w in w13.split(inter))
-    both = torch.stack([gate.reshape(-1, 2, 16, w13.shape[1]), up.reshape(-1, 2, 16, w13.shape[1])], 2)
+    both = torch.stack(
+        [gate.reshape(-1, 2, 16, w13.shape[1]), up.reshape(-1, 2, 16, w13.shape[1])], 2
+    )
     return both.reshape(-1, w13.shape[1])
 
 
@@ -171,7 +173,9 @@ def _run(
 ) -> None:
     experts, hidden, inter = packed.experts, packed.hidden, packed.inter
     if not applies(x, packed):
-        raise ValueError(f"x {x.dtype} {tuple(x.shape)} does not fit experts {packed.dtype} H={hidden}")
+        raise ValueError(
+            f"x {x.dtype} {tuple(x.shape)} does not fit experts {packed.dtype} H={hidden}"
+        )
     if offsets.shape != (experts + 1,):
         raise ValueError(f"offsets {tuple(offsets.shape)} do not fit {experts} experts")
     if rows.dtype != torch.int64 or offsets.dtype != torch.int64:

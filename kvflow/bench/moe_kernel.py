@@ -18,7 +18,6 @@ import ctypes
 import json
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +62,9 @@ def _load_baseline(source: Path) -> ctypes.CDLL:
         raise SystemExit("no C++ compiler for --baseline")
     target = Path(tempfile.mkdtemp(prefix="moe-baseline-")) / "fused_moe.so"
     headers = ["-I", str(native_build.SOURCE_DIR)]  # vec.h, if the file has none beside it
-    native_build._build(source.resolve(), compiler, target, "native", ["-I", str(source.parent), *headers])
+    native_build._build(
+        source.resolve(), compiler, target, "native", ["-I", str(source.parent), *headers]
+    )
     library = ctypes.CDLL(str(target))
     POINTER, INT64 = ctypes.c_void_p, ctypes.c_int64
     library.kvflow_fused_moe.argtypes = [
@@ -93,14 +94,9 @@ def _baseline_call(library: ctypes.CDLL, x: torch.Tensor, layer: _Layer, groupin
         raise RuntimeError(f"baseline fused experts failed with status {status}")
 
 
-def _best(timings: dict[str, list[float]], name: str, call: Callable[[], Any]) -> None:
-    start = time.perf_counter()
-    call()
-    timings.setdefault(name, []).append(time.perf_counter() - start)
-
-
 def _time_tokens(args: argparse.Namespace, layers: list[_Layer], tokens: int,
                  baseline: ctypes.CDLL | None) -> dict[str, float]:  # fmt: skip
+    """Best time of each call, its rounds interleaved: per round every call on every layer."""
     from kvflow.kernels.cpu import fused_moe
     from kvflow.kernels.fused_moe_reference import group_by_expert, route
 
@@ -108,29 +104,30 @@ def _time_tokens(args: argparse.Namespace, layers: list[_Layer], tokens: int,
     x = torch.randn(tokens, args.hidden, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     dense_w = torch.randn(3 * args.inter, args.hidden).to(dtype)
     dense_x = torch.randn(tokens * args.top_k, args.hidden).to(dtype)
-    timings: dict[str, list[float]] = {}
 
     def routed(layer: _Layer) -> tuple[Any, Any]:
         routing = route(torch.nn.functional.linear(x, layer.router), args.top_k, True)
         return routing, group_by_expert(routing.ids, args.experts)
 
-    plans = [routed(layer) for layer in layers]
+    def call(name: str, layer: _Layer, routing: Any, grouping: Any) -> None:
+        if name == "new":
+            fused_moe.fused_moe(x, grouping, routing, grouping.offsets, layer.packed)
+        elif name == "baseline" and baseline is not None:
+            _baseline_call(baseline, x, layer, grouping, routing, args.top_k)
+        elif name == "dense":
+            torch.nn.functional.linear(dense_x, dense_w)
+        else:
+            routed(layer)
+
+    names = ["new", "dense", "routing"] + (["baseline"] if baseline is not None else [])
+    plans = [(layer, *routed(layer)) for layer in layers]
+    timings: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.repeats):
-        for name in ("new", "baseline", "dense", "routing"):
-            if name == "baseline" and baseline is None:
-                continue
-            for layer, (routing, grouping) in zip(layers, plans, strict=True):
-                calls: dict[str, Callable[[], Any]] = {
-                    "new": lambda: fused_moe.fused_moe(
-                        x, grouping, routing, grouping.offsets, layer.packed
-                    ),
-                    "baseline": lambda: _baseline_call(
-                        baseline, x, layer, grouping, routing, args.top_k  # type: ignore[arg-type]
-                    ),
-                    "dense": lambda: torch.nn.functional.linear(dense_x, dense_w),
-                    "routing": lambda: routed(layer),
-                }
-                _best(timings, name, calls[name])
+        for name in names:
+            for plan in plans:
+                start = time.perf_counter()
+                call(name, *plan)
+                timings[name].append(time.perf_counter() - start)
     return {name: min(values) for name, values in timings.items()}
 
 
@@ -162,9 +159,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"fused experts H={args.hidden} I={args.inter} E={args.experts} top-{args.top_k} "
           f"{args.dtype}, {args.num_threads} threads, best of {args.repeats} x {args.layers} layers")  # fmt: skip
     for row in rows:
-        parts = [f"T={row['tokens']:4d}", f"new {row['new_ms']:7.2f} ms ({row['new_gflops']:5.1f} GFLOP/s)"]
+        parts = [
+            f"T={row['tokens']:4d}",
+            f"new {row['new_ms']:7.2f} ms ({row['new_gflops']:5.1f} GFLOP/s)",
+        ]
         if "baseline_ms" in row:
-            parts.append(f"baseline {row['baseline_ms']:7.2f} ms ({row['baseline_over_new']:.2f}x new)")
+            parts.append(
+                f"baseline {row['baseline_ms']:7.2f} ms ({row['baseline_over_new']:.2f}x new)"
+            )
         parts.append(f"dense {row['dense_ms']:6.2f} ms (new/dense {row['new_over_dense']:.2f})")
         parts.append(f"routing+grouping {row['routing_ms']:5.2f} ms")
         print("  ".join(parts))
