@@ -17,6 +17,10 @@ the weights something else still reads:
 * a layer whose `--quantization` weights always take the int8 kernel (q8_0): nothing
   is packed for it, its float weight stays as gpu_worker/quantization.py left it.
 
+A mixture-of-experts layer's experts (layers/moe.py `FusedExperts`) are packed for the
+native fused-expert kernel (kernels/cpu/fused_moe.py), whatever PACK_WEIGHTS says: that
+kernel is their only fast CPU route.
+
 A GGUF's exact blocks (block_weights.py) still serve their layers at small batch; the
 packed weight serves them above that, where oneDNN's float32 route was.
 """
@@ -30,6 +34,7 @@ from torch import nn
 
 from kvflow.gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from kvflow.gpu_worker.layers.moe import FusedExperts
 from kvflow.kernels.cpu import bf16_gemm, packed_linear
 from kvflow.kernels.cpu.linear import PackedWeight
 
@@ -58,9 +63,11 @@ def pack(weight: torch.Tensor, glu: bool = False) -> PackedWeight | None:
 
 def pack_weights(model: nn.Module) -> int:
     """Set `packed_weight` on every CPU linear layer and LM head it applies to and free
-    the plain weights nothing else reads; returns how many layers were packed."""
+    the plain weights nothing else reads; returns how many layers were packed (the
+    experts of mixture-of-experts layers included)."""
+    experts = sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, FusedExperts))
     if not PACK_WEIGHTS:
-        return 0
+        return experts
     embedded = {
         id(m.weight) for m in model.modules() if type(m) is VocabParallelEmbedding
     }  # tied LM heads share these
@@ -86,4 +93,4 @@ def pack_weights(model: nn.Module) -> int:
             nbytes / 1e6,
             native,
         )
-    return packed
+    return packed + experts

@@ -18,7 +18,10 @@ is a partial sum that one all-reduce completes (as a row-parallel layer's):
 
 The fused call is the native CPU kernel (kernels/cpu/fused_moe.cpp) on the CPU, the
 Triton grouped GEMM (kernels/fused_moe_triton.py) on CUDA, and their torch reference
-(kernels/fused_moe_reference.py) where neither applies.
+(kernels/fused_moe_reference.py) where neither applies. The CPU kernel reads the
+experts packed for it: `FusedExperts.pack_for_cpu` lays out this rank's shard once
+after loading (gpu_worker/weight_packing.py) and frees w13_weight and w2_weight, so the
+experts are held once.
 
 Checkpoint tensors: expert e's `<prefix>.<e>.<gate|up|down>.weight` (the family names
 the prefix and the three projections: Qwen's gate_proj/up_proj/down_proj, Mixtral's
@@ -148,6 +151,7 @@ class FusedExperts(nn.Module):
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
         self.bias_shards: dict[str, tuple[int, int]] = {}  # as `shards`, of the biases
+        self.packed: cpu_fused_moe.PackedExperts | None = None  # pack_for_cpu's
         if bias:
             self._add_biases(names, hidden_size)
 
@@ -180,18 +184,36 @@ class FusedExperts(nn.Module):
         rows = loaded.narrow(0, self.inter_start, self.inter)  # gate or up [I]
         copy_checked(param.data[local].narrow(0, part * self.inter, self.inter), rows)
 
+    def pack_for_cpu(self) -> bool:
+        """Lay this rank's experts out for the native CPU kernel and free the plain
+        weights (once, after loading); False where the kernel does not serve them."""
+        w13, w2 = self.w13_weight, self.w2_weight
+        if (
+            self.packed is not None
+            or w13.device.type != "cpu"
+            or w13.dtype not in (torch.float32, torch.bfloat16)
+            or not cpu_fused_moe.available()
+        ):
+            return False
+        self.packed = cpu_fused_moe.pack(w13.data, w2.data)
+        for weight in (w13, w2):  # the packed copy is the only one the forward reads
+            weight.data = torch.empty(0, dtype=weight.dtype)
+        return True
+
     def forward(self, x: torch.Tensor, routing: Routing, grouping: Grouping) -> torch.Tensor:
         """x [T, H] routed -> this rank's experts' weighted outputs per token [T, H]."""
         local = grouping.offsets[self.first_expert : self.first_expert + self.num_local + 1]
-        w13, w2 = self.w13_weight, self.w2_weight
         options = cpu_fused_moe.ExpertOptions(self.w13_bias, self.w2_bias, self.clamped)
+        if self.packed is not None:
+            if not cpu_fused_moe.applies(x, self.packed):
+                raise ValueError(f"x {x.dtype} {tuple(x.shape)} on {x.device}: experts packed")
+            return cpu_fused_moe.fused_moe(x, grouping, routing, local, self.packed, options)
+        w13, w2 = self.w13_weight, self.w2_weight
         if x.is_cuda:
             from kvflow.kernels.fused_moe_triton import fused_experts  # never imported on CPU
 
             y = fused_experts(x, grouping.rows, local, w13, w2, **options._asdict())
             return combine(y, grouping, routing)
-        if cpu_fused_moe.applies(x, w13, w2) and cpu_fused_moe.available():
-            return cpu_fused_moe.fused_moe(x, grouping, routing, local, w13, w2, options=options)
         y = fused_experts_reference(x, grouping.rows, local, w13, w2, **options._asdict())
         return combine(y, grouping, routing)
 

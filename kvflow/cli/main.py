@@ -81,6 +81,7 @@ _BENCHES = [
     ("kv-save", "kv_save", "producer step time: KV saved by layer vs after", True),
     ("disagg", "disagg", "decode ITL under long prompts: colocated vs 1P+1D", True),
     ("routing", "routing", "data-parallel routing cost per request", False),
+    ("moe-kernel", "moe_kernel", "fused-expert kernel vs a dense GEMM of equal FLOPs", False),
     ("kv-capacity", "kv_capacity", "hybrid KV cache: bytes per request, requests that fit", False),
     ("shape", "shapes", "write a real-size --shape preset's directory, print its path", False),
 ]

@@ -7,7 +7,7 @@ import torch
 from isa_builds import MARCHES, skip_unless_runs
 
 from kvflow.kernels.cpu import fused_moe as module
-from kvflow.kernels.cpu.fused_moe import fused_experts, fused_moe
+from kvflow.kernels.cpu.fused_moe import fused_experts, fused_moe, pack
 from kvflow.kernels.fused_moe_reference import (
     Routing,
     combine,
@@ -58,10 +58,11 @@ def test_matches_reference(march, dtype, tokens, hidden, inter, experts, top_k) 
     counts = grouping.offsets.diff()
     assert (counts == 0).any() or tokens > experts  # some experts get no token
     expected = fused_experts_reference(x, grouping.rows, grouping.offsets, w13, w2)
-    actual = fused_experts(x, grouping.rows, grouping.offsets, w13, w2, march=march)
+    packed = pack(w13, w2, march)
+    actual = fused_experts(x, grouping.rows, grouping.offsets, packed)
     assert actual.dtype == dtype and actual.shape == (tokens * top_k, hidden)
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[dtype])
-    combined = fused_moe(x, grouping, routing, grouping.offsets, w13, w2, march=march)
+    combined = fused_moe(x, grouping, routing, grouping.offsets, packed)
     assert combined.dtype == dtype and combined.shape == (tokens, hidden)
     torch.testing.assert_close(
         combined.float(), combine(expected, grouping, routing).float(), **TOLERANCES[dtype]
@@ -77,13 +78,14 @@ def test_a_slice_of_the_experts_writes_only_their_rows(dtype) -> None:
     grouping = group_by_expert(ids, 6)
     local = grouping.offsets[2:5]  # experts 2, 3 (of 6)
     expected = fused_experts_reference(x, grouping.rows, local, w13[2:4], w2[2:4])
-    actual = fused_experts(x, grouping.rows, local, w13[2:4].contiguous(), w2[2:4].contiguous())
+    packed = pack(w13[2:4], w2[2:4])
+    actual = fused_experts(x, grouping.rows, local, packed)
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[dtype])
     start, end = local[0].item(), local[-1].item()
     assert actual[:start].abs().sum() == 0 and actual[end:].abs().sum() == 0
     assert actual[start:end].abs().sum() > 0
     routing = Routing(torch.rand(9, 2, generator=torch.Generator().manual_seed(5)), ids)
-    combined = fused_moe(x, grouping, routing, local, w13[2:4].contiguous(), w2[2:4].contiguous())
+    combined = fused_moe(x, grouping, routing, local, packed)
     want = combine(expected, grouping, routing)  # other experts' slots add nothing
     torch.testing.assert_close(combined.float(), want.float(), **TOLERANCES[dtype])
     chose_none = ~((ids == 2) | (ids == 3)).any(dim=1)
@@ -94,6 +96,13 @@ def test_refuses_mismatched_operands() -> None:
     x, w13, w2 = _operands(3, 32, 16, 4, torch.float32, seed=5)
     grouping = group_by_expert(torch.zeros(3, 1, dtype=torch.int64), 4)
     with pytest.raises(ValueError):
-        fused_experts(x, grouping.rows, grouping.offsets, w13, w2.transpose(1, 2).contiguous())
+        pack(w13, w2.transpose(1, 2).contiguous())
     with pytest.raises(ValueError):
-        fused_experts(x.to(torch.bfloat16), grouping.rows, grouping.offsets, w13, w2)
+        pack(w13, w2.to(torch.bfloat16))
+    packed = pack(w13, w2)
+    with pytest.raises(ValueError):
+        fused_experts(x.to(torch.bfloat16), grouping.rows, grouping.offsets, packed)
+    with pytest.raises(ValueError):
+        fused_experts(x[:, :16], grouping.rows, grouping.offsets, packed)
+    with pytest.raises(ValueError):
+        fused_experts(x, grouping.rows, grouping.offsets[:3], packed)

@@ -82,7 +82,8 @@ def test_reference_matches_transformers_gpt_oss_experts() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("clamped", [CLAMPED, None])
 @pytest.mark.parametrize(
-    ("tokens", "hidden", "inter", "experts", "top_k"), [(1, 64, 32, 8, 2), (23, 40, 19, 6, 3)]
+    ("tokens", "hidden", "inter", "experts", "top_k"),
+    [(1, 64, 32, 8, 2), (23, 40, 19, 6, 3), (29, 67, 45, 3, 2)],  # + odd K, a part panel
 )
 def test_native_kernel_matches_reference(
     march, dtype, clamped, tokens, hidden, inter, experts, top_k
@@ -95,9 +96,10 @@ def test_native_kernel_matches_reference(
     expected = fused_experts_reference(
         x, grouping.rows, grouping.offsets, w13, w2, b13=b13, b2=b2, clamped=clamped
     )
-    actual = native.fused_experts(x, grouping.rows, grouping.offsets, w13, w2, march, options)
+    packed = native.pack(w13, w2, march)
+    actual = native.fused_experts(x, grouping.rows, grouping.offsets, packed, options)
     torch.testing.assert_close(actual.float(), expected.float(), **NATIVE_TOLERANCES[dtype])
-    combined = native.fused_moe(x, grouping, routing, grouping.offsets, w13, w2, march, options)
+    combined = native.fused_moe(x, grouping, routing, grouping.offsets, packed, options)
     torch.testing.assert_close(
         combined.float(),
         combine(expected, grouping, routing).float(),
@@ -110,7 +112,7 @@ def test_native_kernel_refuses_a_bias_that_does_not_fit() -> None:
     x, (w13, w2, b13, b2), _, grouping = _case(3, 32, 16, 4, 2, torch.float32, 5)
     with pytest.raises(ValueError, match="b2"):
         native.fused_experts(
-            x, grouping.rows, grouping.offsets, w13, w2,
+            x, grouping.rows, grouping.offsets, native.pack(w13, w2),
             options=native.ExpertOptions(b13, b2[:, :8]),
         )  # fmt: skip
 

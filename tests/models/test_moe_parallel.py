@@ -48,10 +48,13 @@ def _rank(rank: int, world: int, model_dir: Path, expert_parallel: bool) -> None
         with tensor_parallel(world, rank, expert_parallel=expert_parallel):
             model = load_model(model_dir, torch.float32, torch.device("cpu"), "torch")
         moe = next(m for m in model.modules() if isinstance(m, FusedMoE))
+        packed = moe.experts.packed  # the CPU kernel's copy of this rank's shard
+        assert packed is not None and moe.experts.w13_weight.numel() == 0  # held once
+        experts, hidden, inter = packed.experts, packed.hidden, packed.inter
         layout = {
             "first_expert": moe.experts.first_expert,
-            "w13": list(moe.experts.w13_weight.shape),
-            "w2": list(moe.experts.w2_weight.shape),
+            "w13": [experts, 2 * inter, hidden],
+            "w2": [experts, hidden, inter],
         }
         tag = f"{expert_parallel}-{rank}"
         (model_dir / f"layout-{tag}.json").write_text(json.dumps(layout))
