@@ -35,9 +35,9 @@ MAX_ROWS = 48  # measured crossover with oneDNN on float32 weights: between 48 a
 MAX_ROWS_BF16 = 2  # against the native bf16 GEMM: 7.1 vs 12.6 ms at 1 row, 13.8 vs 11.5 at 3
 # The bf16 rows' kernel against the native bf16 GEMM, all linear layers of a step of the
 # embedded model's shape (docs/benchmarks.md, spec decoding), one thread, process
-# CPU time: 13.3 vs 14.9 ms at 4 rows, 14.4 vs 14.4 at 5, 18.3 vs 14.2 at 6; at two
-# threads the GEMM is bound by DRAM (270 MB at ~33 GB/s >= 8.2 ms), the kernel by its
-# multiply-adds, which two cores halve: the crossover moves to ~6.
+# CPU time: 13.3 vs 14.9 ms at 4 rows, 14.4 vs 14.4 at 5, 16.4 vs 15.4 at 6, 24.3 vs
+# 16.4 at 8; at two threads the GEMM is bound by DRAM (270 MB at ~33 GB/s >= 8.2 ms), the
+# kernel by its multiply-adds, which two cores split: the crossover moves to ~6.
 MAX_ROWS_BF16_DOT = 6
 BLOCK = 32  # weights per block, every format
 # GGUF type name -> (kernel format code, bytes per raw GGUF block).

@@ -68,7 +68,7 @@ inline void dot_rows(const Bf16* x, int64_t stride, const uint8_t* tile, int64_t
 }
 
 // Weight rows held per pass: M * R accumulators plus R weight vectors within 32 registers.
-constexpr int dot_rows_per_pass(int M) { return M <= 5 ? 4 : M <= 12 ? 2 : 1; }
+constexpr int dot_rows_per_pass(int M) { return M <= 6 ? 4 : M <= 12 ? 2 : 1; }
 #else
 constexpr int kDotMaxRows = 8;
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cpu_block_linear import BUILDS, _quantized
 
 from kvflow.kernels.cpu import block_linear as module
 from kvflow.kernels.cpu import linear as linear_module
 from kvflow.kernels.cpu.block_linear import MAX_ROWS_BF16, BlockWeights, applies, row_limit
-
-from test_cpu_block_linear import BUILDS, _quantized
 
 pytestmark = pytest.mark.native(module.available())
 
