@@ -257,6 +257,8 @@ bool valid(int format, int64_t in_features) {
     return format >= kQ8_0 && format <= kQ4_1 && in_features > 0 && in_features % kBlock == 0;
 }
 
+#include "block_linear_bf16.h"  // NOLINT: the bf16 rows' kernel, on the layout above
+
 }  // namespace
 
 extern "C" {
@@ -295,6 +297,31 @@ int kvflow_block_linear_bf16(int format, const Bf16* x, const void* packed, cons
                                            yf.data(), rows, in_features, out_features, in_features);
     for (int64_t j = 0; j < rows * out_features; ++j) store(&y[j], yf[j]);
     return status;
+}
+
+// bf16 rows as the bf16 model computes them (block_linear_bf16.h): weights rounded to
+// bf16, float32 sums, y rounded once; rows of any count (kDotMaxRows per pass), x's row
+// stride in elements (unit column stride), bias bf16 or null, y contiguous. Returns 0, or
+// nonzero for bad arguments.
+int kvflow_block_linear_bf16_dot(int format, const Bf16* x, const void* packed, const Bf16* bias,
+                                 Bf16* y, int64_t rows, int64_t in_features, int64_t out_features,
+                                 int64_t x_row_stride) {
+    if (!valid(format, in_features) || rows < 0) return 1;
+    const auto* p = static_cast<const uint8_t*>(packed);
+    const int64_t K = in_features, N = out_features;
+    if (format == kQ8_0) dot_linear<kQ8_0>(x, x_row_stride, p, bias, y, rows, K, N);
+    else if (format == kQ4_0) dot_linear<kQ4_0>(x, x_row_stride, p, bias, y, rows, K, N);
+    else dot_linear<kQ4_1>(x, x_row_stride, p, bias, y, rows, K, N);
+    return 0;
+}
+
+// 1 where the bf16 rows' kernel runs on vdpbf16ps (AVX512_BF16), 0 on float32 vectors.
+int kvflow_block_linear_bf16_dot_isa() {
+#if defined(KVFLOW_BLOCK_DPBF16)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 // The float32 weights [out_features, in_features] the tiles encode (same arithmetic as

@@ -8,10 +8,15 @@ of a few requests, bound by reading the weights) while reading only the blocks. 
 values are expanded exactly (`dequantize` reproduces the float32 weights bit for bit),
 so results differ from F.linear's only in summation order.
 
-A bfloat16 model whose bf16 weights are those float32 values rounded gets the blocks too,
-at up to MAX_ROWS_BF16 rows: its rows are widened to float32, multiplied with the
+A bfloat16 model whose bf16 weights are those float32 values rounded gets the blocks too.
+At up to MAX_ROWS_BF16 rows its rows are widened to float32, multiplied with the
 unrounded weights and rounded back to bf16 once (one rounding fewer than the bf16
-route; what makes the default dtype's single stream read 111 MB instead of 270).
+route; what makes the default dtype's single stream read 111 MB instead of 270). From
+there up to MAX_ROWS_BF16_DOT rows (a speculative verification step's k + 1) the bf16
+rows' kernel (block_linear_bf16.h) computes the bf16 route's own function, weights
+rounded to bf16, on vdpbf16ps, still reading each block once for all rows. Where the
+CPU lacks AVX512_BF16 that kernel runs on float32 vectors and the dispatch keeps
+MAX_ROWS_BF16 (not measured faster than the bf16 routes there).
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ from kvflow.kernels.cpu.native_build import INT64, POINTER, load_bound
 
 MAX_ROWS = 48  # measured crossover with oneDNN on float32 weights: between 48 and 64
 MAX_ROWS_BF16 = 2  # against the native bf16 GEMM: 7.1 vs 12.6 ms at 1 row, 13.8 vs 11.5 at 3
+# The bf16 rows' kernel against the native bf16 GEMM, all linear layers of a step of the
+# embedded model's shape (docs/benchmarks.md, spec decoding), one thread, process
+# CPU time: 13.3 vs 14.9 ms at 4 rows, 14.4 vs 14.4 at 5, 16.4 vs 15.4 at 6, 24.3 vs
+# 16.4 at 8; at two threads the GEMM is bound by DRAM (270 MB at ~33 GB/s >= 8.2 ms), the
+# kernel by its multiply-adds, which two cores split: the crossover moves to ~6.
+MAX_ROWS_BF16_DOT = 6
 BLOCK = 32  # weights per block, every format
 # GGUF type name -> (kernel format code, bytes per raw GGUF block).
 FORMATS = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20)}
@@ -45,6 +56,7 @@ def _library(march: str = "native") -> ctypes.CDLL | None:
         {
             "kvflow_block_linear": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 4],
             "kvflow_block_linear_bf16": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 4],
+            "kvflow_block_linear_bf16_dot": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 4],
             "kvflow_block_dequantize": [ctypes.c_int, POINTER, POINTER, INT64, INT64],
         },
         march,
@@ -148,8 +160,19 @@ def dequantize(blocks: BlockWeights, march: str = "native") -> torch.Tensor:
     return out
 
 
+@functools.cache
+def bf16_dot_native(march: str = "native") -> bool:
+    """Whether the bf16 rows' kernel runs on vdpbf16ps in this build (AVX512_BF16)."""
+    library = _library(march)
+    return library is not None and library.kvflow_block_linear_bf16_dot_isa() == 1
+
+
 def row_limit(dtype: torch.dtype) -> int:
-    return MAX_ROWS if dtype == torch.float32 else MAX_ROWS_BF16 if dtype == torch.bfloat16 else 0
+    if dtype == torch.float32:
+        return MAX_ROWS
+    if dtype == torch.bfloat16:
+        return MAX_ROWS_BF16_DOT if bf16_dot_native() else MAX_ROWS_BF16
+    return 0
 
 
 def applies(x: torch.Tensor, blocks: BlockWeights, bias: torch.Tensor | None) -> bool:
@@ -174,7 +197,7 @@ def applies(x: torch.Tensor, blocks: BlockWeights, bias: torch.Tensor | None) ->
 
 
 def block_linear(
-    x: torch.Tensor,  # float32 or bfloat16 [rows, in_features], rows <= row_limit
+    x: torch.Tensor,  # float32 or bfloat16 [rows, in_features], rows <= row_limit (any, here)
     blocks: BlockWeights,  # W [out_features, in_features]
     bias: torch.Tensor | None = None,  # [out_features], x's dtype
     march: str = "native",
@@ -187,11 +210,14 @@ def block_linear(
     y = torch.empty(rows, blocks.out_features, dtype=x.dtype)
     library = _library(march)
     assert library is not None  # applies() checked it
-    # bf16 rows: widened in the kernel, the result rounded once.
+    # bf16 rows: widened in the kernel, the result rounded once; beyond MAX_ROWS_BF16 on
+    # bf16 weights, every block expanded once for all rows.
     function = (
         library.kvflow_block_linear
         if x.dtype == torch.float32
         else library.kvflow_block_linear_bf16
+        if rows <= MAX_ROWS_BF16
+        else library.kvflow_block_linear_bf16_dot
     )
     status = native_calls.run(
         function,

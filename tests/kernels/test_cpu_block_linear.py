@@ -117,7 +117,8 @@ def test_steps_aside_where_it_does_not_apply() -> None:
     blocks, _ = _quantized("Q8_0", 16, 64)
     assert not applies(torch.randn(MAX_ROWS + 1, 64), blocks, None)
     assert not applies(torch.randn(2, 64, dtype=torch.float16), blocks, None)
-    assert not applies(torch.randn(MAX_ROWS_BF16 + 1, 64, dtype=torch.bfloat16), blocks, None)
+    bf16_limit = module.row_limit(torch.bfloat16)
+    assert not applies(torch.randn(bf16_limit + 1, 64, dtype=torch.bfloat16), blocks, None)
     assert not applies(torch.randn(2, 64, dtype=torch.bfloat16), blocks, torch.randn(16))
     assert not applies(torch.randn(2, 32), blocks, None)  # wrong in_features
     assert not applies(torch.randn(2, 64), blocks, torch.randn(15))  # wrong bias

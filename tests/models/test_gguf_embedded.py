@@ -153,13 +153,16 @@ def transformers_bf16_errors(embedded_dir, bf16_inputs, float32_logits) -> tuple
 BF16_ERROR_FACTOR = 2.0
 
 
-def _decode_logits(runner, ids: list[int], num_decoded: int) -> torch.Tensor:
-    """Prefill all but the last `num_decoded` tokens, then decode them one step at a time:
-    the logits that predict each of those tokens."""
+def _decode_logits(runner, ids: list[int], num_decoded: int, width: int = 1) -> torch.Tensor:
+    """Prefill all but the last `num_decoded` tokens, then run them `width` tokens a step
+    (1: decode steps; 5: the k + 1 rows of speculative verification steps, which a bf16
+    model's GGUF blocks serve with the bf16 rows' kernel): the logits that predict each
+    of those tokens."""
     first = len(ids) - num_decoded
-    rows = [runner.step([("r", ids[:first])])[0][-1]]
-    rows += [runner.step([("r", [token])])[0][-1] for token in ids[first:-1]]
-    return torch.stack(rows)
+    rows = [runner.step([("r", ids[:first])])[0][-1:]]
+    tail = ids[first:-1]
+    rows += [runner.step([("r", tail[i : i + width])])[0] for i in range(0, len(tail), width)]
+    return torch.cat(rows)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -173,8 +176,9 @@ def test_bf16_logits_within_transformers_bf16_error(
     backend,
 ) -> None:
     """bf16 runs on every machine (emulated where the CPU has no bf16 instructions):
-    one-prefill logits and decode-step logits (paged KV cache, the backend's decode
-    kernel) stay within BF16_ERROR_FACTOR x transformers' bf16 error."""
+    one-prefill logits, decode-step logits (paged KV cache, the backend's decode kernel)
+    and 5-row verification-step logits stay within BF16_ERROR_FACTOR x transformers'
+    bf16 error."""
     model = load_model(embedded_dir, torch.bfloat16, torch.device("cpu"), backend)
     max_bound, rms_bound = (BF16_ERROR_FACTOR * e for e in transformers_bf16_errors)
     for name, (ids, num_decoded) in bf16_inputs.items():
@@ -186,6 +190,9 @@ def test_bf16_logits_within_transformers_bf16_error(
                 _decode_logits(runner, ids, num_decoded), reference[-num_decoded - 1 : -1]
             ),
         }
+        runner = paged_runner(model, num_blocks=64, block_size=16)
+        verify = _decode_logits(runner, ids, num_decoded, width=5)
+        errors["verify"] = _errors(verify, reference[-num_decoded - 1 : -1])
         for path, (max_err, rms_err) in errors.items():
             where = f"{name} {path}"
             assert max_err <= max_bound, f"{where}: max error {max_err:.3f} > {max_bound:.3f}"
