@@ -45,10 +45,10 @@ lint: installed-tree
 	$(VENV)/bin/ruff format --check .
 	cd $(INSTALLED_TREE) && PYTHONPATH=. $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
 
-# Errors name kvflow/<folder>/...: the same file under the repository's <folder>/.
+# Errors name kvflow/<folder>/...: the same file under the repository's <folder>/. The
+# cache lives (and dies) with the copy: a cache kept across copies gave stale errors.
 typecheck: installed-tree
-	cd $(INSTALLED_TREE) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml \
-	    --cache-dir $(CURDIR)/.mypy_cache -p kvflow
+	cd $(INSTALLED_TREE) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p kvflow
 	$(VENV)/bin/mypy docker/healthcheck.py
 
 test: lint typecheck

@@ -69,20 +69,7 @@ def build_app(
         return _client_response(held, counters)
 
     async def models(request: Request) -> Response:
-        """The first instance that answers (decode, then prefill): every instance serves
-        the same model, and one that is down must not fail the listing."""
-        response: httpx.Response | None = None
-        for url in [*pools.decode_urls, *pools.prefill_urls]:
-            try:
-                response = await client.get(url + "/v1/models", headers=_auth(request))
-            except httpx.HTTPError:
-                continue
-            if response.status_code < 500:
-                break
-        if response is None:
-            message = "no instance answers /v1/models"
-            return JSONResponse({"error": {"message": message, "code": 503}}, status_code=503)
-        return Response(response.content, response.status_code, media_type="application/json")
+        return await _first_listing(client, pools, _auth(request))
 
     async def health(request: Request) -> Response:
         return JSONResponse(
@@ -130,3 +117,22 @@ def _client_response(held: Held, counters: ProxyCounters) -> Response:
 def _auth(request: Request) -> dict[str, str]:
     auth = request.headers.get("authorization")
     return {"authorization": auth} if auth else {}
+
+
+async def _first_listing(
+    client: httpx.AsyncClient, pools: InstancePools, headers: dict[str, str]
+) -> Response:
+    """/v1/models from the first instance that answers (decode, then prefill): every
+    instance serves the same model, and one that is down must not fail the listing."""
+    response: httpx.Response | None = None
+    for url in [*pools.decode_urls, *pools.prefill_urls]:
+        try:
+            response = await client.get(url + "/v1/models", headers=headers)
+        except httpx.HTTPError:
+            continue
+        if response.status_code < 500:
+            break
+    if response is None:
+        message = "no instance answers /v1/models"
+        return JSONResponse({"error": {"message": message, "code": 503}}, status_code=503)
+    return Response(response.content, response.status_code, media_type="application/json")
