@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.kernels.cpu.prefill_attention import full_attention
+
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
@@ -72,7 +74,7 @@ class ClipAttention(nn.Module):
             return t.view(n, length, self.num_heads, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        out = F.scaled_dot_product_attention(q, k, v)  # full attention, scale D^-0.5
+        out = full_attention(q, k, v)  # scale D^-0.5
         return self.out_proj(out.transpose(1, 2).reshape(n, length, -1))
 
 

@@ -1,5 +1,6 @@
 // Causal prefill attention on CPUs for a prompt with no cached prefix: the q_len query
-// rows attend the step's own K/V rows 0 .. i (top-left causal, no window).
+// rows attend the step's own K/V rows 0 .. i (top-left causal, no window). With
+// causal = 0 every row attends all q_len keys (a vision tower's patches).
 //
 // Why native code: torch's CPU SDPA (flash path) reaches ~30-60 GFLOP/s of useful work
 // on one core at 128-2048 tokens, a fraction of what the linear layers reach. Here one
@@ -49,6 +50,7 @@ struct Shape {
     int64_t q_len, num_heads, num_kv_heads, head_dim;
     int64_t q_stride, k_stride, v_stride, out_stride;  // elements between tokens
     float scale;
+    bool causal;  // false: every query row sees every key
 };
 
 #if defined(__AVX512F__)
@@ -328,11 +330,12 @@ void attend_tile(const T* q, const Packed& p, T* out, const Shape& s, int64_t bl
     w.pos.resize(rows);
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = q0 + r / G, h = kh * G + r % G;
-        w.pos[r] = t;
+        w.pos[r] = s.causal ? t : L - 1;  // the last key a row sees
         if constexpr (dot_bf16<T>()) w.query[r] = q + t * s.q_stride + h * D;
         else w.query[r] = p.qf.data() + (t * s.num_heads + h) * D;
     }
-    const int64_t end = q0 + positions;  // keys past the tile's last position are unseen
+    // Keys past the tile's last position are unseen (causal).
+    const int64_t end = s.causal ? q0 + positions : L;
     for (int64_t key0 = 0; key0 < end; key0 += kKBlock) {
         const int64_t b = key0 / kKBlock;
         const float* kf = dot_bf16<T>() ? nullptr : p.kf.data() + (kh * blocks + b) * kKBlock * D;
@@ -433,17 +436,18 @@ int kvflow_prefill_attention_supports(int64_t head_dim) {
 }
 
 // dtype: 0 = float32, 1 = bfloat16. q [L, H, D], k and v [L, KH, D], out [L, H, D], each
-// with contiguous [heads, D] rows and its own token stride. Status: 0 done, 1 bad dtype,
+// with contiguous [heads, D] rows and its own token stride; causal 1 (top-left) or 0
+// (every row sees every key). Status: 0 done, 1 bad dtype,
 // 2 unsupported here (see kvflow_prefill_attention_supports), 3 bad shape.
 int kvflow_prefill_attention(int dtype, const void* q, const void* k, const void* v, void* out,
                              int64_t q_len, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t q_stride, int64_t k_stride,
-                             int64_t v_stride, int64_t out_stride, float scale) {
+                             int64_t v_stride, int64_t out_stride, float scale, int causal) {
     if (!kvflow_prefill_attention_supports(head_dim)) return 2;
     if (q_len < 1 || num_kv_heads < 1 || num_heads % num_kv_heads) return 3;
 #if defined(__AVX512F__)
     const Shape s{q_len, num_heads, num_kv_heads, head_dim, q_stride, k_stride, v_stride,
-                  out_stride, scale};
+                  out_stride, scale, causal != 0};
     if (dtype == 0) {
         prefill(static_cast<const float*>(q), static_cast<const float*>(k),
                 static_cast<const float*>(v), static_cast<float*>(out), s);
@@ -457,7 +461,7 @@ int kvflow_prefill_attention(int dtype, const void* q, const void* k, const void
     return 1;
 #else
     (void)dtype, (void)q, (void)k, (void)v, (void)out, (void)q_stride, (void)k_stride;
-    (void)v_stride, (void)out_stride, (void)scale;
+    (void)v_stride, (void)out_stride, (void)scale, (void)causal;
     return 2;
 #endif
 }

@@ -2,12 +2,14 @@
 
 For a prompt with no cached prefix and no sliding window: query row i attends the
 step's own key/value rows 0 .. i. The torch reference is `prefill_attention_ref` (what
-gpu_worker/attention/torch_backend.py runs for every other prefill).
+gpu_worker/attention/torch_backend.py runs for every other prefill). `full_attention`
+runs a vision tower's bidirectional attention on the same kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +18,13 @@ from kvflow.kernels.cpu import native_calls
 from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
 
 _SIGNATURES: dict[str, list[type]] = {
-    "kvflow_prefill_attention": [ctypes.c_int, *[POINTER] * 4, *[INT64] * 8, ctypes.c_float],
+    "kvflow_prefill_attention": [
+        ctypes.c_int,
+        *[POINTER] * 4,
+        *[INT64] * 8,
+        ctypes.c_float,
+        ctypes.c_int,
+    ],
     "kvflow_prefill_attention_supports": [INT64],
 }
 
@@ -52,6 +60,7 @@ class PrefillAttention:
         value: torch.Tensor,  # [q_len, num_kv_heads, head_dim]
         out: torch.Tensor,  # [q_len, num_heads, head_dim], written
         scale: float,
+        causal: bool = True,  # False: every row attends every key (a vision tower)
     ) -> None:
         q_len, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
@@ -84,20 +93,26 @@ class PrefillAttention:
             value.stride(0),
             out.stride(0),
             scale,
+            int(causal),
         )
         if status != 0:
             raise RuntimeError(f"native prefill attention failed with status {status}")
 
 
 def prefill_attention_ref(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """The spec in float32: top-left causal GQA attention, [q_len, num_heads, head_dim]."""
+    """The spec in float32: top-left causal (or full) GQA attention, [q_len, num_heads,
+    head_dim]."""
     attended = F.scaled_dot_product_attention(
         query.float().transpose(0, 1),
         key.float().transpose(0, 1),
         value.float().transpose(0, 1),
-        is_causal=True,
+        is_causal=causal,
         scale=scale,
         enable_gqa=True,
     )
@@ -109,3 +124,33 @@ def load_prefill_attention(march: str = "native") -> PrefillAttention | None:
     an older `march` to check that non-AVX-512 builds decline (`supports` is False)."""
     library = load_bound("prefill_attention", _SIGNATURES, march)
     return PrefillAttention(library) if library is not None else None
+
+
+@functools.cache
+def _shared_kernel() -> PrefillAttention | None:
+    return load_prefill_attention()
+
+
+def full_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Bidirectional attention over [N, H, L, D] (a vision tower's patches, scale
+    D^-0.5), as torch SDPA computes it. bfloat16 on the CPU runs the native kernel where
+    it is built (AVX-512), the heads padded with zeros to a multiple of 32 (zero dims add
+    nothing to the scores; the padded value columns are dropped): at SigLIP's 16 heads of
+    72 over 729 patches, 12.4 ms against torch SDPA's 21.2 (2 threads, Zen 4). In float32
+    SDPA was as fast (20.3 against 23.0 ms), so float32 and every other case keep it."""
+    native = _shared_kernel() if query.device.type == "cpu" else None
+    head_dim = query.shape[-1]
+    padded = -(-head_dim // 32) * 32
+    if (
+        query.dtype != torch.bfloat16
+        or native is None
+        or not native.supports(query.new_empty(1, 1, padded))
+    ):
+        return F.scaled_dot_product_attention(query, key, value)
+    rows = [
+        F.pad(t.transpose(1, 2), (0, padded - head_dim)).contiguous() for t in (query, key, value)
+    ]  # [N, L, H, padded] each
+    out = torch.empty_like(rows[0])
+    for n in range(query.shape[0]):
+        native(rows[0][n], rows[1][n], rows[2][n], out[n], head_dim**-0.5, causal=False)
+    return out[..., :head_dim].transpose(1, 2)

@@ -1,4 +1,5 @@
-"""The native CPU causal prefill attention against its torch reference."""
+"""The native CPU prefill attention (causal, and full for vision towers) against its torch
+reference."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import pytest
 import torch
 from isa_builds import can_run, skip_unless_runs
 
-from kvflow.kernels.cpu.prefill_attention import load_prefill_attention, prefill_attention_ref
+from kvflow.kernels.cpu.prefill_attention import (
+    full_attention,
+    load_prefill_attention,
+    prefill_attention_ref,
+)
 
 kernel = load_prefill_attention()
 pytestmark = pytest.mark.native(kernel is not None)
@@ -41,13 +46,13 @@ def _random_qkv(q_len, num_heads, num_kv_heads, head_dim, dtype, seed):
     )
 
 
-def _check(kern, q_len, num_heads, num_kv_heads, head_dim, dtype, scale=None):
+def _check(kern, q_len, num_heads, num_kv_heads, head_dim, dtype, scale=None, causal=True):
     q, k, v = _random_qkv(q_len, num_heads, num_kv_heads, head_dim, dtype, q_len + head_dim)
     scale = head_dim**-0.5 if scale is None else scale
     # `out` rows are a slice of a larger buffer: rows around it must stay untouched.
     buffer = torch.full((q_len + 2, num_heads, head_dim), 7.0, dtype=dtype)
-    kern(q, k, v, buffer[1:-1], scale)
-    expected = prefill_attention_ref(q, k, v, scale)
+    kern(q, k, v, buffer[1:-1], scale, causal=causal)
+    expected = prefill_attention_ref(q, k, v, scale, causal=causal)
     actual = buffer[1:-1].float()
     torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])
     assert (buffer[0] == 7.0).all() and (buffer[-1] == 7.0).all()
@@ -135,3 +140,30 @@ def test_rejects_what_would_read_out_of_bounds(change, message):
     }
     with pytest.raises(ValueError, match=message):
         kernel(**(args | change), scale=1.0)
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "q_len"),
+    [(16, 16, 96, 729), (4, 2, 32, 45), (3, 1, 64, 1), (2, 2, 128, 130)],
+)
+def test_full_attention_sees_every_key(march, dtype, heads, kv_heads, head_dim, q_len):
+    """causal=False: every row attends all keys, later ones included (a vision tower)."""
+    actual, _ = _check(_kernel_for(march), q_len, heads, kv_heads, head_dim, dtype, causal=False)
+    if q_len > 1:  # differs from the causal result: the later keys were read
+        causal = prefill_attention_ref(
+            *_random_qkv(q_len, heads, kv_heads, head_dim, dtype, q_len + head_dim), head_dim**-0.5
+        )
+        assert not torch.allclose(actual[0], causal[0], atol=1e-2)
+
+
+@pytest.mark.parametrize("head_dim", [16, 72, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_towers_full_attention_matches_sdpa(head_dim, dtype):
+    """The towers' entry point: [N, H, L, D] of any head size (padded to a multiple of 32
+    for the kernel), per image, the same result as torch SDPA."""
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(2, 3, 50, head_dim, generator=gen).to(dtype) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    torch.testing.assert_close(full_attention(q, k, v).float(), expected, **TOLERANCES[dtype])
