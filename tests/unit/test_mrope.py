@@ -5,6 +5,8 @@ check of the table's length."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -55,11 +57,15 @@ def test_feature_slices_chunks_and_continues_past_the_prompt() -> None:
     expected = [[4, 5, *row[3:7]] for row in TABLE]
     assert model.positions[-1] is not None and model.positions[-1].tolist() == expected
     assert feature.layer_hook(plan) is not None  # such a step runs eagerly
-    # The last prompt token and a generated one (index 10 -> 7).
+    # The last prompt token and a generated one (index 10 -> 7): the three rows agree, so
+    # they are plain RoPE positions, written into the step's 1-D positions (its graph runs).
     decode = StepPlan(2, [], [CachedRequestData("img", [], 9)], ["img"], [2])
     feature.on_plan(decode)
     feature.before_forward(decode)
-    assert model.positions[-1] is not None and model.positions[-1].tolist() == [[6, 7]] * 3
+    assert model.positions[-1] is None and feature.layer_hook(decode) is None
+    inputs = SimpleNamespace(positions=torch.tensor([9, 10]))
+    feature.on_inputs(decode, inputs)  # type: ignore[arg-type]
+    assert inputs.positions.tolist() == [6, 7]
     # Text-only steps keep their 1-D positions (and their graphs).
     text = StepPlan(
         3, [], [CachedRequestData("txt", [], 6)], ["txt"], [1], finished_req_ids=["img"]
