@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvflow.bench.throughput import random_token_prompts
+from kvflow.bench.vllm_compare import add_peer_python_arg
 
 
 @dataclass
@@ -40,12 +41,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument("--compare", choices=["vllm"], default=None)
-    parser.add_argument(
-        "--peer-python",
-        default=None,
-        help="--compare vllm: the python of vLLM's virtual environment "
-        "(default $KVFLOW_VLLM_PYTHON, else ~/.cache/kvflow-peers/venv-vllm/bin/python)",
-    )
+    add_peer_python_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

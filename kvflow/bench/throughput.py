@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvflow.bench.shapes import add_shape_args, apply_shape_args
+from kvflow.bench.vllm_compare import add_peer_python_arg
 
 
 @dataclass
@@ -62,12 +63,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "llama.cpp); llama.cpp runs BF16 and Q8_0 GGUFs of the same shapes "
         "(kvflow/bench/llama_cpp_peer.py)",
     )  # fmt: skip
-    parser.add_argument(
-        "--peer-python",
-        default=None,
-        help="--compare vllm: the python of vLLM's virtual environment "
-        "(default $KVFLOW_VLLM_PYTHON, else ~/.cache/kvflow-peers/venv-vllm/bin/python)",
-    )
+    add_peer_python_arg(parser)
     parser.add_argument(
         "--lora-adapters",
         type=int,

@@ -12,6 +12,7 @@ bound as kvflow's run used.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -25,6 +26,16 @@ EMBED_PEER_SCRIPT = Path(__file__).with_name("vllm_embed_peer.py")  # `kvflow be
 DEFAULT_PYTHON = Path("~/.cache/kvflow-peers/venv-vllm/bin/python")
 TIMEOUT_S = 3600.0
 RESULT_MARK = "kvflow-peer-result: "  # vllm_peer.py's result line (vLLM logs to stdout too)
+
+
+def add_peer_python_arg(parser: argparse.ArgumentParser) -> None:
+    """`--peer-python`, which every `--compare vllm` bench takes (see `peer_python`)."""
+    parser.add_argument(
+        "--peer-python",
+        default=None,
+        help="--compare vllm: the python of vLLM's virtual environment "
+        "(default $KVFLOW_VLLM_PYTHON, else ~/.cache/kvflow-peers/venv-vllm/bin/python)",
+    )
 
 
 def peer_python(explicit: str | None) -> Path:

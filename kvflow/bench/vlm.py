@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.bench import instances
+from kvflow.bench.vllm_compare import add_peer_python_arg
 from kvflow.bench.vlm_config import add_size_args, write_from_args
 
 START_TIMEOUT_S = 1800.0  # vLLM compiles its graphs at start-up: minutes on 2 CPU cores
@@ -64,12 +65,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kvflow-args", default="", help="more `kvflow serve` flags (one string)")
     parser.add_argument("--compare", choices=["vllm"], default=None)
-    parser.add_argument(
-        "--peer-python",
-        default=None,
-        help="--compare vllm: the python of vLLM's virtual environment "
-        "(default $KVFLOW_VLLM_PYTHON, else ~/.cache/kvflow-peers/venv-vllm/bin/python)",
-    )
+    add_peer_python_arg(parser)
     parser.add_argument("--vllm-args", default="", help="more vLLM server flags (one string)")
     parser.add_argument("--work-dir", default=None, help="logs, results (and the model dir)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary work folder")
