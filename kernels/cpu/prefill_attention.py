@@ -36,6 +36,10 @@ class PrefillAttention:
         self._fn = library.kvflow_prefill_attention
         self._supports = library.kvflow_prefill_attention_supports
 
+    def runs_head_dim(self, head_dim: int) -> bool:
+        """Whether this build has a path for `head_dim` (AVX-512, a multiple of 32)."""
+        return bool(self._supports(head_dim))
+
     def supports(self, query: torch.Tensor, *others: torch.Tensor) -> bool:
         """Whether this build runs `query`'s device, dtype and head_dim (AVX-512 builds,
         head_dim a multiple of 32), and `others` (key, value, out) have its dtype and
@@ -44,7 +48,7 @@ class PrefillAttention:
         return (
             query.device.type == "cpu"
             and query.dtype in DTYPE_CODES
-            and bool(self._supports(head_dim))
+            and self.runs_head_dim(head_dim)
             and all(
                 t.dtype == query.dtype
                 and t.device == query.device
@@ -141,11 +145,7 @@ def full_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) 
     native = _shared_kernel() if query.device.type == "cpu" else None
     head_dim = query.shape[-1]
     padded = -(-head_dim // 32) * 32
-    if (
-        query.dtype != torch.bfloat16
-        or native is None
-        or not native.supports(query.new_empty(1, 1, padded))
-    ):
+    if query.dtype != torch.bfloat16 or native is None or not native.runs_head_dim(padded):
         return F.scaled_dot_product_attention(query, key, value)
     rows = [
         F.pad(t.transpose(1, 2), (0, padded - head_dim)).contiguous() for t in (query, key, value)
