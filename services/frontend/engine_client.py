@@ -242,10 +242,12 @@ class EngineClient(EngineHealth, InFlightRequests):
     def _route(
         self, token_ids: list[int], cache_salt: str | None, rank: int | None,
         lora: LoRARequest | None = None, image_spans: Sequence[ImageSpan] = (),
+        *, avoid: int | None = None,
     ) -> int:  # fmt: skip
         problems = self.engine_problems()
         for engine in self.engines:
-            self.router.set_available(engine.index, problems[str(engine.index)] is None)
+            serving = problems[str(engine.index)] is None and engine.index != avoid
+            self.router.set_available(engine.index, serving)
         try:
             lora_id = 0 if lora is None else lora.lora_int_id
             decision = self.router.route(token_ids, cache_salt, rank, lora_id, image_spans)

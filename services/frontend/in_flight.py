@@ -73,9 +73,9 @@ class InFlightRequests(ABC):
     @abstractmethod
     def _route(
         self, token_ids: list[int], cache_salt: str | None, rank: int | None,
-        lora: LoRARequest | None = None,
+        lora: LoRARequest | None = None, *, avoid: int | None = None,
     ) -> int:  # fmt: skip
-        """The engine a (re)sent request goes to; the router's choice."""
+        """The engine a (re)sent request goes to; the router's choice, never `avoid`."""
 
     def engine_label(self, delta: RequestOutputDelta) -> str | None:
         """The `engine` metrics label of the engine that sent `delta`; None with one
@@ -120,7 +120,9 @@ class InFlightRequests(ABC):
         child_ids = [c for c in self._queues if self._owners.get(c) == engine]
         if abort:
             self.abort(child_ids)  # before re-routing moves their owner elsewhere
-        moved = self._reroute(child_ids, reason) if reroute and len(self.engines) > 1 else set()
+        moved = (
+            self._reroute(child_ids, engine, reason) if reroute and len(self.engines) > 1 else set()
+        )
         failed = [c for c in child_ids if c not in moved]
         if len(self.engines) > 1:
             reason = f"{reason} (engine {engine})"
@@ -129,9 +131,11 @@ class InFlightRequests(ABC):
         if failed:
             logger.warning("failed %d in-flight request(s): %s", len(failed), reason)
 
-    def _reroute(self, child_ids: list[str], reason: str) -> set[str]:
-        """Resend these children to a serving engine with the tokens they have so far
-        (the new engine recomputes their KV); returns the ones moved."""
+    def _reroute(self, child_ids: list[str], failed: int, reason: str) -> set[str]:
+        """Resend these children to another serving engine with the tokens they have so
+        far (the new engine recomputes their KV); returns the ones moved. Never back to
+        the `failed` engine, even once it serves again: its abort of the old request could
+        then end the resent one."""
         moved: set[str] = set()
         for child_id in child_ids:
             sent = self._sent.get(child_id)
@@ -140,7 +144,8 @@ class InFlightRequests(ABC):
             resumed = sent.resumed()
             try:
                 engine = self._route(resumed.prompt_token_ids + resumed.output_token_ids,
-                                     resumed.cache_salt, None, resumed.lora_request)  # fmt: skip
+                                     resumed.cache_salt, None, resumed.lora_request,
+                                     avoid=failed)  # fmt: skip
             except EngineDeadError:
                 break  # no engine serves: the rest fail
             self._owners[child_id] = engine

@@ -11,7 +11,7 @@ import pytest
 
 from kvflow.errors import EngineDeadError, InvalidRequestError
 from kvflow.proto.addresses import ServiceAddresses
-from kvflow.proto.engine import AddRequest
+from kvflow.proto.engine import AbortRequests, AddRequest
 from kvflow.proto.frontend import EngineDead, FrontendOutputs, RequestOutputDelta
 from kvflow.proto.stats import SchedulerStats
 from kvflow.sampling_params import SamplingParams
@@ -131,6 +131,29 @@ def test_a_dead_engines_requests_move_with_their_tokens(tmp_path: Path) -> None:
     assert queue.empty()
     client._handle(_delta("r#0", [14]), 0)
     assert queue.get_nowait().token_ids == [14]
+
+
+def test_a_restarted_engines_requests_move_to_another_even_where_it_holds_the_prefix(
+    tmp_path: Path,
+) -> None:
+    """A scheduler restarted before anyone saw it die: its new incarnation's stats abort
+    its old requests there, so they must go elsewhere even though the router still
+    believes the restarted engine holds their prefix (its abort would end them)."""
+    client = _client(tmp_path)
+    inboxes = _sending(client)
+    client._handle(_stats(0, "a", waiting=5), 0)  # the busier engine, by the router's load
+    client._handle(_stats(1, "b"), 1)
+    assert client._route([5, 6, 7], None, None) == 1
+    queue = _sent(client, "r#0", 1)
+    client._handle(_delta("r#0", [11]), 1)
+    queue.get_nowait()
+    client._handle(_stats(1, "b2"), 1)  # a new incarnation: the scheduler restarted
+    aborted, *rest = inboxes[1].sent
+    assert isinstance(aborted, AbortRequests) and aborted.req_ids == ["r#0"] and rest == []
+    (moved,) = inboxes[0].sent
+    assert isinstance(moved, AddRequest) and moved.output_token_ids == [11]
+    client._handle(FrontendOutputs([RequestOutputDelta("r#0", "", [], "abort")]), 1)
+    assert queue.empty() and client._owners["r#0"] == 0
 
 
 def test_with_no_engine_left_the_requests_fail(tmp_path: Path) -> None:
