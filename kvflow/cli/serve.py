@@ -109,6 +109,14 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "--api-key-file or KVFLOW_API_KEY)",
     )
     group.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    group.add_argument(
+        "--resend-wait",
+        type=float,
+        default=60.0,
+        help="seconds a request whose engine failed, with no other engine to take it, "
+        "waits for one to serve again (then it is resent and goes on); 0: it ends with "
+        "an error at once",
+    )
     add_tls_args(group)
     add_media_args(group)
     group.add_argument(
@@ -207,8 +215,15 @@ def _run_serve(args: argparse.Namespace) -> int:
         tls=resolve_tls(args),
         reasoning_parser=resolve_reasoning_parser(args),
         media=resolve_media(args),
+        resend_wait_s=resend_wait(args),
     )
     return serve(config, options)
+
+
+def resend_wait(args: argparse.Namespace) -> float:
+    if args.resend_wait < 0:
+        raise SystemExit("kvflow: --resend-wait must not be negative")
+    return float(args.resend_wait)
 
 
 def resolve_reasoning_parser(args: argparse.Namespace) -> str | None:
@@ -311,6 +326,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
         tls=resolve_tls(args),
         reasoning_parser=resolve_reasoning_parser(args),
         media=resolve_media(args),
+        resend_wait_s=resend_wait(args),
     )
     frontend = make_frontend_config(config, model_dir, options)
     if config.parallel.data_parallel_size == 1:

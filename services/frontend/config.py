@@ -79,6 +79,9 @@ class FrontendConfig:
     frontend_id: str = field(default_factory=new_frontend_id)  # the detokenizer routes by it
     model_root: str = ""  # shown as `root` in /v1/models (the model's path)
     stats_timeout_s: float = 10.0  # no SchedulerStats for this long: unhealthy
+    # A failed engine's requests with no other engine to go to wait this long for one
+    # that serves again, then are resent (in_flight.py); 0: they end with an error.
+    resend_wait_s: float = 60.0
     shutdown_grace_s: float = 5.0  # after SIGTERM, streams may run this long, then error
     engine_label: str = "0"  # `engine` label of request-level metrics
     # Several API servers on one port: where each publishes its request-level metrics,

@@ -68,6 +68,7 @@ from kvflow.sampling_params import SamplingParams, child_request_ids, child_samp
 from kvflow.services.frontend.engine_health import EngineHealth
 from kvflow.services.frontend.engine_link import EngineLink
 from kvflow.services.frontend.in_flight import (
+    HeldRequest,
     InFlightRequests,
     SentRequest,
     error_delta,
@@ -98,6 +99,7 @@ class EngineClient(EngineHealth, InFlightRequests):
         engine_watchdogs: Sequence[Watchdog] | None = None,
         check_interval_s: float = 0.25,
         routing: RoutingConfig | None = None,
+        resend_wait_s: float = 60.0,
     ) -> None:
         if isinstance(addresses, ServiceAddresses):
             addresses = [addresses]
@@ -114,6 +116,8 @@ class EngineClient(EngineHealth, InFlightRequests):
         self._queues: dict[str, asyncio.Queue[RequestOutputDelta]] = {}  # child id -> queue
         self._owners: dict[str, int] = {}  # child id -> the engine that holds it
         self._sent: dict[str, SentRequest] = {}  # child id -> what re-routing it would resend
+        self.resend_wait_s = resend_wait_s
+        self._held: dict[str, HeldRequest] = {}  # child id -> why and until when it waits
         self._context: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -278,6 +282,8 @@ class EngineClient(EngineHealth, InFlightRequests):
                     if self._owners.get(delta.req_id) != engine:
                         continue  # late output of an engine this request left
                     sent = self._sent.get(delta.req_id)
+                    if delta.finish_reason == "abort" and sent is not None and sent.aborted_here:
+                        continue  # the echo of the abort that preceded its resend
                     if sent is not None:
                         sent.observe(delta)
                     delta.engine_index = engine
@@ -285,7 +291,9 @@ class EngineClient(EngineHealth, InFlightRequests):
             case SchedulerStats():
                 self._on_stats(message, engine)
             case EngineDead(reason=reason):
-                self._mark_dead(engine, reason)
+                # The engine's own verdict (say, its worker's restarts are spent): only
+                # another engine can take its requests.
+                self._mark_dead(engine, reason, hold=False)
 
     def _on_stats(self, stats: SchedulerStats, engine: int) -> None:
         link = self.engines[engine]
@@ -310,13 +318,15 @@ class EngineClient(EngineHealth, InFlightRequests):
             logger.warning("engine %d is back after: %s", engine, link.dead_reason)
             link.dead_reason = None
 
-    def _mark_dead(self, engine: int, reason: str, *, final: bool = False) -> None:
+    def _mark_dead(
+        self, engine: int, reason: str, *, final: bool = False, hold: bool = True
+    ) -> None:
         link = self.engines[engine]
         if link.dead_reason is None:
             logger.error("engine %d is dead: %s", engine, reason)
             link.dead_reason = reason
         link.dead_final = link.dead_final or final
-        self.fail_engine(engine, f"the engine died: {reason}")
+        self.fail_engine(engine, f"the engine died: {reason}", hold=hold and not link.dead_final)
 
     async def _link_loop(self, monitor: zmq.asyncio.Socket, engine: int) -> None:
         link = self.engines[engine]
@@ -334,7 +344,8 @@ class EngineClient(EngineHealth, InFlightRequests):
             self.check_liveness()
 
     def check_liveness(self) -> None:
-        """Ask the watchdogs, and fail in-flight requests of engines gone silent."""
+        """Ask the watchdogs, fail over the in-flight requests of engines gone silent,
+        and resend held requests once an engine serves again."""
         global_death = _ask(self.watchdog)
         now = time.monotonic()
         for link in self.engines:
@@ -353,6 +364,8 @@ class EngineClient(EngineHealth, InFlightRequests):
                 logger.error("engine unresponsive: %s", stale)
                 self.fail_engine(link.index, f"the engine is unresponsive: {stale}", abort=True)
             link.stale = stale is not None
+        if self._held:
+            self.resend_held(now)
 
 
 def _ask(watchdog: Watchdog | None) -> str | None:

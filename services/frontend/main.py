@@ -68,6 +68,7 @@ def run_frontend(
         addresses,
         config.frontend_id,
         stats_timeout_s=config.stats_timeout_s,
+        resend_wait_s=config.resend_wait_s,
         watchdog=watchdog,
         engine_watchdogs=engine_watchdogs,
         routing=routing,

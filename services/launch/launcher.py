@@ -75,6 +75,7 @@ class ServeOptions:
     tls: TlsConfig | None = None  # HTTPS for the API; None: plain HTTP
     reasoning_parser: str | None = None  # chat's think-tag split (frontend/reasoning.py)
     media: MediaOptions = MediaOptions()  # chat images: sources and limits (kvflow/media.py)
+    resend_wait_s: float = 60.0  # a failed engine's requests wait this long for one that serves
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
@@ -352,4 +353,5 @@ def make_frontend_config(
         lora=config.lora if config.lora.enable_lora else None,
         skip_tokenizer_init=config.model.skip_tokenizer_init,
         model_dir=str(model_dir),
+        resend_wait_s=options.resend_wait_s,
     )

@@ -1,11 +1,13 @@
 """Each role as its own command over tcp, addresses from KVFLOW_ADDR_* (how compose runs
 them): a completion goes through, SIGTERM to the scheduler stops its workers and
 detokenizer too, a scheduler killed outright can be restarted onto the running
-worker, detokenizer and frontend, and a killed frontend, detokenizer or worker (with
-its scheduler, which exits when its worker dies) can be started again and serves."""
+worker, detokenizer and frontend, and a killed frontend, detokenizer or worker can be
+started again and serves. A stream running through a scheduler's, a detokenizer's or a
+worker's death goes on to the text of an uninterrupted run."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -66,11 +68,13 @@ class Stack:
             time.sleep(0.2)
         return False
 
-    def complete(self, max_tokens: int, timeout: float = 60.0) -> httpx.Response:
-        body = {"model": MODEL_NAME, "prompt": "Hi there", "max_tokens": max_tokens}
-        return httpx.post(
-            self.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=timeout
-        )
+    def complete(
+        self, max_tokens: int, timeout: float = 60.0, prompt: str = "Hi there"
+    ) -> httpx.Response:
+        """A greedy completion of `max_tokens` tokens."""
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens}
+        body |= {"ignore_eos": True, "temperature": 0.0}
+        return httpx.post(self.url + "/v1/completions", json=body, timeout=timeout)
 
     def logs(self) -> str:
         return "\n".join(
@@ -125,32 +129,18 @@ def test_roles_over_tcp(stack: Stack) -> None:
 
 
 def test_killed_scheduler_restarts_onto_running_workers(stack: Stack) -> None:
+    """The frontend holds the stream while no scheduler runs, and sends it again with
+    its tokens so far to the restarted one: it ends at its full length with the text of
+    an uninterrupted run, and no error."""
     assert stack.complete(5).json()["usage"]["completion_tokens"] == 5
+    expected = stack.complete(LongStream.MAX_TOKENS, prompt=LongStream.PROMPT).json()
     worker_pid = stack.processes["worker"].pid
-    lines: list[str] = []
-    streaming = threading.Event()
-
-    def stream_long_request() -> None:  # running when the scheduler dies
-        body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 500, "ignore_eos": True}
-        with httpx.stream(
-            "POST", stack.url + "/v1/completions", json={**body, "stream": True}, timeout=120.0
-        ) as response:
-            for line in response.iter_lines():
-                lines.append(line)
-                streaming.set()
-
-    thread = threading.Thread(target=stream_long_request)
-    thread.start()
-    assert streaming.wait(60.0), stack.logs()
+    stream = LongStream(stack)
     stack.processes["scheduler"].kill()  # SIGKILL: no EngineDead, no Shutdown to anyone
     stack.processes["scheduler"].wait()
     stack.start("scheduler", log_name="scheduler-restarted")
-    thread.join(120.0)
-    assert not thread.is_alive(), stack.logs()
-    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    assert '"error"' in events[-2], events[-3:]  # the stream ends with an error, not "length"
-    assert '"length"' not in "".join(events)
+    stream.assert_complete(expected["choices"][0]["text"], timeout=120.0)
+    assert "holding 1 in-flight request" in (stack.tmp_path / "frontend.log").read_text()
 
     assert stack.wait_healthy(120.0), stack.logs()
     assert stack.processes["worker"].pid == worker_pid  # the same worker, not a new one
@@ -177,7 +167,11 @@ def shared_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 class LongStream:
-    """A streamed completion in a thread, already streaming when the constructor returns."""
+    """A greedy streamed completion in a thread, already streaming when the constructor
+    returns."""
+
+    PROMPT = "Hi"
+    MAX_TOKENS = 500
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
@@ -188,7 +182,8 @@ class LongStream:
         assert self.streaming.wait(60.0), stack.logs()
 
     def _run(self) -> None:
-        body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 500, "ignore_eos": True}
+        body = {"model": MODEL_NAME, "prompt": self.PROMPT, "max_tokens": self.MAX_TOKENS}
+        body |= {"ignore_eos": True, "temperature": 0.0}
         url = self.stack.url + "/v1/completions"
         try:
             with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120.0) as r:
@@ -203,6 +198,14 @@ class LongStream:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the stream never ended\n" + self.stack.logs()
         return [line.removeprefix("data: ") for line in self.lines if line.startswith("data: ")]
+
+    def assert_complete(self, expected_text: str, timeout: float) -> None:
+        """The stream ended at its full length with `expected_text`, and no error."""
+        events = self.events(timeout)
+        assert events[-1] == "[DONE]" and '"length"' in events[-2], events[-3:]
+        assert not any('"error"' in event for event in events), events
+        chunks = [json.loads(event) for event in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == expected_text
 
 
 def _kill(stack: Stack, role: str) -> None:
@@ -233,20 +236,19 @@ def test_killed_frontend_restarts(shared_stack: Stack) -> None:
 
 
 def test_killed_detokenizer_restarts(shared_stack: Stack) -> None:
+    """A new detokenizer has no state for the old requests and drops their deltas: the
+    frontend aborts them on the scheduler, holds them while none is connected (not ready
+    meanwhile) and sends them again once one is: the stream goes on without an error."""
     stack = shared_stack
+    expected = stack.complete(LongStream.MAX_TOKENS, prompt=LongStream.PROMPT).json()
     stream = LongStream(stack)
     _kill(stack, "detokenizer")
-    # The stream's text state died with the detokenizer, and a new one drops deltas of
-    # requests it never saw: the frontend ends the stream with an error at once.
-    events = stream.events()
-    assert events[-1] == "[DONE]" and "detokenizer" in events[-2], events[-3:]
-    assert '"length"' not in "".join(events)
-    # Not ready until a detokenizer is back: a request now would get no outputs.
     deadline = time.monotonic() + 10.0
     while _health(stack) != 503 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _health(stack) == 503
     stack.start("detokenizer", log_name="detokenizer-restarted")
+    stream.assert_complete(expected["choices"][0]["text"], timeout=120.0)
     _serves(stack)
 
 
@@ -255,6 +257,7 @@ def test_killed_worker_restarts_and_the_stream_resumes(shared_stack: Stack) -> N
     waits (503 "recovering"); a restarted worker (compose's restart policy) answers its
     hello, and the stream goes on to its full length without an error."""
     stack = shared_stack
+    expected = stack.complete(LongStream.MAX_TOKENS, prompt=LongStream.PROMPT).json()
     stream = LongStream(stack)
     _kill(stack, "worker")
     deadline = time.monotonic() + 30.0
@@ -262,8 +265,6 @@ def test_killed_worker_restarts_and_the_stream_resumes(shared_stack: Stack) -> N
         time.sleep(0.1)
     assert _health(stack) == 503
     stack.start("worker", log_name="worker-restarted")
-    events = stream.events(120.0)
-    assert events[-1] == "[DONE]" and '"length"' in events[-2], events[-3:]
-    assert not any('"error"' in event for event in events), events
+    stream.assert_complete(expected["choices"][0]["text"], timeout=120.0)
     assert stack.processes["scheduler"].poll() is None, stack.logs()  # the same scheduler
     _serves(stack)

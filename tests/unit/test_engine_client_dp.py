@@ -19,9 +19,9 @@ from kvflow.services.frontend.engine_client import EngineClient
 from kvflow.services.frontend.in_flight import SentRequest
 
 
-def _client(tmp_path: Path) -> EngineClient:
+def _client(tmp_path: Path, resend_wait_s: float = 60.0) -> EngineClient:
     addresses = [ServiceAddresses.ipc(str(tmp_path / f"e{i}")) for i in range(2)]
-    return EngineClient(addresses, "frontend-x", stats_timeout_s=5.0)
+    return EngineClient(addresses, "frontend-x", stats_timeout_s=5.0, resend_wait_s=resend_wait_s)
 
 
 def _stats(engine: int, incarnation: str, waiting: int = 0) -> SchedulerStats:
@@ -38,7 +38,7 @@ def _in_flight(
 
 
 def test_one_dead_engine_degrades_and_fails_only_its_requests(tmp_path: Path) -> None:
-    client = _client(tmp_path)
+    client = _client(tmp_path, resend_wait_s=0.0)  # nothing waits for the engine
     assert client.health_problem() is not None  # no stats yet from either
     client._handle(_stats(0, "a"), 0)
     assert client.is_healthy and client.is_degraded  # engine 1 not ready yet
@@ -125,12 +125,50 @@ def test_a_dead_engines_requests_move_with_their_tokens(tmp_path: Path) -> None:
     assert moved.sampling_params.seed == 3 and moved.sampling_params.max_tokens == 9
     assert moved.sampling_params.prompt_logprobs is None  # delivered with the first delta
     assert queue.empty() and client._owners["r#0"] == 0  # no error: it goes on elsewhere
-    error = pinned.get_nowait()  # data_parallel_rank named the dead engine
+    error = pinned.get_nowait()  # data_parallel_rank named the engine that gave up
     assert error.finish_reason == "error" and "(engine 1)" in (error.error or "")
     client._handle(_delta("r#0", [99]), 1)  # a late delta of the engine it left
     assert queue.empty()
     client._handle(_delta("r#0", [14]), 0)
     assert queue.get_nowait().token_ids == [14]
+
+
+def test_a_pinned_request_waits_for_its_engine_and_goes_on_there(tmp_path: Path) -> None:
+    client = _client(tmp_path, resend_wait_s=30.0)
+    inboxes = _sending(client)
+    client._handle(_stats(0, "a"), 0)
+    client._handle(_stats(1, "b"), 1)
+    pinned = _sent(client, "p#0", 1, pinned=True)
+    client._handle(_delta("p#0", [11]), 1)
+    pinned.get_nowait()
+    client.engines[1].linked = False  # as _link_loop: its detokenizer went away
+    client.fail_engine(1, "lost the connection to the detokenizer", abort=True)
+    client.check_liveness()
+    (aborted,) = inboxes[1].sent
+    assert isinstance(aborted, AbortRequests) and pinned.empty() and inboxes[0].sent == []
+    client._handle(FrontendOutputs([RequestOutputDelta("p#0", "", [], "abort")]), 1)
+    assert pinned.empty()  # the echo of the frontend's own abort: not the end
+    client.engines[1].linked = True  # a detokenizer is back
+    client.check_liveness()
+    _, resent = inboxes[1].sent
+    assert isinstance(resent, AddRequest) and resent.output_token_ids == [11]
+    client._handle(_delta("p#0", [12]), 1)
+    assert pinned.get_nowait().token_ids == [12]
+
+
+def test_a_request_held_past_its_wait_ends_with_the_engines_error(tmp_path: Path) -> None:
+    client = _client(tmp_path, resend_wait_s=30.0)
+    _sending(client)
+    client._handle(_stats(0, "a"), 0)
+    client._handle(_stats(1, "b"), 1)
+    pinned = _sent(client, "p#0", 1, pinned=True)
+    client.engines[1].linked = False
+    client.fail_engine(1, "lost the connection to the detokenizer", abort=True)
+    client.resend_held(time.monotonic() + 29.0)
+    assert pinned.empty()
+    client.resend_held(time.monotonic() + 31.0)
+    error = pinned.get_nowait()
+    assert error.finish_reason == "error" and "detokenizer (engine 1)" in (error.error or "")
 
 
 def test_a_restarted_engines_requests_move_to_another_even_where_it_holds_the_prefix(

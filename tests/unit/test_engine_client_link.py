@@ -1,8 +1,9 @@
 """The frontend's engine client and its connection to the detokenizer, over real ipc
 sockets: when that connection drops (the detokenizer died or restarts) the requests in
-flight end with an error and are aborted, and the client is not ready until it is back.
-A restarted detokenizer has no state for the old requests and drops their deltas, so
-without this their streams would never end."""
+flight are aborted, and the client is not ready until it is back. A restarted
+detokenizer has no state for the old requests and drops their deltas, so the requests
+are held and sent again with their tokens so far once it is back (or, with no wait
+allowed, end with an error at once): without this their streams would never end."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
 from kvflow.proto.addresses import ServiceAddresses
 from kvflow.proto.engine import AbortRequests, AddRequest
-from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.proto.frontend import FrontendOutputs, RequestOutputDelta
 from kvflow.proto.stats import SchedulerStats
 from kvflow.sampling_params import SamplingParams
 from kvflow.services.frontend.engine_client import EngineClient
@@ -63,10 +65,10 @@ async def _until(predicate: Callable[[], bool], peers: Peers, timeout: float = 5
         await asyncio.sleep(0.02)
 
 
-async def _scenario(addresses: ServiceAddresses) -> None:
+async def _scenario(addresses: ServiceAddresses, resend_wait_s: float) -> None:
     context = zmq.asyncio.Context()
     peers = Peers(context, addresses)
-    client = EngineClient(addresses, "frontend-x")
+    client = EngineClient(addresses, "frontend-x", resend_wait_s=resend_wait_s)
     await client.start()
     try:
         await _until(lambda: client.is_healthy, peers)
@@ -77,25 +79,44 @@ async def _scenario(addresses: ServiceAddresses) -> None:
 
         request = asyncio.create_task(consume())
         assert isinstance(await peers.received(), AddRequest)
+        await _answer(peers, [7], None)
         peers.router.close(linger=0)  # the detokenizer dies
-        deltas = await asyncio.wait_for(request, 5.0)
-        assert [(d.req_id, d.finish_reason) for d in deltas] == [("req-1", "error")]
-        assert "lost the connection to the detokenizer" in (deltas[0].error or "")
         abort = await peers.received()
         assert isinstance(abort, AbortRequests) and abort.req_ids == ["req-1"]
+        if resend_wait_s == 0:  # no waiting: the request ends at once
+            deltas = await asyncio.wait_for(request, 5.0)
+            assert [(d.req_id, d.finish_reason) for d in deltas[1:]] == [("req-1", "error")]
+            assert "lost the connection to the detokenizer" in (deltas[1].error or "")
         peers.publish_stats()
         assert client.health_problem() == NOT_LINKED
 
         peers.router = peers.bind_router()  # a new detokenizer on the same address
         await _until(lambda: client.is_healthy, peers)
+        if resend_wait_s > 0:  # held, and resent with its token so far once it is back
+            resent = await peers.received()
+            assert isinstance(resent, AddRequest) and resent.output_token_ids == [7]
+            await _answer(peers, [8, 9, 10], "length")
+            deltas = await asyncio.wait_for(request, 5.0)
+            assert [d.token_ids for d in deltas] == [[7], [8, 9, 10]]
+            assert deltas[-1].finish_reason == "length"
     finally:
         await client.close()
         peers.close()
         context.term()
 
 
-def test_a_lost_detokenizer_fails_requests_in_flight_until_it_is_back(tmp_path: Path) -> None:
-    asyncio.run(_scenario(ServiceAddresses.ipc(str(tmp_path))))
+async def _answer(peers: Peers, token_ids: list[int], finish_reason: str | None) -> None:
+    """The detokenizer's delta for req-1, sent until the frontend's DEALER is there."""
+    delta = RequestOutputDelta("req-1", "x", token_ids, finish_reason=finish_reason)
+    payload = msgspec.msgpack.encode(FrontendOutputs([delta]))
+    await peers.router.send_multipart([b"frontend-x", payload])
+
+
+@pytest.mark.parametrize("resend_wait_s", [60.0, 0.0])
+def test_a_lost_detokenizer_holds_requests_in_flight_until_it_is_back(
+    tmp_path: Path, resend_wait_s: float
+) -> None:
+    asyncio.run(_scenario(ServiceAddresses.ipc(str(tmp_path)), resend_wait_s))
 
 
 def test_a_client_without_sockets_does_not_wait_for_the_detokenizer(tmp_path: Path) -> None:

@@ -259,7 +259,11 @@ def start_harness(
         **{"max_body_bytes": 64 * 1024, "shutdown_grace_s": 0.3, **overrides},
     )
     client = EngineClient(
-        addresses, config.frontend_id, stats_timeout_s=config.stats_timeout_s, watchdog=watchdog
+        addresses,
+        config.frontend_id,
+        stats_timeout_s=config.stats_timeout_s,
+        watchdog=watchdog,
+        resend_wait_s=config.resend_wait_s,
     )
     metrics = FrontendMetrics(MODEL, MAX_MODEL_LEN)
     app = build_app(config, client, TOKENIZER, metrics)
@@ -809,7 +813,7 @@ def test_engine_dead_fails_in_flight_and_health(own: Callable[..., Harness]) -> 
 
 
 def test_stale_stats_turn_unhealthy_and_recover(own: Callable[..., Harness]) -> None:
-    h = own(stats_timeout_s=1.0)
+    h = own(stats_timeout_s=1.0, resend_wait_s=0.0)  # no waiting for the engine
     thread, events = _open_stream(h, {"prompt": "hang on", "stream": True})
     h.fake.wait_for(lambda: bool(h.fake.added))
     h.fake.publish_stats = False
@@ -821,6 +825,25 @@ def test_stale_stats_turn_unhealthy_and_recover(own: Callable[..., Harness]) -> 
     h.fake.wait_for(lambda: h.fake.added[0].req_id in h.fake.aborted)
     h.fake.publish_stats = True
     h.fake.wait_for(lambda: h.http.get("/health").status_code == 200)
+
+
+def test_stale_stats_hold_a_stream_and_resend_it_once_the_engine_speaks(
+    own: Callable[..., Harness],
+) -> None:
+    h = own(stats_timeout_s=1.0)
+    thread, events = _open_stream(h, {"prompt": "hang on", "stream": True})
+    h.fake.wait_for(lambda: bool(h.fake.added))
+    first = h.fake.added[0]
+    h.fake.publish_stats = False
+    h.fake.wait_for(lambda: h.http.get("/health").status_code == 503)
+    h.fake.wait_for(lambda: first.req_id in h.fake.aborted)  # its KV blocks freed meanwhile
+    assert thread.is_alive()  # held, not failed
+    h.fake.publish_stats = True
+    h.fake.wait_for(lambda: len(h.fake.added) == 2)
+    assert h.fake.added[1].req_id == first.req_id and thread.is_alive()
+    h.fake.kill("worker 0 exited with code -9")  # the engine's own verdict: no more waiting
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and "worker 0 exited" in events[-2]["error"]["message"]
 
 
 def test_the_port_opens_when_the_engine_serves(own: Callable[..., Harness]) -> None:
@@ -1097,9 +1120,10 @@ def _stats(incarnation: str) -> SchedulerStats:
 
 
 def test_a_restarted_scheduler_fails_the_requests_in_flight(tmp_path: Path) -> None:
+    """With no waiting allowed (tests/unit/test_engine_client_link.py holds them)."""
     import asyncio
 
-    client = EngineClient(ServiceAddresses.ipc(str(tmp_path)), "frontend-x")
+    client = EngineClient(ServiceAddresses.ipc(str(tmp_path)), "frontend-x", resend_wait_s=0.0)
     client._handle(_stats("first"))
     in_flight: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()
     client._queues["req-1#0"] = in_flight
