@@ -2,6 +2,7 @@
 same model shapes, as BF16 and as Q8_0 GGUFs, in the same invocation.
 
     config.json ─▶ dummy_checkpoint.py (random safetensors, once)
+                ─▶ conversion_view (a Qwen2 checkpoint read as the Llama it equals)
                 ─▶ llama.cpp's convert_hf_to_gguf.py --outtype bf16 | q8_0 (once each)
                 ─▶ llama-batched-bench: --num-prompts sequences of --input-len prompt
                    tokens, all prefilled, then --output-len decode steps of them all
@@ -128,7 +129,7 @@ def ensure_ggufs(llama: LlamaCpp, model_dir: Path, work_dir: Path) -> dict[str, 
     """The model as a random-weight checkpoint, then as a GGUF of each OUTTYPES."""
     from kvflow.bench.dummy_checkpoint import write_dummy_checkpoint
 
-    checkpoint = write_dummy_checkpoint(model_dir, work_dir / "checkpoint")
+    checkpoint = conversion_view(write_dummy_checkpoint(model_dir, work_dir / "checkpoint"))
     ggufs = {}
     for outtype in OUTTYPES:
         gguf = work_dir / f"model-{outtype}.gguf"
@@ -139,6 +140,30 @@ def ensure_ggufs(llama: LlamaCpp, model_dir: Path, work_dir: Path) -> dict[str, 
             partial.rename(gguf)
         ggufs[outtype] = gguf
     return ggufs
+
+
+# Model types converted as the Llama architecture they equal. llama.cpp's converter names
+# a Qwen2 checkpoint's BPE pre-tokenizer by hashing what the tokenizer transformers picks
+# for that model type (Qwen2Tokenizer) makes of a test text, and the shape directories'
+# embedded tokenizer read that way is not one it knows; a Qwen2 model is a Llama with
+# q/k/v biases, which llama.cpp's llama graph adds where the GGUF has them.
+AS_LLAMA = {"qwen2"}
+
+
+def conversion_view(checkpoint: Path) -> Path:
+    """The directory convert_hf_to_gguf.py reads: `checkpoint` itself, or for AS_LLAMA
+    model types a sibling with its files linked and a config that says Llama."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    if config.get("model_type") not in AS_LLAMA:
+        return checkpoint
+    view = checkpoint.with_name(checkpoint.name + "-as-llama")
+    view.mkdir(exist_ok=True)
+    for source in checkpoint.iterdir():
+        if source.name != "config.json" and not (view / source.name).exists():
+            (view / source.name).symlink_to(source.resolve())
+    llama = config | {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    (view / "config.json").write_text(json.dumps(llama | {"attention_bias": True}, indent=1))
+    return view
 
 
 def work_dir_for(model_dir: Path) -> Path:

@@ -201,6 +201,8 @@ def run_llama_cpp_peer(
 
 
 def run(args: argparse.Namespace) -> int:
+    import gc
+
     from kvflow.bench.roofline import roofline_section
     from kvflow.bench.vllm_compare import peer_env, peer_python
     from kvflow.cli.args import engine_options
@@ -232,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
     device = llm.engine.config.device
     llm.close()  # the peers get the cores (and on CUDA the memory) to themselves
     del llm
+    gc.collect()  # the engine's weights sit in reference cycles: free them before a peer loads
     if "transformers" in compare:
         results.append(run_transformers(str(model_dir), dtype, prompts, args.output_len))
     if python is not None:

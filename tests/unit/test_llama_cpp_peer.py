@@ -97,16 +97,36 @@ def _source_or_skip() -> LlamaCpp:
 
 
 @pytest.mark.slow
-def test_converts_to_bf16_and_q8_0(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "per_block"), [("llama-1b", 9), ("qwen2.5-3b", 12)])
+def test_converts_to_bf16_and_q8_0(tmp_path: Path, name: str, per_block: int) -> None:
+    """A Qwen2 shape converts as the Llama it equals, its q/k/v biases included."""
     pytest.importorskip("sentencepiece")  # the converter imports it for Llama vocabularies
     llama = _source_or_skip()
-    ggufs = llama_cpp_peer.ensure_ggufs(llama, _tiny(tmp_path, "llama-1b"), tmp_path / "work")
+    ggufs = llama_cpp_peer.ensure_ggufs(llama, _tiny(tmp_path, name), tmp_path / "work")
     from gguf import GGMLQuantizationType, GGUFReader
 
     for outtype, kind in [("bf16", GGMLQuantizationType.BF16), ("q8_0", GGMLQuantizationType.Q8_0)]:
-        tensors = {t.name: t for t in GGUFReader(str(ggufs[outtype])).tensors}
+        reader = GGUFReader(str(ggufs[outtype]))
+        tensors = {t.name: t for t in reader.tensors}
         assert tensors["blk.0.ffn_down.weight"].tensor_type == kind
-        assert len([n for n in tensors if n.startswith("blk.")]) == 2 * 9
+        assert len([n for n in tensors if n.startswith("blk.")]) == 2 * per_block
+        assert bytes(reader.fields["general.architecture"].parts[-1]) == b"llama"
+
+
+def test_a_qwen2_checkpoint_is_read_through_a_llama_view(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    view = llama_cpp_peer.conversion_view(checkpoint)
+    assert view != checkpoint and (view / "model.safetensors").read_bytes() == b"weights"
+    seen = json.loads((view / "config.json").read_text())
+    assert seen["architectures"] == ["LlamaForCausalLM"] and seen["model_type"] == "llama"
+    assert seen["attention_bias"] is True and seen["hidden_size"] == 64
+    assert llama_cpp_peer.conversion_view(checkpoint) == view  # again: the same view
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert llama_cpp_peer.conversion_view(checkpoint) == checkpoint
 
 
 @pytest.mark.slow
