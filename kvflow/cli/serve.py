@@ -215,12 +215,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         tls=resolve_tls(args),
         reasoning_parser=resolve_reasoning_parser(args),
         media=resolve_media(args),
-        resend_wait_s=resend_wait(args),
+        resend_wait_s=resolve_resend_wait(args),
     )
     return serve(config, options)
 
 
-def resend_wait(args: argparse.Namespace) -> float:
+def resolve_resend_wait(args: argparse.Namespace) -> float:
+    """--resend-wait, checked before anything starts."""
     if args.resend_wait < 0:
         raise SystemExit("kvflow: --resend-wait must not be negative")
     return float(args.resend_wait)
@@ -326,7 +327,7 @@ def _run_frontend(args: argparse.Namespace) -> int:
         tls=resolve_tls(args),
         reasoning_parser=resolve_reasoning_parser(args),
         media=resolve_media(args),
-        resend_wait_s=resend_wait(args),
+        resend_wait_s=resolve_resend_wait(args),
     )
     frontend = make_frontend_config(config, model_dir, options)
     if config.parallel.data_parallel_size == 1:

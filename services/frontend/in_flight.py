@@ -147,7 +147,7 @@ class InFlightRequests(ABC):
             for child_id in child_ids:
                 if (sent := self._sent.get(child_id)) is not None:
                     sent.aborted_here = True
-        moved = {c for c in child_ids if reroute and self._resend(c, avoid=engine) is not None}
+        moved = self._reroute(child_ids, engine) if reroute else set()
         rest = [c for c in child_ids if c not in moved]
         if moved:
             logger.warning("re-routed %d in-flight request(s) after: %s", len(moved), reason)
@@ -164,16 +164,34 @@ class InFlightRequests(ABC):
             return
         self._fail(rest, reason)
 
+    def _reroute(self, child_ids: list[str], failed: int) -> set[str]:
+        """The children moved to another engine than `failed`. A pinned one stays; once
+        one finds no engine, none serves for the rest either."""
+        moved: set[str] = set()
+        for child_id in child_ids:
+            sent = self._sent.get(child_id)
+            if sent is None or sent.pinned:
+                continue
+            if self._resend(child_id, avoid=failed) is None:
+                break
+            moved.add(child_id)
+        return moved
+
     def resend_held(self, now: float) -> None:
         """Resend held requests to an engine that serves again (recomputing their KV, as
         after a preemption); end those held past their deadline with their error."""
+        none_serves = False  # an unpinned request found no engine: the rest only expire
         for child_id, held in list(self._held.items()):
             if child_id not in self._queues:  # its caller left meanwhile
                 del self._held[child_id]
-            elif self._resend(child_id, avoid=None) is not None:
+                continue
+            if not none_serves and self._resend(child_id, avoid=None) is not None:
                 del self._held[child_id]
                 logger.info("resumed held request %s", child_id)
-            elif now >= held.deadline:
+                continue
+            sent = self._sent.get(child_id)
+            none_serves = none_serves or (sent is not None and not sent.pinned)
+            if now >= held.deadline:
                 del self._held[child_id]
                 self._fail([child_id], held.reason)
 
