@@ -6,8 +6,8 @@ host has free fails mid-serving (the OOM killer) instead of at start. `reserve`:
 
 1. checks the size against MemAvailable and refuses, with the flag to change, what
    cannot fit;
-2. asks for transparent huge pages (`MADV_HUGEPAGE`: fewer faults now, fewer TLB
-   misses in attention later; the kernel may decline);
+2. asks for transparent huge pages (kernels/cpu/huge_pages.py: fewer faults now, fewer
+   TLB misses in attention later; the kernel may decline);
 3. populates every page (`MADV_POPULATE_WRITE`, Linux >= 5.14; else a write of zeros).
 """
 
@@ -23,12 +23,11 @@ from pathlib import Path
 import torch
 
 from kvflow.errors import ConfigError
+from kvflow.kernels.cpu import huge_pages
 
 logger = logging.getLogger(__name__)
 
-_MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
-_HUGE_PAGE = 2 << 20
 
 
 def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
@@ -74,11 +73,7 @@ def _populate(address: int, nbytes: int) -> bool:
     page = mmap.PAGESIZE
     first = address & ~(page - 1)
     length = address + nbytes - first
-    huge = (address + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
-    if address + nbytes - huge >= _HUGE_PAGE:  # whole huge pages only: no effect on others
-        libc.madvise(
-            ctypes.c_void_p(huge), ctypes.c_size_t(address + nbytes - huge), _MADV_HUGEPAGE
-        )
+    huge_pages.advise(address, nbytes)
     if libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0:
         return True
     error = ctypes.get_errno()

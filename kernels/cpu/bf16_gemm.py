@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.kernels.cpu import native_calls
+from kvflow.kernels.cpu import huge_pages, native_calls
 from kvflow.kernels.cpu.native_build import INT64, POINTER, load_bound
 
 
@@ -107,8 +107,9 @@ def _pack_panels(weight: torch.Tensor, march: str) -> PanelWeight:
     padded = -(-out_features // panel) * panel
     plain = torch.zeros(padded, in_features, dtype=weight.dtype)
     plain[:out_features] = weight
-    data = plain.view(padded // panel, panel, in_features // 2, 2).permute(0, 2, 1, 3)
-    return PanelWeight(data.contiguous(), out_features, in_features, march)
+    panels = plain.view(padded // panel, panel, in_features // 2, 2).permute(0, 2, 1, 3)
+    data = huge_pages.copy(panels)  # streamed from DRAM at every decode step
+    return PanelWeight(data, out_features, in_features, march)
 
 
 def applies(x: torch.Tensor, packed: PanelWeight, bias: torch.Tensor | None) -> bool:

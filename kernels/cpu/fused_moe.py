@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvflow.kernels.cpu import native_calls
+from kvflow.kernels.cpu import huge_pages, native_calls
 from kvflow.kernels.cpu.native_build import DTYPE_CODES, INT64, POINTER, load_bound
 from kvflow.kernels.fused_moe_reference import ClampedSwiGLU, Grouping, Routing
 
@@ -88,8 +88,8 @@ def pack(w13: torch.Tensor, w2: torch.Tensor, march: str = "native") -> PackedEx
     pair = 2 if w13.dtype == torch.bfloat16 else 1
     first = _panels(_gate_up_columns(w13[0], inter), pair)
     second = _panels(torch.nn.functional.pad(w2[0], (0, 0, 0, -hidden % PANEL)), pair)
-    packed13 = torch.empty(experts, *first.shape, dtype=w13.dtype)
-    packed2 = torch.empty(experts, *second.shape, dtype=w2.dtype)
+    packed13 = huge_pages.empty((experts, *first.shape), w13.dtype)
+    packed2 = huge_pages.empty((experts, *second.shape), w2.dtype)
     for e in range(experts):
         packed13[e] = _panels(_gate_up_columns(w13[e], inter), pair)
         packed2[e] = _panels(torch.nn.functional.pad(w2[e], (0, 0, 0, -hidden % PANEL)), pair)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvflow.kernels.cpu import native_calls
+from kvflow.kernels.cpu import huge_pages, native_calls
 from kvflow.kernels.cpu.block_linear import BLOCK, BlockWeights
 from kvflow.kernels.cpu.native_build import INT64, POINTER, load_bound
 
@@ -104,7 +104,7 @@ class QuantWeights:
         d = w.abs().amax(dim=-1) / 127
         q = torch.where(d[..., None] > 0, w / d[..., None].clamp_min(1e-30), 0).round()
         codes = (q.reshape(n, k) + 128).to(torch.uint8)[:, unit_order(k // BLOCK)]
-        return cls(8, codes.contiguous(), d.contiguous(), (-128 * d).contiguous(), k)
+        return cls(8, huge_pages.copy(codes), d.contiguous(), (-128 * d).contiguous(), k)
 
     @classmethod
     def from_blocks(cls, blocks: BlockWeights) -> QuantWeights:
@@ -112,7 +112,8 @@ class QuantWeights:
         d, k = blocks.scales, blocks.in_features
         if blocks.format == "Q8_0":
             codes = (blocks.codes.to(torch.int16) + 128).to(torch.uint8)
-            return cls(8, codes[:, unit_order(k // BLOCK)].contiguous(), d, -128 * d, k, "Q8_0")
+            ordered = huge_pages.copy(codes[:, unit_order(k // BLOCK)])
+            return cls(8, ordered, d, -128 * d, k, "Q8_0")
         if blocks.format == "Q4_0":
             return cls(4, blocks.codes, d, -8 * d, k, "Q4_0")
         assert blocks.mins is not None, "Q4_1 blocks carry their offsets"
