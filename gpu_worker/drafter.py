@@ -80,6 +80,7 @@ class Drafter:
         kv_dtype: torch.dtype,
         target_vocab_size: int,
         seed: int,
+        load_format: str = "auto",
     ) -> None:
         hf_config = load_hf_config(model_dir)
         if int(hf_config.vocab_size) != target_vocab_size:
@@ -87,7 +88,10 @@ class Drafter:
                 f"the draft model's vocabulary has {hf_config.vocab_size} tokens and the "
                 f"target's {target_vocab_size}: a draft model must share the target's tokenizer"
             )
-        self.model = load_model(model_dir, dtype, device, attention_backend)
+        # The target's load format: with "dummy" a config.json directory drafts too.
+        self.model = load_model(
+            model_dir, dtype, device, attention_backend, load_format=load_format
+        )
         # The target's cache dtype: a quantized format fits any head_dim, and one setting
         # (one --kv-cache-dtype) governs every cache of the engine and its sizing.
         self.kv_spec = KVCacheSpec.from_hf_config(hf_config, block_size, kv_dtype)
@@ -187,6 +191,7 @@ def make_drafter(
     kv_dtype: torch.dtype,
     target_vocab_size: int,
     seed: int,
+    load_format: str = "auto",
 ) -> Drafter | None:
     """The draft model of a `draft_model` config (None for other methods): an HF
     directory or a GGUF file (converted once, as the target's)."""
@@ -203,6 +208,7 @@ def make_drafter(
         kv_dtype,
         target_vocab_size,
         seed,
+        load_format,
     )
     logger.info("draft model %s loaded for %d-token drafts", model_dir, spec.num_speculative_tokens)
     return drafter

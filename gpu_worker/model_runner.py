@@ -150,7 +150,7 @@ class ModelRunner:
         # The draft model of `draft_model` speculation: its KV cache has our block ids.
         self.drafter: Drafter | None = make_drafter(
             config.speculative, config.device, config.cache.block_size,
-            self.dtype, kv_dtype, self.vocab_size, config.model.seed,
+            self.dtype, kv_dtype, self.vocab_size, config.model.seed, config.model.load_format,
         )  # fmt: skip
         draft = None if self.drafter is None else DraftModelFeature(self.drafter, self.batch)
         self.verifier.draft_model = draft

@@ -63,6 +63,18 @@ SHAPES: dict[str, Shape] = {
         ),
         1.04,
     ),
+    # SmolLM2-135M (the embedded model's shape): a draft model's size for the 1B shape
+    # (`kvflow bench spec-decode --draft-shape smollm2-135m` gives it the target's vocab).
+    "smollm2-135m": Shape(
+        "LlamaConfig", "LlamaForCausalLM",
+        dict(
+            hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+            tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
+            max_position_embeddings=8192,
+        ),
+        0.13,
+    ),
 }  # fmt: skip
 
 

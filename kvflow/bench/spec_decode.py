@@ -23,7 +23,18 @@ every `--measure-cost` run.
 
 `--methods draft_model --draft-layers N` drafts with the target's first N layers (a
 self-speculative draft, truncated_draft.py, written once into the cache directory);
-`--speculative-config` names any other draft model.
+`--speculative-config` names any other draft model. With `--shape`/`--config` (random
+weights), `--draft-shape NAME` drafts with a preset's shape given the target's
+vocabulary, random weights too.
+
+`--forced-acceptance` measures what a draft that is always right buys: random weights
+agree on nothing, so both models' final norm is set to zero after loading. Every logit
+is then 0, greedy decoding picks token 0 in the target and in the draft alike, and
+every draft is accepted, while each step does exactly the work it would do with real
+weights (a multiply-add costs the same whatever the values). The mean acceptance length
+is k + 1, and `step_cost` is a whole speculative step (k draft forwards and the k + 1-row
+verification) relative to a plain decode step; `--measure-cost` gives the verification
+alone.
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from kvflow.bench.shapes import SHAPES, add_shape_args, apply_shape_args
 
 DATASET = "spec_decode_copy.json"
 
@@ -51,7 +64,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-layers", type=int, default=4, help="draft_model: the target's first N layers"
     )
+    parser.add_argument(
+        "--draft-shape", choices=sorted(SHAPES), default=None,
+        help="draft_model: a preset shape with the target's vocabulary, random weights "
+        "(needs --shape/--config)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--forced-acceptance", action="store_true",
+        help="zero both models' final norm: every draft is accepted (see the module docstring)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_shape_args(parser)  # --shape NAME / --config DIR: real-size shapes, random weights
 
 
 @dataclass
@@ -130,11 +153,24 @@ def _load(name: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> _
     worker_drafts = spec is not None and spec["method"] == "draft_model"
     if args.measure_cost and speculator is not None and not worker_drafts:
         speculator.proposer = _AlwaysPropose()
+    if args.forced_acceptance and spec is not None:
+        _zero_final_norms(llm)
     warm_up = _prompts(llm, args)[:1]
     llm.generate(warm_up, SamplingParams(max_tokens=8, temperature=0.0))
     k = 0 if spec is None else int(spec["num_speculative_tokens"])
-    every_step = bool(args.measure_cost)
+    every_step = bool(args.measure_cost or args.forced_acceptance)
     return _Config(name, spec, llm, SpecResult(name, k, every_step, 0, 0.0))
+
+
+def _zero_final_norms(llm: Any) -> None:
+    """The target's and the draft's final norm weights set to 0: all logits 0, so greedy
+    picks token 0 in both (the engine must run the model in this process)."""
+    runner = getattr(llm.engine.executor, "runner", None)
+    if runner is None:
+        raise SystemExit("--forced-acceptance needs the model in this process (no TP/PP)")
+    models = [runner.model] + ([runner.drafter.model] if runner.drafter is not None else [])
+    for model in models:
+        model.model.norm.weight.data.zero_()
 
 
 def _run_all(configs: list[_Config], args: argparse.Namespace) -> list[SpecResult]:
@@ -177,11 +213,24 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | None]
     for method in args.methods.split(","):
         spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
         if method == "draft_model":
-            spec["model"] = str(_truncated_draft(args))
+            spec["model"] = str(_draft_dir(args))
         if args.measure_cost:
             spec["min_acceptance_rate"] = 0.0  # keep drafting: the cost is what is measured
         configs.append((method, spec))
     return configs
+
+
+def _draft_dir(args: argparse.Namespace) -> Path:
+    """--draft-shape's directory (the target's vocabulary), else the truncated target."""
+    if args.draft_shape is None:
+        return _truncated_draft(args)
+    from kvflow.bench.shapes import write_shape_dir
+    from kvflow.gpu_worker.model_loader import load_hf_config
+
+    if getattr(args, "load_format", "auto") != "dummy":
+        raise SystemExit("--draft-shape drafts with random weights: give --shape or --config")
+    vocab = int(load_hf_config(Path(args.model)).vocab_size)
+    return write_shape_dir(args.draft_shape, vocab_size=vocab)
 
 
 def _truncated_draft(args: argparse.Namespace) -> Path:
@@ -195,6 +244,7 @@ def _truncated_draft(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_shape_args(args)
     if args.measure_cost:
         args.methods = args.methods.split(",")[0]
     results = _run_all([_load(name, spec, args) for name, spec in _configs(args)], args)
