@@ -4,7 +4,8 @@ that guards the links between them, derived from it.
     secret file ── HKDF-SHA256(label) ──┬─ "curve-server"   32 bytes: the CURVE server's secret key
                                         ├─ "curve-client"   32 bytes: the CURVE client's secret key
                                         ├─ "kv-block-keys"  HMAC key: salts the KV transfer keys
-                                        └─ "kv-params"      HMAC key: the proxy's signature
+                                        ├─ "kv-params"      HMAC key: the proxy's signature
+                                        └─ "kv-resume"      HMAC key: the proxy's resumed streams
 
 The derivation is deterministic, so every role derives the same keys from the same file
 and no key ever travels: peers need only the file (`--cluster-secret-file PATH` or
@@ -21,6 +22,7 @@ import hashlib
 import hmac
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +99,39 @@ class ClusterSecret:
         if (time.time() if now is None else now) > expires_at:
             return "kv_transfer_params: the signature has expired"
         return None
+
+    def sign_resume(self, request_id: str, expires_at: float, token_ids: Sequence[int]) -> str:
+        """The proxy's signature over a broken stream's output tokens (a resume request)."""
+        return hmac.new(
+            self.derive("kv-resume"),
+            _resume_message(request_id, expires_at, token_ids),
+            hashlib.sha256,
+        ).hexdigest()
+
+    def check_resume(
+        self,
+        request_id: str | None,
+        expires_at: float | None,
+        token_ids: Sequence[int],
+        signature: str | None,
+        now: float | None = None,
+    ) -> str | None:
+        """Why these resume tokens are not the proxy's, or None if they are."""
+        if not signature or not request_id or expires_at is None:
+            return "kv_resume is accepted only as the proxy signed it"
+        expected = self.sign_resume(request_id, expires_at, token_ids)
+        if not hmac.compare_digest(expected, signature):
+            return "kv_resume: the signature does not match"
+        if (time.time() if now is None else now) > expires_at:
+            return "kv_resume: the signature has expired"
+        return None
+
+
+def _resume_message(request_id: str, expires_at: float, token_ids: Sequence[int]) -> bytes:
+    if "\0" in request_id:
+        raise ValueError("kv_resume's request id may not contain NUL")
+    ids = ",".join(str(int(t)) for t in token_ids)
+    return "\0".join(("kvflow-kv-resume-v1", request_id, f"{expires_at:.3f}", ids)).encode()
 
 
 def _kv_params_message(remote_address: str, request_id: str, expires_at: float) -> bytes:

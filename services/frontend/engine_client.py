@@ -196,14 +196,19 @@ class EngineClient(EngineHealth, InFlightRequests):
         images: list[ImageInput] | None = None,
         lora_request: LoRARequest | None = None,
         mrope: MRopePositions | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as they come (`delta.req_id` names the child; see
         `sample_index`). Ends when every sample finished; an engine failure arrives as a
         delta with finish_reason "error" and `error` set. Raises EngineDeadError before
         sending anything when no engine (or not the asked one) serves, and
         RequestTimeoutError when `deadline` passes (the unfinished samples are aborted).
-        Every sample goes to one engine: they share the prompt's KV blocks there."""
+        Every sample goes to one engine: they share the prompt's KV blocks there.
+        `output_token_ids`: a resumed stream's output so far (n == 1; kv_params.py), which
+        the engine recomputes and samples on from."""
         assert "#" not in request_id, "'#' separates a request id from its sample index"
+        assert not output_token_ids or params.n == 1, "only one sample resumes"
+        resumed = list(output_token_ids or [])
         self.check_rank(data_parallel_rank)
         spans = [(i.offset, i.length, i.hash) for i in images or ()]
         engine = self._route(prompt_token_ids, cache_salt, data_parallel_rank, lora_request, spans)
@@ -227,8 +232,10 @@ class EngineClient(EngineHealth, InFlightRequests):
                     arrival_time=arrival,
                     priority=priority, cache_salt=cache_salt, frontend_id=self.frontend_id,
                     images=images or [], lora_request=lora_request, mrope=mrope,
+                    output_token_ids=resumed,
                 )  # fmt: skip
-                self._sent[child_id] = SentRequest(request, pinned=data_parallel_rank is not None)
+                pinned = data_parallel_rank is not None
+                self._sent[child_id] = SentRequest(request, pinned, list(resumed))
                 self.engines[engine].input.send(request)
             while unfinished:
                 delta = await queue.get()

@@ -11,6 +11,17 @@ kvflow/cluster_secret.py) over the address, a one-time request id and an expiry:
 and a request whose remote_address is unsigned, signed with another key, expired or
 replayed gets a 400 here (counted in kvflow:kv_transfer_params_rejected_total). Without
 a cluster secret no remote_address is accepted at all.
+
+`kv_resume` is the proxy's other signed field: a stream whose decode instance died after
+the client had some of it goes to another decode instance with the tokens it has so far,
+
+    proxy: {"token_ids": [...], "request_id": R, "expires_at": T, "signature": HMAC(R, T, ids)}
+
+and the frontend sends them as the request's output so far (`AddRequest.output_token_ids`,
+as after an engine failure inside one server): the engine recomputes them and samples on,
+the stream continues where the old one broke. Unsigned, forged, tampered with, expired or
+replayed: a 400, counted with the kv_transfer_params refusals. One sample only (n == 1,
+one prompt, no beam search): the proxy resumes nothing else.
 """
 
 from __future__ import annotations
@@ -18,13 +29,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from kvflow.cluster_secret import ClusterSecret
 from kvflow.errors import InvalidRequestError
 from kvflow.proto.sampling import KVTransferParams
 
 
+class KVResume(msgspec.Struct, forbid_unknown_fields=True):
+    """A request's `kv_resume`: the output tokens a broken stream had sent, signed."""
+
+    token_ids: list[int]
+    request_id: str | None = None
+    expires_at: float | None = None
+    signature: str | None = None
+
+
 class KVParamsGate:
-    """Checks kv_transfer_params; remembers the request ids it let through until they
+    """Checks kv_transfer_params and kv_resume; remembers the request ids it let through until they
     expire, so a signed set is good for one request only."""
 
     def __init__(self, secret: ClusterSecret | None, on_refused: Callable[[], None]) -> None:
@@ -43,6 +65,30 @@ class KVParamsGate:
         assert params.request_id is not None and params.expires_at is not None
         self._forget_expired(now)
         self._used[params.request_id] = params.expires_at
+
+    def check_resume(self, resume: KVResume | None, now: float | None = None) -> list[int]:
+        """The output tokens a signed resume carries ([] without one); 400 otherwise."""
+        if resume is None:
+            return []
+        now = time.time() if now is None else now
+        if self._secret is None:
+            reason: str | None = (
+                "kv_resume needs a cluster secret on this server (--cluster-secret-file): "
+                "only the proxy may resume a stream"
+            )
+        else:
+            reason = self._secret.check_resume(
+                resume.request_id, resume.expires_at, resume.token_ids, resume.signature, now
+            )
+        if reason is None and resume.request_id in self._used:
+            reason = "kv_resume: this signed request id was already used"
+        if reason is not None:
+            self._on_refused()
+            raise InvalidRequestError(reason, param="kv_resume")
+        assert resume.request_id is not None and resume.expires_at is not None
+        self._forget_expired(now)
+        self._used[resume.request_id] = resume.expires_at
+        return list(resume.token_ids)
 
     def _why_refused(self, params: KVTransferParams, now: float) -> str | None:
         if self._secret is None:

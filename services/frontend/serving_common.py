@@ -7,6 +7,7 @@ Choice indices follow OpenAI: prompt p's sample i is choice `p * n + i`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -40,10 +41,11 @@ from kvflow.sampling_params import (
     validate_sampling_params,
     with_bad_words_token_ids,
 )
+from kvflow.services.frontend.choice_counts import ChoiceCounts
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST
 from kvflow.services.frontend.in_flight import sample_index
-from kvflow.services.frontend.kv_params import KVParamsGate
+from kvflow.services.frontend.kv_params import KVParamsGate, KVResume
 from kvflow.services.frontend.lora_registry import LoRARegistry
 from kvflow.services.frontend.metrics import FrontendMetrics
 from kvflow.services.frontend.request_deadline import Deadline, RequestDeadlines
@@ -193,8 +195,10 @@ class ServingContext:
         data_parallel_rank: int | None = None,
         deadline: Deadline | None = None,
         lora_request: LoRARequest | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
-        """(choice index, delta) for every sample of every prompt, as they come.
+        """(choice index, delta) for every sample of every prompt, as they come
+        (`output_token_ids`: a resumed stream's tokens so far, one prompt and sample).
 
         Raises RequestFailedError on an engine error, a RequestRejectedError when the
         engine refused it for load, RequestTimeoutError past `deadline`; closing this
@@ -214,6 +218,7 @@ class ServingContext:
                 images=p.images,
                 lora_request=lora_request,
                 mrope=p.mrope,
+                output_token_ids=output_token_ids,
             )
             for i, p in enumerate(prompts)
         ]
@@ -242,6 +247,19 @@ class ServingContext:
                     tracker.abandon(now)
 
 
+def _resumable(prompts: list[PreparedPrompt]) -> list[PreparedPrompt]:
+    """The prompt a resume goes on with; 400 for what the proxy never resumes (its one
+    sample's tokens cannot stand for several). Prompt logprobs were sent already."""
+    params = prompts[0].params
+    if len(prompts) > 1 or params.n > 1 or params.beam_search is not None:
+        raise InvalidRequestError(
+            "kv_resume resumes one sample of one prompt (n=1, no beam search)",
+            param="kv_resume",
+        )
+    params = msgspec.structs.replace(params, prompt_logprobs=None)
+    return [dataclasses.replace(prompts[0], params=params)]
+
+
 _JSON = msgspec.json.Encoder()
 
 
@@ -251,20 +269,6 @@ def json_response(payload: msgspec.Struct, status: int = 200) -> Response:
 
 def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
-
-
-class ChoiceCounts:
-    """Token counts of one choice, for usage."""
-
-    def __init__(self) -> None:
-        self.num_tokens = 0
-        self.num_cached_tokens = 0
-        self.token_ids: list[int] = []  # for return_token_ids
-
-    def count(self, delta: RequestOutputDelta) -> None:
-        self.num_tokens += len(delta.token_ids)
-        self.token_ids += delta.token_ids
-        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 
 
 class ServedRequest(ABC):
@@ -288,9 +292,14 @@ class ServedRequest(ABC):
         deadlines: RequestDeadlines,
         data_parallel_rank: int | None = None,
         model: str | None = None,
+        resume: KVResume | None = None,
     ) -> None:
         ctx.check_queue_room(len(prompts), prompts[0].params.n, data_parallel_rank)
         ctx.kv_params.check(prompts[0].params.kv_transfer_params)
+        # A stream the proxy resumes (kv_params.py): its tokens so far, [] for any other.
+        self.resumed_ids = ctx.kv_params.check_resume(resume)
+        if self.resumed_ids:
+            prompts = _resumable(prompts)
         self.ctx = ctx
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(arrival_time)
@@ -333,6 +342,7 @@ class ServedRequest(ABC):
             data_parallel_rank=self.data_parallel_rank,
             deadline=self.deadlines.whole,
             lora_request=self.lora_request,
+            output_token_ids=self.resumed_ids or None,
         )
         first: Awaitable[tuple[int, RequestOutputDelta]] = anext(self._deltas)
         limit = self.deadlines.first_chunk
