@@ -66,10 +66,12 @@ class KVParamsGate:
         self._forget_expired(now)
         self._used[params.request_id] = params.expires_at
 
-    def check_resume(self, resume: KVResume | None, now: float | None = None) -> list[int]:
-        """The output tokens a signed resume carries ([] without one); 400 otherwise."""
+    def check_resume(
+        self, resume: KVResume | None, now: float | None = None
+    ) -> list[int] | None:
+        """The output tokens a signed resume carries (None without one); 400 otherwise."""
         if resume is None:
-            return []
+            return None
         now = time.time() if now is None else now
         if self._secret is None:
             reason: str | None = (

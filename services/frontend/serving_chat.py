@@ -224,7 +224,7 @@ class _Chat(ServedRequest):
         self.choices = [
             _Choice(i, bool(request.logprobs), tools, reasoning) for i in range(params.n)
         ]
-        if self.resumed_ids:
+        if self.resumed_ids is not None:
             self.choices[0].resume(self.resumed_ids)
 
     async def full(self) -> Response:
@@ -245,7 +245,7 @@ class _Chat(ServedRequest):
 
     async def stream(self) -> AsyncGenerator[bytes, None]:
         # A resumed stream goes on from the old one's text: its role chunk was sent.
-        for choice in [] if self.resumed_ids else self.choices:
+        for choice in [] if self.resumed_ids is not None else self.choices:
             first = DeltaMessage(role=_ASSISTANT, content=self.echo)
             yield sse_event(self._chunk([ChatChunkChoice(index=choice.index, delta=first)]))
         async with aclosing(self.deltas()) as deltas:

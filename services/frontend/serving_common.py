@@ -296,9 +296,9 @@ class ServedRequest(ABC):
     ) -> None:
         ctx.check_queue_room(len(prompts), prompts[0].params.n, data_parallel_rank)
         ctx.kv_params.check(prompts[0].params.kv_transfer_params)
-        # A stream the proxy resumes (kv_params.py): its tokens so far, [] for any other.
+        # A stream the proxy resumes (kv_params.py): its tokens so far; None for others.
         self.resumed_ids = ctx.kv_params.check_resume(resume)
-        if self.resumed_ids:
+        if self.resumed_ids is not None:
             prompts = _resumable(prompts)
         self.ctx = ctx
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"

@@ -196,6 +196,8 @@ async def relay_stream(job: Job, held: Held) -> AsyncIterator[bytes]:
                     yield chunk if record is None else record.relay(chunk)
                 return
             except httpx.HTTPError as exc:
+                if record is not None:
+                    record.broke()
                 if record is not None and record.finished:
                     yield b"data: [DONE]\n\n"  # the answer is whole; only its end was lost
                     return

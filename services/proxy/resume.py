@@ -81,6 +81,10 @@ class StreamRecord:
         *events, self._pending = self._pending.split(b"\n\n")
         return b"".join(self._event(e) + b"\n\n" for e in events)
 
+    def broke(self) -> None:
+        """The stream broke: its unfinished event never reaches the client."""
+        self._pending = b""
+
     def _event(self, event: bytes) -> bytes:
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
             return event

@@ -9,7 +9,7 @@ import pytest
 from kvflow.cluster_secret import ClusterSecret
 from kvflow.errors import InvalidRequestError
 from kvflow.proto.sampling import KVTransferParams
-from kvflow.services.frontend.kv_params import KVParamsGate
+from kvflow.services.frontend.kv_params import KVParamsGate, KVResume
 from kvflow.services.proxy.pairing import decode_request
 
 SECRET = ClusterSecret(b"cluster secret of thirty-two bytes")
@@ -67,3 +67,46 @@ def test_expired_and_secretless() -> None:
         KVParamsGate(SECRET, Refusals()).check(_signed(), now=NOW + 3_600)
     with pytest.raises(InvalidRequestError, match="needs a cluster secret"):
         KVParamsGate(None, Refusals()).check(_signed(), now=NOW + 1)
+
+
+def _resume(token_ids: list[int], secret: ClusterSecret = SECRET) -> KVResume:
+    body = decode_request({"prompt": "x"}, "", secret, NOW, resume=token_ids)
+    return msgspec.convert(body["kv_resume"], KVResume)
+
+
+def test_the_proxys_resume_passes_once_with_its_tokens() -> None:
+    refused = Refusals()
+    gate = KVParamsGate(SECRET, refused)
+    resume = _resume([5, 7, 11])
+    assert gate.check_resume(resume, now=NOW + 1) == [5, 7, 11]
+    with pytest.raises(InvalidRequestError, match="already used"):
+        gate.check_resume(resume, now=NOW + 2)
+    assert gate.check_resume(None) is None
+    assert gate.check_resume(_resume([]), now=NOW + 1) == []  # broke before any token
+    assert refused.count == 1
+
+
+@pytest.mark.parametrize(
+    "resume, match",
+    [
+        (KVResume(token_ids=[5, 7]), "only as the proxy signed"),
+        (_resume([5, 7], ClusterSecret(b"another secret, thirty-two bytes")), "does not match"),
+        (msgspec.structs.replace(_resume([5, 7]), token_ids=[5, 8]), "does not match"),
+        (msgspec.structs.replace(_resume([5, 7]), token_ids=[5, 7, 9]), "does not match"),
+        (msgspec.structs.replace(_resume([5, 7]), expires_at=NOW + 9_999), "does not match"),
+    ],
+    ids=["unsigned", "another-key", "token-changed", "token-added", "expiry-changed"],
+)
+def test_a_forged_or_tampered_resume_is_a_400(resume: KVResume, match: str) -> None:
+    refused = Refusals()
+    with pytest.raises(InvalidRequestError, match=match) as error:
+        KVParamsGate(SECRET, refused).check_resume(resume, now=NOW + 1)
+    assert error.value.status_code == 400 and error.value.param == "kv_resume"
+    assert refused.count == 1
+
+
+def test_an_expired_resume_and_one_without_a_secret_are_400s() -> None:
+    with pytest.raises(InvalidRequestError, match="expired"):
+        KVParamsGate(SECRET, Refusals()).check_resume(_resume([1]), now=NOW + 3_600)
+    with pytest.raises(InvalidRequestError, match="needs a cluster secret"):
+        KVParamsGate(None, Refusals()).check_resume(_resume([1]), now=NOW + 1)

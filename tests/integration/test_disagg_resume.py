@@ -1,0 +1,154 @@
+"""A P/D stream whose decode connection dies in the middle goes on as one stream: behind
+the proxy (in process, its network wrapped so that the first decode stream breaks after
+some events, in the middle of one), a producer and a consumer `kvflow serve` with the
+shared-storage connector. The proxy resumes the stream on the decode instance from the
+tokens the client has (a signed kv_resume), and the client sees one stream, no error
+event, and for greedy decoding the text and usage of an uninterrupted run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serve_harness import MODEL_NAME, Server, start_server, stop_server
+
+from kvflow.cluster_secret import SECRET_FILE_ENV, ClusterSecret
+from kvflow.services.proxy.app import build_app
+from kvflow.services.proxy.pairing import InstancePools
+from kvflow.services.proxy.resend import ResendPolicy
+
+pytestmark = pytest.mark.slow
+
+ENGINE = ["--num-threads", "1", "--block-size", "8"]
+PROMPT = "Once upon a time in a land far away there lived a careful engineer who"
+MAX_TOKENS = 40
+
+
+class _CutStream(httpx.AsyncByteStream):
+    """A decode stream that breaks halfway into its event number `after` + 1."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, after: int) -> None:
+        self.inner, self.after = inner, after
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        buffer, sent = b"", 0
+        async for chunk in self.inner:
+            buffer += chunk
+            ends = [i + 2 for i in range(len(buffer)) if buffer.startswith(b"\n\n", i)]
+            if len(ends) > self.after:  # the next event's first bytes, then the break
+                yield buffer[sent : ends[self.after - 1] + 10]
+                break
+            yield buffer[sent:]
+            sent = len(buffer)
+        await self.inner.aclose()  # type: ignore[attr-defined]
+        raise httpx.ReadError("connection reset by peer")
+
+
+class _CutFirstDecode(httpx.AsyncBaseTransport):
+    """The network, except that the first streamed decode request breaks mid-stream."""
+
+    def __init__(self, decode_url: str, after: int | None) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.decode_url, self.after = decode_url, after
+        self.decode_bodies: list[dict[str, Any]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if not str(request.url).startswith(self.decode_url):
+            return response
+        self.decode_bodies.append(json.loads(request.content))
+        if self.after is None or len(self.decode_bodies) > 1:
+            return response
+        stream = _CutStream(response.stream, self.after)  # type: ignore[arg-type]
+        return httpx.Response(response.status_code, headers=response.headers, stream=stream)
+
+
+@pytest.fixture(scope="module")
+def pair(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, Server]]:
+    logs = tmp_path_factory.mktemp("resume")
+    storage = {"storage_path": str(logs / "kv")}
+    servers: list[Server] = []
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            config = {"kv_role": role, "kv_connector": "shared-storage",
+                      "kv_connector_extra_config": storage}  # fmt: skip
+            servers.append(start_server(tiny_model_dir, logs, *ENGINE, "--kv-transfer-config",
+                                        json.dumps(config)))  # fmt: skip
+        yield servers[0], servers[1]
+    finally:
+        for server in servers:
+            stop_server(server)
+
+
+def _stream(
+    pair: tuple[Server, Server], path: str, body: dict[str, Any], after: int | None
+) -> tuple[list[Any], list[dict[str, Any]], str]:
+    """The client's events through the proxy, the decode requests, and /metrics."""
+    prefill, decode = pair
+    transport = _CutFirstDecode(decode.base_url, after)
+    secret = ClusterSecret.read(os.environ[SECRET_FILE_ENV])
+    policy = ResendPolicy(backoff_s=0.01, prefill_fallback=False)
+    app = build_app(InstancePools([prefill.base_url], [decode.base_url]), 120.0, secret,
+                    policy, transport)  # fmt: skip
+
+    async def go() -> tuple[str, str]:
+        asgi = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=asgi, base_url="http://proxy", timeout=120) as c:
+            response = await c.post(path, json={"model": MODEL_NAME, **body, "stream": True})
+            assert response.status_code == 200, response.text
+            return response.text, (await c.get("/metrics")).text
+
+    text, metrics = asyncio.run(go())
+    events = []
+    for event in text.split("\n\n"):
+        if event:
+            data = event.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events, transport.decode_bodies, metrics
+
+
+def _text(events: list[Any]) -> str:
+    pieces = []
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            pieces.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return "".join(pieces)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}),
+    ],
+    ids=["completions", "chat"],
+)
+def test_a_stream_broken_mid_way_is_resumed_as_one_stream(
+    pair: tuple[Server, Server], path: str, body: dict[str, Any]
+) -> None:
+    body = {**body, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    whole, _, _ = _stream(pair, path, body, after=None)
+    events, sent, metrics = _stream(pair, path, body, after=8)
+
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+    assert _text(events) == _text(whole) and len(_text(whole)) > 0
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # (cached: the cache's)
+    assert [events[-2]["usage"][k] for k in counts] == [whole[-2]["usage"][k] for k in counts]
+    assert events[-2]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert len({(e["id"], e["created"]) for e in events[:-1]}) == 1
+    assert not any("token_ids" in c for e in events[:-1] for c in e["choices"])
+    roles = [c for e in events[:-1] for c in e["choices"] if c.get("delta", {}).get("role")]
+    assert len(roles) == (1 if "chat" in path else 0)
+    resumed = sent[1]["kv_resume"]["token_ids"]
+    assert 0 < len(resumed) < MAX_TOKENS
+    assert "kvflow:proxy_stream_resumes_total 1" in metrics
+    assert "kvflow:proxy_broken_streams_total 0" in metrics
