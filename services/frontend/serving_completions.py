@@ -91,7 +91,7 @@ class _Choice(ChoiceCounts):
         """A resumed stream's text so far (its tokens are counted): the client has it,
         echo included; logprobs' text offsets go on after it."""
         self.started = True
-        self.text.append(text)
+        self.text.append((self.echo or "") + text)
         if self.want_logprobs:
             shown = (self.prompt.token_ids if self.echo is not None else []) + self.token_ids
             self.offset += sum(map(len, convert_ids_to_token_strings(ctx.tokenizer, shown)))
