@@ -208,7 +208,6 @@ class EngineClient(EngineHealth, InFlightRequests):
         the engine recomputes and samples on from."""
         assert "#" not in request_id, "'#' separates a request id from its sample index"
         assert not output_token_ids or params.n == 1, "only one sample resumes"
-        resumed = list(output_token_ids or [])
         self.check_rank(data_parallel_rank)
         spans = [(i.offset, i.length, i.hash) for i in images or ()]
         engine = self._route(prompt_token_ids, cache_salt, data_parallel_rank, lora_request, spans)
@@ -224,19 +223,13 @@ class EngineClient(EngineHealth, InFlightRequests):
             loop = asyncio.get_running_loop()
             timer = loop.call_at(deadline.at, queue.put_nowait, _DEADLINE_PASSED)
         try:
-            for index, child_id in enumerate(child_ids):
-                request = AddRequest(
-                    req_id=child_id,
-                    prompt_token_ids=prompt_token_ids,
-                    sampling_params=child_sampling_params(params, index),
-                    arrival_time=arrival,
-                    priority=priority, cache_salt=cache_salt, frontend_id=self.frontend_id,
-                    images=images or [], lora_request=lora_request, mrope=mrope,
-                    output_token_ids=resumed,
-                )  # fmt: skip
-                pinned = data_parallel_rank is not None
-                self._sent[child_id] = SentRequest(request, pinned, list(resumed))
-                self.engines[engine].input.send(request)
+            request = AddRequest(
+                req_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
+                arrival_time=arrival, priority=priority, cache_salt=cache_salt,
+                frontend_id=self.frontend_id, images=images or [], lora_request=lora_request,
+                mrope=mrope, output_token_ids=list(output_token_ids or []),
+            )  # fmt: skip
+            self._send_samples(engine, child_ids, request, data_parallel_rank is not None)
             while unfinished:
                 delta = await queue.get()
                 if delta is _DEADLINE_PASSED:
@@ -249,6 +242,17 @@ class EngineClient(EngineHealth, InFlightRequests):
             if timer is not None:
                 timer.cancel()
             self.release(child_ids, unfinished)
+
+    def _send_samples(
+        self, engine: int, child_ids: list[str], request: AddRequest, pinned: bool
+    ) -> None:
+        """Each sample of `request` as its own request (its own seed), remembered for a
+        resend."""
+        for index, child_id in enumerate(child_ids):
+            params = child_sampling_params(request.sampling_params, index)
+            child = msgspec.structs.replace(request, req_id=child_id, sampling_params=params)
+            self._sent[child_id] = SentRequest(child, pinned, list(child.output_token_ids))
+            self.engines[engine].input.send(child)
 
     def _route(
         self, token_ids: list[int], cache_salt: str | None, rank: int | None,

@@ -66,9 +66,7 @@ class KVParamsGate:
         self._forget_expired(now)
         self._used[params.request_id] = params.expires_at
 
-    def check_resume(
-        self, resume: KVResume | None, now: float | None = None
-    ) -> list[int] | None:
+    def check_resume(self, resume: KVResume | None, now: float | None = None) -> list[int] | None:
         """The output tokens a signed resume carries (None without one); 400 otherwise."""
         if resume is None:
             return None

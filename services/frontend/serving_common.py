@@ -195,10 +195,9 @@ class ServingContext:
         data_parallel_rank: int | None = None,
         deadline: Deadline | None = None,
         lora_request: LoRARequest | None = None,
-        output_token_ids: list[int] | None = None,
+        output_token_ids: list[int] | None = None,  # a resumed stream's (kv_params.py)
     ) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
-        """(choice index, delta) for every sample of every prompt, as they come
-        (`output_token_ids`: a resumed stream's tokens so far, one prompt and sample).
+        """(choice index, delta) for every sample of every prompt, as they come.
 
         Raises RequestFailedError on an engine error, a RequestRejectedError when the
         engine refused it for load, RequestTimeoutError past `deadline`; closing this
