@@ -196,8 +196,6 @@ async def relay_stream(job: Job, held: Held) -> AsyncIterator[bytes]:
                     yield chunk if record is None else record.relay(chunk)
                 return
             except httpx.HTTPError as exc:
-                if record is not None:
-                    record.broke()
                 if record is not None and record.finished:
                     yield b"data: [DONE]\n\n"  # the answer is whole; only its end was lost
                     return
@@ -232,8 +230,9 @@ async def _resumed(job: Job, broken: Held, exc: httpx.HTTPError) -> Held:
     if pause is None:
         return _failed(reason)
     job.tries.failed_decode = broken.url
+    resume = job.record.broke()
     await asyncio.sleep(pause)
-    held = await send_with_resend(job, resume=list(job.record.token_ids))
+    held = await send_with_resend(job, resume=resume)
     if held.rest is None:
         await held.response.aclose()
         logger.warning("resuming the stream: %d %s", held.response.status_code, held.first[:200])

@@ -72,6 +72,7 @@ class StreamRecord:
     id: str | None = None  # the first stream's, which resumed chunks carry
     created: int | None = None
     token_ids: list[int] = field(default_factory=list)
+    started: bool = False  # a chunk of the choice went out (chat: its role chunk at least)
     finished: bool = False  # the choice's finish_reason went out: nothing to resume
     _pending: bytes = b""
 
@@ -81,9 +82,12 @@ class StreamRecord:
         *events, self._pending = self._pending.split(b"\n\n")
         return b"".join(self._event(e) + b"\n\n" for e in events)
 
-    def broke(self) -> None:
-        """The stream broke: its unfinished event never reaches the client."""
+    def broke(self) -> list[int] | None:
+        """The stream broke: its unfinished event never reaches the client. Returns the
+        tokens to resume from; None while the client has no chunk at all (the request
+        is then sent again as it is: its new stream is the client's first)."""
         self._pending = b""
+        return list(self.token_ids) if self.started else None
 
     def _event(self, event: bytes) -> bytes:
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
@@ -96,6 +100,7 @@ class StreamRecord:
         else:  # a resumed stream's chunk: the client's stream is the first one
             chunk["id"], chunk["created"] = self.id, self.created
         for choice in chunk["choices"]:
+            self.started = True
             self.token_ids += choice.get("token_ids") or []
             self.finished = self.finished or choice.get("finish_reason") is not None
         if not self.client_wants_ids:

@@ -49,7 +49,7 @@ def test_the_record_keeps_the_ids_and_relays_whole_events_without_them() -> None
         {"id": "a", "created": 7, "choices": [{"index": 0, "text": " Hi", "finish_reason": None}]}
     ]
     assert record.token_ids == [5, 6] and not record.finished
-    record.broke()  # " there" never reached the client: its id is not the client's
+    assert record.broke() == [5, 6]  # " there" never reached the client: not resumed from
     # A resumed stream's chunk: the first stream's id and created, its own text.
     resumed = _text("b", " again", [8], "length")
     assert _events(record.relay(resumed).decode())[0] == {
@@ -192,3 +192,19 @@ def test_a_resume_the_decode_instance_refuses_ends_in_an_error() -> None:
     error = _events(text)[-2]
     assert isinstance(error, dict) and "resuming it failed (400)" in error["error"]["message"]
     assert "kvflow:proxy_broken_streams_total 1" in metrics
+
+
+def test_a_stream_that_broke_inside_its_first_event_is_sent_again_as_it_was() -> None:
+    def decode(request: dict[str, Any], n: int) -> httpx.Response:
+        if n == 1:  # the status line and half an event: the client has no chunk
+            return httpx.Response(200, stream=_Stream([_text("a", " Hi", [5])[:15]], True))
+        assert "kv_resume" not in request
+        chunks = [_text("b", " Hi", [5], "length"), b"data: [DONE]\n\n"]
+        return httpx.Response(200, stream=_Stream(chunks, breaks=False))
+
+    text, sent, metrics = _serve(decode, {"prompt": "x", "stream": True})
+    events = _events(text)
+    assert len(sent) == 2 and len(events) == 2 and events[-1] == "[DONE]"
+    assert isinstance(events[0], dict) and events[0]["id"] == "b"
+    assert events[0]["choices"][0]["text"] == " Hi"
+    assert "kvflow:proxy_stream_resumes_total 1" in metrics
