@@ -1,7 +1,7 @@
 """A P/D stream whose decode connection dies in the middle goes on as one stream: behind
 the proxy (in process, its network wrapped so that the first decode stream breaks after
 some events, in the middle of one), a producer and a consumer `kvflow serve` with the
-shared-storage connector. The proxy resumes the stream on the decode instance from the
+shared-storage or the zmq connector. The proxy resumes the stream on the decode instance from the
 tokens the client has (a signed kv_resume), and the client sees one stream, no error
 event, and for greedy decoding the text and usage of an uninterrupted run."""
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_harness import MODEL_NAME, Server, start_server, stop_server
+from serve_harness import MODEL_NAME, Server, free_port, start_server, stop_server
 
 from kvflow.cluster_secret import SECRET_FILE_ENV, ClusterSecret
 from kvflow.services.proxy.app import build_app
@@ -69,35 +69,41 @@ class _CutFirstDecode(httpx.AsyncBaseTransport):
         return httpx.Response(response.status_code, headers=response.headers, stream=stream)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["shared-storage", "zmq"])
 def pair(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Server, Server]]:
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, Server, str]]:
+    """(prefill, decode, the prefill's KV address: "" with shared storage)."""
     logs = tmp_path_factory.mktemp("resume")
-    storage = {"storage_path": str(logs / "kv")}
+    if request.param == "zmq":
+        kv_port = free_port()
+        extras = [{"kv_port": kv_port}, {}]
+        address = f"tcp://127.0.0.1:{kv_port}"
+    else:
+        extras, address = [{"storage_path": str(logs / "kv")}] * 2, ""
     servers: list[Server] = []
     try:
-        for role in ("kv_producer", "kv_consumer"):
-            config = {"kv_role": role, "kv_connector": "shared-storage",
-                      "kv_connector_extra_config": storage}  # fmt: skip
+        for role, extra in zip(("kv_producer", "kv_consumer"), extras):
+            config = {"kv_role": role, "kv_connector": request.param,
+                      "kv_connector_extra_config": extra}  # fmt: skip
             servers.append(start_server(tiny_model_dir, logs, *ENGINE, "--kv-transfer-config",
                                         json.dumps(config)))  # fmt: skip
-        yield servers[0], servers[1]
+        yield servers[0], servers[1], address
     finally:
         for server in servers:
             stop_server(server)
 
 
 def _stream(
-    pair: tuple[Server, Server], path: str, body: dict[str, Any], after: int | None
+    pair: tuple[Server, Server, str], path: str, body: dict[str, Any], after: int | None
 ) -> tuple[list[Any], list[dict[str, Any]], str]:
     """The client's events through the proxy, the decode requests, and /metrics."""
-    prefill, decode = pair
+    prefill, decode, address = pair
     transport = _CutFirstDecode(decode.base_url, after)
     secret = ClusterSecret.read(os.environ[SECRET_FILE_ENV])
     policy = ResendPolicy(backoff_s=0.01, prefill_fallback=False)
-    app = build_app(InstancePools([prefill.base_url], [decode.base_url]), 120.0, secret,
-                    policy, transport)  # fmt: skip
+    pools = InstancePools([prefill.base_url], [decode.base_url], [address] if address else [])
+    app = build_app(pools, 120.0, secret, policy, transport)
 
     async def go() -> tuple[str, str]:
         asgi = httpx.ASGITransport(app=app)
@@ -132,7 +138,7 @@ def _text(events: list[Any]) -> str:
     ids=["completions", "chat"],
 )
 def test_a_stream_broken_mid_way_is_resumed_as_one_stream(
-    pair: tuple[Server, Server], path: str, body: dict[str, Any]
+    pair: tuple[Server, Server, str], path: str, body: dict[str, Any]
 ) -> None:
     body = {**body, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
