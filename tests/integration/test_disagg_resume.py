@@ -10,13 +10,25 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from serve_harness import MODEL_NAME, Server, free_port, start_server, stop_server
+from serve_harness import (
+    KVFLOW,
+    MODEL_NAME,
+    Server,
+    free_port,
+    metric_values,
+    sse_events,
+    start_server,
+    stop_server,
+    wait_for,
+)
 
 from kvflow.cluster_secret import SECRET_FILE_ENV, ClusterSecret
 from kvflow.services.proxy.app import build_app
@@ -158,3 +170,82 @@ def test_a_stream_broken_mid_way_is_resumed_as_one_stream(
     assert 0 < len(resumed) < MAX_TOKENS
     assert "kvflow:proxy_stream_resumes_total 1" in metrics
     assert "kvflow:proxy_broken_streams_total 0" in metrics
+
+
+def test_a_decode_instance_killed_mid_stream_costs_the_client_nothing(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The real thing: `kvflow proxy` before one prefill and two decode instances; the
+    decode instance holding a stream has its whole process group SIGKILLed after the
+    client read some of it. The stream goes on from the other decode instance."""
+    storage = {"storage_path": str(tmp_path / "kv")}
+
+    def kv(role: str) -> list[str]:
+        config = {"kv_role": role, "kv_connector": "shared-storage",
+                  "kv_connector_extra_config": storage}  # fmt: skip
+        return ["--kv-transfer-config", json.dumps(config)]
+
+    servers = [start_server(tiny_model_dir, tmp_path, *ENGINE, *kv("kv_producer"))]
+    proxy = None
+    try:
+        servers += [start_server(tiny_model_dir, tmp_path, *ENGINE, *kv("kv_consumer"))
+                    for _ in range(2)]  # fmt: skip
+        url = f"http://127.0.0.1:{free_port()}"
+        command = [str(KVFLOW), "proxy", "--port", url.rsplit(":", 1)[1]]
+        command += ["--prefill", servers[0].base_url, "--resend-max", "1"]
+        for decode in servers[1:]:
+            command += ["--decode", decode.base_url]
+        with open(tmp_path / "proxy.log", "wb") as log:  # (the secret: the tests' env)
+            proxy = subprocess.Popen(command, stdout=log, stderr=log)
+        assert wait_for(lambda: _up(url), 60.0), (tmp_path / "proxy.log").read_text()
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0.0,
+                "ignore_eos": True}  # fmt: skip
+        whole = httpx.post(url + "/v1/completions", json=body, timeout=120.0)
+        assert whole.status_code == 200, whole.text
+        events = _read_killing(url, {**body, "stream": True}, servers[1:])
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+        assert _text(events) == whole.json()["choices"][0]["text"]
+        metrics = httpx.get(url + "/metrics").text
+        assert "kvflow:proxy_stream_resumes_total 1" in metrics, metrics
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(timeout=10)
+        for server in servers:
+            if server.process.poll() is None:
+                stop_server(server)
+
+
+LONG = 480  # tokens: the kill lands while the decode instance still generates
+
+
+def _read_killing(url: str, body: dict[str, Any], decodes: list[Server]) -> list[Any]:
+    """The stream's events; after the tenth, the decode instance running it is killed."""
+    events: list[Any] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120.0) as response:
+        assert response.status_code == 200
+        for event in sse_events(response):
+            events.append(event)
+            if len(events) == 10:
+                os.killpg(_running(decodes).pid, signal.SIGKILL)  # HTTP, engine and worker
+    return events
+
+
+def _running(decodes: list[Server]) -> Server:
+    """The decode instance that runs a request (its stats say so within 0.5 s)."""
+    running: list[Server] = []
+
+    def found() -> bool:
+        name = "kvflow:num_requests_running"
+        running[:] = [d for d in decodes if metric_values(d.base_url).get(name)]
+        return len(running) == 1
+
+    assert wait_for(found, 10.0), "no decode instance runs the stream"
+    return running[0]
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
