@@ -100,11 +100,14 @@ class ClusterSecret:
             return "kv_transfer_params: the signature has expired"
         return None
 
-    def sign_resume(self, request_id: str, expires_at: float, token_ids: Sequence[int]) -> str:
-        """The proxy's signature over a broken stream's output tokens (a resume request)."""
+    def sign_resume(
+        self, request_id: str, expires_at: float, choices: Sequence[ResumedTokens]
+    ) -> str:
+        """The proxy's signature over a broken stream's choices: each one's index, whether
+        it finished, and its output token ids (a resume request)."""
         return hmac.new(
             self.derive("kv-resume"),
-            _resume_message(request_id, expires_at, token_ids),
+            _resume_message(request_id, expires_at, choices),
             hashlib.sha256,
         ).hexdigest()
 
@@ -112,14 +115,14 @@ class ClusterSecret:
         self,
         request_id: str | None,
         expires_at: float | None,
-        token_ids: Sequence[int],
+        choices: Sequence[ResumedTokens],
         signature: str | None,
         now: float | None = None,
     ) -> str | None:
-        """Why these resume tokens are not the proxy's, or None if they are."""
+        """Why these resumed choices are not the proxy's, or None if they are."""
         if not signature or not request_id or expires_at is None:
             return "kv_resume is accepted only as the proxy signed it"
-        expected = self.sign_resume(request_id, expires_at, token_ids)
+        expected = self.sign_resume(request_id, expires_at, choices)
         if not hmac.compare_digest(expected, signature):
             return "kv_resume: the signature does not match"
         if (time.time() if now is None else now) > expires_at:
@@ -127,11 +130,21 @@ class ClusterSecret:
         return None
 
 
-def _resume_message(request_id: str, expires_at: float, token_ids: Sequence[int]) -> bytes:
+# A resumed choice as signed: (choice index, finished, output token ids).
+ResumedTokens = tuple[int, bool, Sequence[int]]
+
+
+def _resume_message(
+    request_id: str, expires_at: float, choices: Sequence[ResumedTokens]
+) -> bytes:
     if "\0" in request_id:
         raise ValueError("kv_resume's request id may not contain NUL")
-    ids = ",".join(str(int(t)) for t in token_ids)
-    return "\0".join(("kvflow-kv-resume-v1", request_id, f"{expires_at:.3f}", ids)).encode()
+    # "index:finished:id,id,...;..." - digits and separators only: unambiguous.
+    listed = ";".join(
+        f"{int(index)}:{int(finished)}:{','.join(str(int(t)) for t in ids)}"
+        for index, finished, ids in choices
+    )
+    return "\0".join(("kvflow-kv-resume-v1", request_id, f"{expires_at:.3f}", listed)).encode()
 
 
 def _kv_params_message(remote_address: str, request_id: str, expires_at: float) -> bytes:

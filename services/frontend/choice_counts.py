@@ -15,12 +15,13 @@ class ChoiceCounts:
         self.token_ids: list[int] = []  # for return_token_ids
         self.resuming = False  # resumed (kv_resume): its first delta's resumed_text is due
 
-    def resume(self, token_ids: list[int]) -> None:
+    def resume(self, token_ids: list[int], finished: bool) -> None:
         """A resumed stream's tokens so far count as this choice's, as in one
-        uninterrupted run; their text comes with the first delta (`take_resumed_text`)."""
+        uninterrupted run; their text comes with the first delta (`take_resumed_text`),
+        unless it finished (then no delta comes)."""
         self.num_tokens += len(token_ids)
         self.token_ids += token_ids
-        self.resuming = True
+        self.resuming = not finished
 
     def take_resumed_text(self, delta: RequestOutputDelta) -> str | None:
         """On a resumed choice's first delta, the text the old stream had sent, for the

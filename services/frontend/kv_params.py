@@ -13,15 +13,17 @@ replayed gets a 400 here (counted in kvflow:kv_transfer_params_rejected_total). 
 a cluster secret no remote_address is accepted at all.
 
 `kv_resume` is the proxy's other signed field: a stream whose decode instance died after
-the client had some of it goes to another decode instance with the tokens it has so far,
+the client had some of it goes to another decode instance with what each choice has so
+far (a choice that finished is not generated again),
 
-    proxy: {"token_ids": [...], "request_id": R, "expires_at": T, "signature": HMAC(R, T, ids)}
+    proxy: {"choices": [{"index": 0, "token_ids": [...], "finished": false}, ...],
+            "request_id": R, "expires_at": T, "signature": HMAC(R, T, choices)}
 
-and the frontend sends them as the request's output so far (`AddRequest.output_token_ids`,
-as after an engine failure inside one server): the engine recomputes them and samples on,
-the stream continues where the old one broke. Unsigned, forged, tampered with, expired or
-replayed: a 400, counted with the kv_transfer_params refusals. One sample only (n == 1,
-one prompt, no beam search): the proxy resumes nothing else.
+and the frontend sends each unfinished choice's tokens as its output so far
+(`AddRequest.output_token_ids`, as after an engine failure inside one server): the engine
+recomputes them and samples on, the stream continues where the old one broke. Unsigned,
+forged, tampered with, expired or replayed: a 400, counted with the kv_transfer_params
+refusals.
 """
 
 from __future__ import annotations
@@ -36,10 +38,18 @@ from kvflow.errors import InvalidRequestError
 from kvflow.proto.sampling import KVTransferParams
 
 
-class KVResume(msgspec.Struct, forbid_unknown_fields=True):
-    """A request's `kv_resume`: the output tokens a broken stream had sent, signed."""
+class ResumedChoice(msgspec.Struct, forbid_unknown_fields=True):
+    """One choice of a broken stream: the output tokens its client has."""
 
+    index: int
     token_ids: list[int]
+    finished: bool = False  # its finish_reason went out: it is not generated again
+
+
+class KVResume(msgspec.Struct, forbid_unknown_fields=True):
+    """A request's `kv_resume`: the choices a broken stream had sent, signed."""
+
+    choices: list[ResumedChoice]
     request_id: str | None = None
     expires_at: float | None = None
     signature: str | None = None
@@ -66,8 +76,10 @@ class KVParamsGate:
         self._forget_expired(now)
         self._used[params.request_id] = params.expires_at
 
-    def check_resume(self, resume: KVResume | None, now: float | None = None) -> list[int] | None:
-        """The output tokens a signed resume carries (None without one); 400 otherwise."""
+    def check_resume(
+        self, resume: KVResume | None, now: float | None = None
+    ) -> list[ResumedChoice] | None:
+        """The choices a signed resume carries (None without one); 400 otherwise."""
         if resume is None:
             return None
         now = time.time() if now is None else now
@@ -77,8 +89,9 @@ class KVParamsGate:
                 "only the proxy may resume a stream"
             )
         else:
+            signed = [(c.index, c.finished, c.token_ids) for c in resume.choices]
             reason = self._secret.check_resume(
-                resume.request_id, resume.expires_at, resume.token_ids, resume.signature, now
+                resume.request_id, resume.expires_at, signed, resume.signature, now
             )
         if reason is None and resume.request_id in self._used:
             reason = "kv_resume: this signed request id was already used"
@@ -88,7 +101,7 @@ class KVParamsGate:
         assert resume.request_id is not None and resume.expires_at is not None
         self._forget_expired(now)
         self._used[resume.request_id] = resume.expires_at
-        return list(resume.token_ids)
+        return resume.choices
 
     def _why_refused(self, params: KVTransferParams, now: float) -> str | None:
         if self._secret is None:

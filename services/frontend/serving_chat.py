@@ -224,8 +224,7 @@ class _Chat(ServedRequest):
         self.choices = [
             _Choice(i, bool(request.logprobs), tools, reasoning) for i in range(params.n)
         ]
-        if self.resumed_ids is not None:
-            self.choices[0].resume(self.resumed_ids)
+        self.resume_choices(self.choices)
 
     async def full(self) -> Response:
         async with aclosing(self.deltas()) as deltas:
@@ -244,8 +243,8 @@ class _Chat(ServedRequest):
         return json_response(response)
 
     async def stream(self) -> AsyncGenerator[bytes, None]:
-        # A resumed stream goes on from the old one's text: its role chunk was sent.
-        for choice in [] if self.resumed_ids is not None else self.choices:
+        resumed = self.resumed or {}  # these choices' role chunks went out already
+        for choice in [c for c in self.choices if c.index not in resumed]:
             first = DeltaMessage(role=_ASSISTANT, content=self.echo)
             yield sse_event(self._chunk([ChatChunkChoice(index=choice.index, delta=first)]))
         async with aclosing(self.deltas()) as deltas:

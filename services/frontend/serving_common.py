@@ -45,11 +45,12 @@ from kvflow.services.frontend.choice_counts import ChoiceCounts
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST
 from kvflow.services.frontend.in_flight import sample_index
-from kvflow.services.frontend.kv_params import KVParamsGate, KVResume
+from kvflow.services.frontend.kv_params import KVParamsGate, KVResume, ResumedChoice
 from kvflow.services.frontend.lora_registry import LoRARegistry
 from kvflow.services.frontend.metrics import FrontendMetrics
 from kvflow.services.frontend.request_deadline import Deadline, RequestDeadlines
 from kvflow.services.frontend.responses import UsageInfo
+from kvflow.services.frontend.resumed_stream import resumed_choices, samples_of
 from kvflow.services.frontend.serving_engine import ServingEngine
 from kvflow.services.frontend.sse import SSEResponse, unless_disconnected, until_disconnect
 from kvflow.services.frontend.stream_merge import merge_streams
@@ -195,7 +196,7 @@ class ServingContext:
         data_parallel_rank: int | None = None,
         deadline: Deadline | None = None,
         lora_request: LoRARequest | None = None,
-        output_token_ids: list[int] | None = None,  # a resumed stream's (kv_params.py)
+        resume: dict[int, ResumedChoice] | None = None,  # choice -> a resumed one's
     ) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
         """(choice index, delta) for every sample of every prompt, as they come.
 
@@ -217,7 +218,7 @@ class ServingContext:
                 images=p.images,
                 lora_request=lora_request,
                 mrope=p.mrope,
-                output_token_ids=output_token_ids,
+                resume=samples_of(resume, i, n),
             )
             for i, p in enumerate(prompts)
         ]
@@ -246,17 +247,9 @@ class ServingContext:
                     tracker.abandon(now)
 
 
-def _resumable(prompts: list[PreparedPrompt]) -> list[PreparedPrompt]:
-    """The prompt a resume goes on with; 400 for what the proxy never resumes (its one
-    sample's tokens cannot stand for several). Prompt logprobs were sent already."""
-    params = prompts[0].params
-    if len(prompts) > 1 or params.n > 1 or params.beam_search is not None:
-        raise InvalidRequestError(
-            "kv_resume resumes one sample of one prompt (n=1, no beam search)",
-            param="kv_resume",
-        )
-    params = msgspec.structs.replace(params, prompt_logprobs=None)
-    return [dataclasses.replace(prompts[0], params=params)]
+def _without_prompt_logprobs(prompt: PreparedPrompt) -> PreparedPrompt:
+    params = msgspec.structs.replace(prompt.params, prompt_logprobs=None)
+    return dataclasses.replace(prompt, params=params)
 
 
 _JSON = msgspec.json.Encoder()
@@ -295,10 +288,11 @@ class ServedRequest(ABC):
     ) -> None:
         ctx.check_queue_room(len(prompts), prompts[0].params.n, data_parallel_rank)
         ctx.kv_params.check(prompts[0].params.kv_transfer_params)
-        # A stream the proxy resumes (kv_params.py): its tokens so far; None for others.
-        self.resumed_ids = ctx.kv_params.check_resume(resume)
-        if self.resumed_ids is not None:
-            prompts = _resumable(prompts)
+        # A stream the proxy resumes (kv_params.py): choice index -> what its client has.
+        resumed = ctx.kv_params.check_resume(resume)
+        self.resumed = resumed_choices(resumed, len(prompts), prompts[0].params)
+        if self.resumed is not None:  # prompt logprobs went out with the first stream
+            prompts = [_without_prompt_logprobs(p) for p in prompts]
         self.ctx = ctx
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(arrival_time)
@@ -315,6 +309,8 @@ class ServedRequest(ABC):
         self._first: tuple[int, RequestOutputDelta] | None = None
 
     async def respond(self, raw: Request, stream: bool) -> Response:
+        if self.resumed is not None and not stream:
+            raise InvalidRequestError("kv_resume resumes a stream only", param="kv_resume")
         if not stream:
             return await until_disconnect(raw, self.full())
         if await unless_disconnected(raw.receive, self._open()) is None:
@@ -341,7 +337,7 @@ class ServedRequest(ABC):
             data_parallel_rank=self.data_parallel_rank,
             deadline=self.deadlines.whole,
             lora_request=self.lora_request,
-            output_token_ids=self.resumed_ids or None,
+            resume=self.resumed,
         )
         first: Awaitable[tuple[int, RequestOutputDelta]] = anext(self._deltas)
         limit = self.deadlines.first_chunk
@@ -369,6 +365,11 @@ class ServedRequest(ABC):
                 yield self._first
             async for item in rest:
                 yield item
+
+    def resume_choices(self, choices: Sequence[ChoiceCounts]) -> None:
+        """Each resumed choice takes what its client has (usage counts it)."""
+        for index, resumed in (self.resumed or {}).items():
+            choices[index].resume(resumed.token_ids, resumed.finished)
 
     def ids_if(self, wanted: bool, ids: list[int]) -> list[int] | msgspec.UnsetType:
         """`ids` for return_token_ids, else absent from the response."""

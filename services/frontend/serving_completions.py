@@ -193,8 +193,7 @@ class _Completion(ServedRequest):
             for p, prompt in enumerate(prompts)
             for i in range(params.n)
         ]
-        if self.resumed_ids is not None:
-            self.choices[0].resume(self.resumed_ids)
+        self.resume_choices(self.choices)
 
     async def full(self) -> Response:
         async with aclosing(self.deltas()) as deltas:

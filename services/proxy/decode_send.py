@@ -12,9 +12,10 @@ a prefill instance, itself a whole engine, serves the request as one colocated s
 would: slower for the prompts it prefills meanwhile, but an answer.
 
 Once the client has bytes of the answer, a stream that breaks is resumed rather than
-resent: the next decode instance continues it from the tokens the client has (resume.py,
-`relay_stream`), within the same budget of resends. Only a stream that cannot be resumed
-(several samples, or no cluster secret to sign its tokens) ends with an error event.
+resent: the next decode instance continues each choice from the tokens the client has
+(resume.py, `relay_stream`), within the same budget of resends. Only a stream that
+cannot be resumed (a beam search, or no cluster secret to sign its tokens) ends with an
+error event.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import httpx
 from kvflow.cluster_secret import ClusterSecret
 from kvflow.services.proxy.pairing import InstancePools, decode_request, prefill_request
 from kvflow.services.proxy.resend import Failure, ResendPolicy, failure_of_error, failure_of_status
-from kvflow.services.proxy.resume import StreamRecord, resumable
+from kvflow.services.proxy.resume import StreamRecord, num_choices, resumable
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +113,14 @@ class Job:
 
 def new_job(ex: Exchange, path: str, body: dict[str, Any], headers: dict[str, str]) -> Job:
     wants_ids = bool(body.get("return_token_ids"))
-    record = StreamRecord(wants_ids) if resumable(body, ex.secret) else None
+    record = StreamRecord(wants_ids, num_choices(body)) if resumable(body, ex.secret) else None
     return Job(ex, path, body, headers, record)
 
 
-async def send_with_resend(job: Job, resume: list[int] | None = None) -> Held:
+async def send_with_resend(job: Job, resume: list[dict[str, Any]] | None = None) -> Held:
     """The decode side's answer to hold; after the last allowed failure, that failure's
     answer (its 5xx as is; a 502/503 when no instance answered). `resume`: a broken
-    stream's tokens so far, which the decode instance continues from."""
+    stream's choices so far, which the decode instance continues from."""
     ex, tries = job.ex, job.tries
     body = job.body if job.record is None else {**job.body, "return_token_ids": True}
     while True:
@@ -185,9 +186,9 @@ async def _send(
 async def relay_stream(job: Job, held: Held) -> AsyncIterator[bytes]:
     """A held stream to the client. If the decode instance dies after the first chunk,
     the stream goes on from another decode instance (or the same one, restarted) with
-    its tokens so far (resume.py), within the request's resend budget; the client sees
-    one stream. Past the budget, or for a stream that cannot be resumed (n > 1, no
-    cluster secret), it ends with an OpenAI error event and [DONE]."""
+    each choice's tokens so far (resume.py), within the request's resend budget; the
+    client sees one stream. Past the budget, or for a stream that cannot be resumed (a
+    beam search, no cluster secret), it ends with an OpenAI error event and [DONE]."""
     record = job.record
     try:
         while True:
@@ -196,7 +197,7 @@ async def relay_stream(job: Job, held: Held) -> AsyncIterator[bytes]:
                     yield chunk if record is None else record.relay(chunk)
                 return
             except httpx.HTTPError as exc:
-                if record is not None and record.finished:
+                if record is not None and record.done:
                     yield b"data: [DONE]\n\n"  # the answer is whole; only its end was lost
                     return
                 logger.warning("decode stream at %s broke after its first chunk: %s",

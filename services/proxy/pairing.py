@@ -95,12 +95,12 @@ def decode_request(
     kv_address: str,
     secret: ClusterSecret | None,
     now: float,
-    resume: list[int] | None = None,
+    resume: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The decode instance's request: the client's, naming where its prompt KV is, signed
     (a decode instance honours only a remote address the proxy signed). Whatever
     kv_transfer_params or kv_resume the client sent are dropped: they are the proxy's to
-    give. `resume`: a broken stream's tokens so far (resume.py), signed too."""
+    give. `resume`: a broken stream's choices so far (resume.py), signed too."""
     body = {k: v for k, v in body.items() if k not in ("kv_transfer_params", "kv_resume")}
     if resume is not None:
         assert secret is not None, "only a proxy with the cluster secret resumes streams"

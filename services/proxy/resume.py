@@ -12,11 +12,14 @@ sees one stream.
 
     decode A: data: {"id": "a", "choices": [{"token_ids": [5, 7], "text": "Hi"}]} ─┐
               ✗ (connection reset)                                           recorded
-    decode B ◀─ {... "kv_resume": {"token_ids": [5, 7], "signature": ...}} ◀─────┘
+    decode B ◀─ {... "kv_resume": {"choices": [{"index": 0, "token_ids": [5, 7], ...}],
+                                   "signature": ...}} ◀──────────────────────────┘
     decode B: data: {"id": "b", ...} ─▶ client: data: {"id": "a", ...}
 
-Resumed: one sample of one prompt (n == 1, no beam search), and only with a cluster
-secret (the signature needs it); any other stream that breaks ends with an error event.
+Every choice is resumed from its own tokens (n > 1, several prompts), except one whose
+finish_reason went out: the decode instance does not generate it again. Not resumed: a
+beam search (its beams are not choices), and any stream of a proxy without a cluster
+secret (the signature needs it); such a stream that breaks ends with an error event.
 """
 
 from __future__ import annotations
@@ -32,49 +35,51 @@ _ID_FIELDS = ("token_ids", "prompt_token_ids")  # what return_token_ids adds to 
 
 
 def resumable(body: dict[str, Any], secret: ClusterSecret | None) -> bool:
-    """Whether a break of this request's stream can be resumed: one streamed sample,
-    and a secret to sign its tokens with."""
+    """Whether a break of this request's stream can be resumed: a stream, not a beam
+    search (its beams are not choices), and a secret to sign its tokens with."""
+    return secret is not None and bool(body.get("stream")) and not body.get("use_beam_search")
+
+
+def num_choices(body: dict[str, Any]) -> int:
+    """The choices of a stream: n per prompt (a completions prompt may be a list)."""
     prompt = body.get("prompt")
-    several_prompts = isinstance(prompt, list) and len(prompt) > 1 and not _ids(prompt)
-    return (
-        secret is not None
-        and bool(body.get("stream"))
-        and body.get("n") in (None, 1)
-        and body.get("best_of") in (None, 1)
-        and not body.get("use_beam_search")
-        and not several_prompts
-    )
+    several = isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt)
+    return int(body.get("n") or 1) * (len(prompt) if several else 1)  # type: ignore[arg-type]
 
 
-def _ids(prompt: list[Any]) -> bool:
-    return all(isinstance(t, int) for t in prompt)
-
-
-def signed_resume(secret: ClusterSecret, token_ids: list[int], now: float) -> dict[str, Any]:
-    """The `kv_resume` field of a resume request."""
+def signed_resume(
+    secret: ClusterSecret, choices: list[dict[str, Any]], now: float
+) -> dict[str, Any]:
+    """The `kv_resume` field of a resume request, for `StreamRecord.choices_so_far()`."""
     request_id = uuid.uuid4().hex
     expires_at = round(now + KV_PARAMS_TTL_S, 3)
+    signed = [(c["index"], c["finished"], c["token_ids"]) for c in choices]
     return {
-        "token_ids": token_ids,
+        "choices": choices,
         "request_id": request_id,
         "expires_at": expires_at,
-        "signature": secret.sign_resume(request_id, expires_at, token_ids),
+        "signature": secret.sign_resume(request_id, expires_at, signed),
     }
 
 
 @dataclass
 class StreamRecord:
-    """What a relayed stream has sent its client: the ids that continue it, whole SSE
-    events only (a partial event waits for its end: bytes the client never saw stand for
-    tokens it does not have)."""
+    """What a relayed stream has sent its client, per choice: the ids that continue it.
+    Whole SSE events only: a partial event waits for its end (bytes the client never saw
+    stand for tokens it does not have)."""
 
     client_wants_ids: bool  # the client asked return_token_ids itself
+    num_choices: int
     id: str | None = None  # the first stream's, which resumed chunks carry
     created: int | None = None
-    token_ids: list[int] = field(default_factory=list)
-    started: bool = False  # a chunk of the choice went out (chat: its role chunk at least)
-    finished: bool = False  # the choice's finish_reason went out: nothing to resume
+    token_ids: dict[int, list[int]] = field(default_factory=dict)  # by choice index
+    finished: set[int] = field(default_factory=set)  # finish_reason went out
     _pending: bytes = b""
+
+    @property
+    def done(self) -> bool:
+        """Every choice finished: nothing to resume (only the end went missing)."""
+        return len(self.finished) >= self.num_choices
 
     def relay(self, raw: bytes) -> bytes:
         """The client's bytes for a chunk of the decode stream."""
@@ -82,12 +87,18 @@ class StreamRecord:
         *events, self._pending = self._pending.split(b"\n\n")
         return b"".join(self._event(e) + b"\n\n" for e in events)
 
-    def broke(self) -> list[int] | None:
+    def broke(self) -> list[dict[str, Any]] | None:
         """The stream broke: its unfinished event never reaches the client. Returns the
-        tokens to resume from; None while the client has no chunk at all (the request
-        is then sent again as it is: its new stream is the client's first)."""
+        choices to resume (each one the client has a chunk of: its index, tokens and
+        whether it finished); None while the client has no chunk at all (the request is
+        then sent again as it is: its new stream is the client's first)."""
         self._pending = b""
-        return list(self.token_ids) if self.started else None
+        if not self.token_ids:
+            return None
+        return [
+            {"index": i, "token_ids": list(ids), "finished": i in self.finished}
+            for i, ids in sorted(self.token_ids.items())
+        ]
 
     def _event(self, event: bytes) -> bytes:
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
@@ -100,9 +111,10 @@ class StreamRecord:
         else:  # a resumed stream's chunk: the client's stream is the first one
             chunk["id"], chunk["created"] = self.id, self.created
         for choice in chunk["choices"]:
-            self.started = True
-            self.token_ids += choice.get("token_ids") or []
-            self.finished = self.finished or choice.get("finish_reason") is not None
+            index = choice.get("index", 0)
+            self.token_ids.setdefault(index, []).extend(choice.get("token_ids") or [])
+            if choice.get("finish_reason") is not None:
+                self.finished.add(index)
         if not self.client_wants_ids:
             _strip_ids(chunk)
         return b"data: " + json.dumps(chunk, ensure_ascii=False).encode()

@@ -133,41 +133,51 @@ def _stream(
     return events, transport.decode_bodies, metrics
 
 
-def _text(events: list[Any]) -> str:
-    pieces = []
+def _texts(events: list[Any]) -> dict[int, str]:
+    """Each choice's streamed text."""
+    texts: dict[int, str] = {}
     for event in events[:-1]:
         for choice in event["choices"]:
-            pieces.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
-    return "".join(pieces)
+            piece = choice.get("text") or choice.get("delta", {}).get("content") or ""
+            texts[choice["index"]] = texts.get(choice["index"], "") + piece
+    return texts
+
+
+CHAT = {"messages": [{"role": "user", "content": PROMPT}]}
+GREEDY = {"temperature": 0.0}
+SEEDED = {"temperature": 1.0, "seed": 7}  # a seeded sampler goes on where it stopped
 
 
 @pytest.mark.parametrize(
     "path, body",
     [
-        ("/v1/completions", {"prompt": PROMPT}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}),
+        ("/v1/completions", {"prompt": PROMPT, **GREEDY}),
+        ("/v1/chat/completions", {**CHAT, **GREEDY}),
+        ("/v1/completions", {"prompt": PROMPT, "n": 2, **SEEDED}),
+        ("/v1/chat/completions", {**CHAT, "n": 2, **SEEDED}),
     ],
-    ids=["completions", "chat"],
+    ids=["completions", "chat", "completions-n2-seeded", "chat-n2-seeded"],
 )
 def test_a_stream_broken_mid_way_is_resumed_as_one_stream(
     pair: tuple[Server, Server, str], path: str, body: dict[str, Any]
 ) -> None:
-    body = {**body, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+    body = {**body, "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
+    n = body.get("n", 1)
     whole, _, _ = _stream(pair, path, body, after=None)
     events, sent, metrics = _stream(pair, path, body, after=8)
 
     assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
-    assert _text(events) == _text(whole) and len(_text(whole)) > 0
+    assert _texts(events) == _texts(whole) and len(_texts(whole)) == n
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # (cached: the cache's)
     assert [events[-2]["usage"][k] for k in counts] == [whole[-2]["usage"][k] for k in counts]
-    assert events[-2]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert events[-2]["usage"]["completion_tokens"] == n * MAX_TOKENS
     assert len({(e["id"], e["created"]) for e in events[:-1]}) == 1
     assert not any("token_ids" in c for e in events[:-1] for c in e["choices"])
     roles = [c for e in events[:-1] for c in e["choices"] if c.get("delta", {}).get("role")]
-    assert len(roles) == (1 if "chat" in path else 0)
-    resumed = sent[1]["kv_resume"]["token_ids"]
-    assert 0 < len(resumed) < MAX_TOKENS
+    assert len(roles) == (n if "chat" in path else 0)
+    resumed = sent[1]["kv_resume"]["choices"]
+    assert 0 < sum(len(c["token_ids"]) for c in resumed) < n * MAX_TOKENS
     assert "kvflow:proxy_stream_resumes_total 1" in metrics
     assert "kvflow:proxy_broken_streams_total 0" in metrics
 
@@ -204,7 +214,7 @@ def test_a_decode_instance_killed_mid_stream_costs_the_client_nothing(
         assert whole.status_code == 200, whole.text
         events = _read_killing(url, {**body, "stream": True}, servers[1:])
         assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
-        assert _text(events) == whole.json()["choices"][0]["text"]
+        assert _texts(events) == {0: whole.json()["choices"][0]["text"]}
         metrics = httpx.get(url + "/metrics").text
         assert "kvflow:proxy_stream_resumes_total 1" in metrics, metrics
     finally:

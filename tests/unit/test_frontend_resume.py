@@ -26,9 +26,13 @@ def h(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     harness.stop()
 
 
-def _signed(token_ids: list[int]) -> dict[str, Any]:
+def _signed(token_ids: list[int], *more: tuple[int, list[int], bool]) -> dict[str, Any]:
+    """kv_resume as the proxy signs it: choice 0 unfinished with `token_ids`, and `more`
+    choices as (index, token ids, finished)."""
     secret = ClusterSecret.read(os.environ[SECRET_FILE_ENV])  # the tests' (conftest.py)
-    return signed_resume(secret, token_ids, time.time())
+    choices = [{"index": 0, "token_ids": token_ids, "finished": False}]
+    choices += [{"index": i, "token_ids": t, "finished": f} for i, t, f in more]
+    return signed_resume(secret, choices, time.time())
 
 
 def _rejected(h: Harness) -> float:
@@ -39,25 +43,31 @@ def _rejected(h: Harness) -> float:
 
 def _bad(case: str) -> dict[str, Any]:
     if case == "unsigned":
-        return {"kv_resume": {"token_ids": [7, 8]}}
+        return {"kv_resume": {"choices": [{"index": 0, "token_ids": [7, 8]}]}}
     if case == "tampered":
-        return {"kv_resume": {**_signed([7, 8]), "token_ids": [7, 9]}}
+        signed = _signed([7, 8])
+        signed["choices"][0]["token_ids"] = [7, 9]
+        return {"kv_resume": signed}
     if case == "forged":
         forged = {"signature": "00", "request_id": "r", "expires_at": time.time() + 60}
-        return {"kv_resume": {"token_ids": [7], **forged}}
-    return {"n": 2}  # a signed resume of one sample for two
+        return {"kv_resume": {"choices": [{"index": 0, "token_ids": [7]}], **forged}}
+    if case == "no-such-choice":
+        return {"kv_resume": _signed([7], (1, [8], False))}  # the request has n=1
+    return {"stream": False}  # a resume is a stream's
 
 
-@pytest.mark.parametrize("case", ["unsigned", "tampered", "forged", "n2"])
+@pytest.mark.parametrize("case", ["unsigned", "tampered", "forged", "no-such-choice", "whole"])
 def test_anything_but_the_proxys_resume_is_a_400(h: Harness, case: str) -> None:
     before, added = _rejected(h), len(h.fake.added)
-    body = {"model": MODEL, "messages": MESSAGES, "kv_resume": _signed([7]), **_bad(case)}
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "kv_resume": _signed([7])}
+    body.update(_bad(case))
     r = h.post("/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "kv_resume" and error["type"] == "invalid_request_error"
     assert len(h.fake.added) == added, "a refused request must not reach the engine"
-    assert _rejected(h) == before + (0 if case == "n2" else 1)
+    refused = case in ("unsigned", "tampered", "forged")  # (the others were signed)
+    assert _rejected(h) == before + refused
 
 
 def test_a_signed_resume_goes_on_from_its_tokens(h: Harness) -> None:
@@ -76,3 +86,18 @@ def test_a_signed_resume_goes_on_from_its_tokens(h: Harness) -> None:
     assert not any("role" in d for d in deltas)  # the client has the first stream's
     usage = events[-2]["usage"]
     assert usage["completion_tokens"] == 2 + 3  # the fake's three pieces after the two
+
+
+def test_with_two_choices_the_finished_one_is_not_generated_again(h: Harness) -> None:
+    added = len(h.fake.added)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "stream": True, "n": 2,
+            "stream_options": {"include_usage": True},
+            "kv_resume": _signed([7, 8], (1, [9], True))}  # fmt: skip
+    with h.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        events = sse_events(response.iter_lines())
+    (add,) = h.fake.added[added:]  # choice 1 finished: only choice 0 goes to the engine
+    assert add.req_id.endswith("#0") and add.output_token_ids == [7, 8]
+    choices = [c for e in events[:-1] for c in e["choices"]]
+    assert {c["index"] for c in choices} == {0} and not any("role" in c["delta"] for c in choices)
+    assert events[-2]["usage"]["completion_tokens"] == 2 + 3 + 1

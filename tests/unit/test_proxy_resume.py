@@ -16,7 +16,7 @@ from kvflow.cluster_secret import ClusterSecret
 from kvflow.services.proxy.app import build_app
 from kvflow.services.proxy.pairing import InstancePools
 from kvflow.services.proxy.resend import ResendPolicy
-from kvflow.services.proxy.resume import StreamRecord, resumable
+from kvflow.services.proxy.resume import StreamRecord, num_choices, resumable
 
 SECRET = ClusterSecret(b"cluster secret of thirty-two bytes")
 FAST = ResendPolicy(max_resends=2, wait_s=5.0, backoff_s=0.01, max_backoff_s=0.02)
@@ -41,50 +41,67 @@ def _events(body: str) -> list[dict[str, Any] | str]:
 
 
 def test_the_record_keeps_the_ids_and_relays_whole_events_without_them() -> None:
-    record = StreamRecord(client_wants_ids=False)
+    record = StreamRecord(client_wants_ids=False, num_choices=1)
     first = _text("a", " Hi", [5, 6])
     assert record.relay(first[:20]) == b""  # half an event: the client waits for the rest
     relayed = record.relay(first[20:] + _text("a", " there", [7])[:10])
     assert _events(relayed.decode()) == [
         {"id": "a", "created": 7, "choices": [{"index": 0, "text": " Hi", "finish_reason": None}]}
     ]
-    assert record.token_ids == [5, 6] and not record.finished
-    assert record.broke() == [5, 6]  # " there" never reached the client: not resumed from
+    assert record.token_ids == {0: [5, 6]} and not record.done
+    # " there" never reached the client: not resumed from
+    assert record.broke() == [{"index": 0, "token_ids": [5, 6], "finished": False}]
     # A resumed stream's chunk: the first stream's id and created, its own text.
     resumed = _text("b", " again", [8], "length")
     assert _events(record.relay(resumed).decode())[0] == {
         "id": "a", "created": 7,
         "choices": [{"index": 0, "text": " again", "finish_reason": "length"}],
     }  # fmt: skip
-    assert record.token_ids == [5, 6, 8] and record.finished
+    assert record.token_ids == {0: [5, 6, 8]} and record.done
     error = b'data: {"error": {"message": "engine died"}}\n\ndata: [DONE]\n\n'
     assert record.relay(error) == error  # the decode frontend's own error, as it is
 
 
 def test_a_client_that_asked_for_ids_keeps_them() -> None:
-    record = StreamRecord(client_wants_ids=True)
+    record = StreamRecord(client_wants_ids=True, num_choices=1)
     chunk = {"id": "a", "created": 1, "prompt_token_ids": [1, 2],
              "choices": [{"index": 0, "text": "x", "token_ids": [3]}]}  # fmt: skip
     assert _events(record.relay(_event(chunk)).decode()) == [chunk]
-    assert record.token_ids == [3]
+    assert record.token_ids == {0: [3]}
 
 
 @pytest.mark.parametrize(
-    "body, expected",
+    "body, resumed, choices",
     [
-        ({"prompt": "x", "stream": True}, True),
-        ({"prompt": [1, 2, 3], "stream": True, "n": 1}, True),
-        ({"prompt": ["one"], "stream": True}, True),
-        ({"messages": [], "stream": True}, True),
-        ({"prompt": "x"}, False),  # not streamed: resent whole, never resumed
-        ({"prompt": "x", "stream": True, "n": 2}, False),
-        ({"prompt": ["one", "two"], "stream": True}, False),
-        ({"prompt": "x", "stream": True, "use_beam_search": True}, False),
+        ({"prompt": "x", "stream": True}, True, 1),
+        ({"prompt": [1, 2, 3], "stream": True, "n": 1}, True, 1),
+        ({"prompt": ["one"], "stream": True}, True, 1),
+        ({"messages": [], "stream": True, "n": 3}, True, 3),
+        ({"prompt": "x", "stream": True, "n": 2}, True, 2),
+        ({"prompt": ["one", "two"], "stream": True, "n": 2}, True, 4),
+        ({"prompt": [[1, 2], [3]], "stream": True}, True, 2),
+        ({"prompt": "x"}, False, 1),  # not streamed: resent whole, never resumed
+        ({"prompt": "x", "stream": True, "use_beam_search": True}, False, 1),
     ],
 )
-def test_what_can_be_resumed(body: dict[str, Any], expected: bool) -> None:
-    assert resumable(body, SECRET) is expected
+def test_what_can_be_resumed(body: dict[str, Any], resumed: bool, choices: int) -> None:
+    assert resumable(body, SECRET) is resumed
     assert resumable(body, None) is False  # no secret, nothing to sign the tokens with
+    assert num_choices(body) == choices
+
+
+def test_each_choice_is_recorded_and_a_finished_one_is_marked() -> None:
+    record = StreamRecord(client_wants_ids=False, num_choices=2)
+    both = {"id": "a", "created": 1, "choices": [
+        {"index": 1, "text": "b", "token_ids": [4], "finish_reason": "stop"},
+        {"index": 0, "text": "a", "token_ids": [3], "finish_reason": None},
+    ]}  # fmt: skip
+    record.relay(_event(both) + _text("a", "c", [5]))
+    assert not record.done
+    assert record.broke() == [
+        {"index": 0, "token_ids": [3, 5], "finished": False},
+        {"index": 1, "token_ids": [4], "finished": True},
+    ]
 
 
 class _Stream(httpx.AsyncByteStream):
@@ -134,14 +151,16 @@ def test_a_broken_stream_goes_on_from_its_tokens_elsewhere_as_one_stream() -> No
             chunks = [_text("a", " Hi", [5]), _text("a", " there", [6])]
             return httpx.Response(200, stream=_Stream(chunks, breaks=True))
         resume = request["kv_resume"]
-        assert resume["token_ids"] == [5, 6] and request["return_token_ids"] is True
+        assert resume["choices"] == [{"index": 0, "token_ids": [5, 6], "finished": False}]
+        assert request["return_token_ids"] is True
+        signed = [(c["index"], c["finished"], c["token_ids"]) for c in resume["choices"]]
         assert SECRET.check_resume(
-            resume["request_id"], resume["expires_at"], resume["token_ids"], resume["signature"]
+            resume["request_id"], resume["expires_at"], signed, resume["signature"]
         ) is None  # fmt: skip
         chunks = [_text("b", ",", [7]), _text("b", " you", [8], "length"), b"data: [DONE]\n\n"]
         return httpx.Response(200, stream=_Stream(chunks, breaks=False))
 
-    body = {"prompt": "x", "stream": True, "max_tokens": 4, "kv_resume": {"token_ids": [1]}}
+    body = {"prompt": "x", "stream": True, "max_tokens": 4, "kv_resume": {"choices": []}}
     text, sent, metrics = _serve(decode, body)
     events = _events(text)
     assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
@@ -157,12 +176,14 @@ def test_a_broken_stream_goes_on_from_its_tokens_elsewhere_as_one_stream() -> No
 
 def test_resumes_share_the_resend_budget_then_the_stream_ends_in_an_error() -> None:
     def decode(request: dict[str, Any], n: int) -> httpx.Response:
-        ids = request.get("kv_resume", {}).get("token_ids", [])
+        choices = request.get("kv_resume", {}).get("choices", [{"token_ids": []}])
+        ids = choices[0]["token_ids"]
         return httpx.Response(200, stream=_Stream([_text("a", "t", [len(ids)])], breaks=True))
 
     text, sent, metrics = _serve(decode, {"prompt": "x", "stream": True})
     assert len(sent) == 1 + FAST.max_resends
-    assert [r.get("kv_resume", {}).get("token_ids") for r in sent] == [None, [0], [0, 1]]
+    resumed = [r["kv_resume"]["choices"][0]["token_ids"] for r in sent[1:]]
+    assert "kv_resume" not in sent[0] and resumed == [[0], [0, 1]]
     events = _events(text)
     assert events[-1] == "[DONE]"
     error = events[-2]
@@ -207,4 +228,30 @@ def test_a_stream_that_broke_inside_its_first_event_is_sent_again_as_it_was() ->
     assert len(sent) == 2 and len(events) == 2 and events[-1] == "[DONE]"
     assert isinstance(events[0], dict) and events[0]["id"] == "b"
     assert events[0]["choices"][0]["text"] == " Hi"
+    assert "kvflow:proxy_stream_resumes_total 1" in metrics
+
+
+def test_with_two_choices_only_the_unfinished_one_goes_on() -> None:
+    def decode(request: dict[str, Any], n: int) -> httpx.Response:
+        if n == 1:  # choice 1 finished, choice 0 had one token, then the instance died
+            both = {"id": "a", "created": 7, "choices": [
+                {"index": 1, "text": "B", "token_ids": [4], "finish_reason": "stop"},
+                {"index": 0, "text": "A", "token_ids": [3], "finish_reason": None},
+            ]}  # fmt: skip
+            return httpx.Response(200, stream=_Stream([_event(both)], breaks=True))
+        assert request["kv_resume"]["choices"] == [
+            {"index": 0, "token_ids": [3], "finished": False},
+            {"index": 1, "token_ids": [4], "finished": True},
+        ]
+        chunks = [_text("b", "a", [5], "length"), b"data: [DONE]\n\n"]
+        return httpx.Response(200, stream=_Stream(chunks, breaks=False))
+
+    text, sent, metrics = _serve(decode, {"prompt": "x", "stream": True, "n": 2})
+    events = _events(text)
+    assert len(sent) == 2 and events[-1] == "[DONE]" and len(events) == 3
+    texts = {c["index"]: "" for e in events[:-1] for c in e["choices"]}  # type: ignore[index]
+    for event in events[:-1]:
+        for choice in event["choices"]:  # type: ignore[index]
+            texts[choice["index"]] += choice["text"]
+    assert texts == {0: "Aa", 1: "B"}
     assert "kvflow:proxy_stream_resumes_total 1" in metrics

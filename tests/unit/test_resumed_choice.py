@@ -68,7 +68,7 @@ def test_a_chat_choice_resumed_after_k_tokens_equals_one_uninterrupted_run(k: in
         before["reasoning"] += part.delta.reasoning_content or ""
         before["content"] += part.delta.content or ""
     resumed = _chat_choice()
-    resumed.resume(list(range(k)))
+    resumed.resume(list(range(k)), finished=False)
     after = _run(resumed, k, resumed_text="".join(PIECES[:k]))
 
     assert before["reasoning"] + after["reasoning"] == expected["reasoning"]
@@ -81,7 +81,7 @@ def test_a_chat_choice_resumed_after_k_tokens_equals_one_uninterrupted_run(k: in
 
 def test_only_the_first_delta_brings_the_old_text() -> None:
     choice = _chat_choice()
-    choice.resume([0])
+    choice.resume([0], finished=False)
     choice.apply(None, RequestOutputDelta("r", "b", [1], resumed_text="<think>a"))  # type: ignore[arg-type]
     # An in-server re-route later re-sends the text of every token so far: already had.
     choice.apply(None, RequestOutputDelta("r", "c", [2], resumed_text="<think>ab"))  # type: ignore[arg-type]
@@ -114,7 +114,7 @@ def test_a_completion_choice_resumed_keeps_echo_once_and_offsets_going_on() -> N
         whole.apply(ctx, delta(i))  # type: ignore[arg-type]
     k = 6  # " there" sent, then the break
     resumed = CompletionChoice(0, prompt, "Hi", True)
-    resumed.resume(output[:k])
+    resumed.resume(output[:k], finished=False)
     part = resumed.apply(ctx, delta(k, resumed_text=" there"))  # type: ignore[arg-type]
     assert part.text == ","  # no echo again: the client has it
     for i in range(k + 1, len(output)):
