@@ -134,9 +134,7 @@ class ClusterSecret:
 ResumedTokens = tuple[int, bool, Sequence[int]]
 
 
-def _resume_message(
-    request_id: str, expires_at: float, choices: Sequence[ResumedTokens]
-) -> bytes:
+def _resume_message(request_id: str, expires_at: float, choices: Sequence[ResumedTokens]) -> bytes:
     if "\0" in request_id:
         raise ValueError("kv_resume's request id may not contain NUL")
     # "index:finished:id,id,...;..." - digits and separators only: unambiguous.
