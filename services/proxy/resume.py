@@ -117,7 +117,7 @@ class StreamRecord:
                 self.finished.add(index)
         if not self.client_wants_ids:
             _strip_ids(chunk)
-        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode()
+        return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _strip_ids(chunk: dict[str, Any]) -> None:
