@@ -38,6 +38,10 @@ from kvflow.services.proxy.resume import StreamRecord, num_choices, resumable
 logger = logging.getLogger(__name__)
 
 
+class StreamFailedError(Exception):
+    """A decode stream's own 5xx error event (resume.py): resumed like a dropped one."""
+
+
 @dataclass
 class ProxyCounters:
     requests: int = 0
@@ -195,8 +199,10 @@ async def relay_stream(job: Job, held: Held) -> AsyncIterator[bytes]:
             try:
                 async for chunk in _chunks(held):
                     yield chunk if record is None else record.relay(chunk)
+                    if record is not None and record.failed is not None:
+                        raise StreamFailedError(record.failed)
                 return
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, StreamFailedError) as exc:
                 if record is not None and record.done:
                     yield b"data: [DONE]\n\n"  # the answer is whole; only its end was lost
                     return
@@ -220,12 +226,17 @@ async def _chunks(held: Held) -> AsyncIterator[bytes]:
             yield chunk
 
 
-async def _resumed(job: Job, broken: Held, exc: httpx.HTTPError) -> Held:
+async def _resumed(job: Job, broken: Held, exc: Exception) -> Held:
     """A new stream that continues the broken one; or, where none can, an answer with
     no stream (rest None) whose body says why."""
-    failure = failure_of_error(exc)
-    reason = f"the decode instance failed during the stream ({type(exc).__name__})"
-    if job.record is None or failure is not Failure.DROPPED:
+    if isinstance(exc, StreamFailedError):
+        failure: Failure | None = Failure.STATUS
+        reason = f"the decode instance failed during the stream: {exc}"
+    else:
+        assert isinstance(exc, httpx.HTTPError)
+        failure = failure_of_error(exc)
+        reason = f"the decode instance failed during the stream ({type(exc).__name__})"
+    if job.record is None or failure not in (Failure.DROPPED, Failure.STATUS):
         return _failed(reason)
     pause = job.tries.failed(job.ex, failure, broken.url, reason)
     if pause is None:

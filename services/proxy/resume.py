@@ -16,6 +16,10 @@ sees one stream.
                                    "signature": ...}} ◀──────────────────────────┘
     decode B: data: {"id": "b", ...} ─▶ client: data: {"id": "a", ...}
 
+A stream fails so by a dropped connection (the instance died), or by the decode
+instance's own error event with a 5xx code (its engine died, or it shut down): that
+event is not relayed, the stream is resumed instead, as a 5xx answer is resent.
+
 Every choice is resumed from its own tokens (n > 1, several prompts), except one whose
 finish_reason went out: the decode instance does not generate it again. Not resumed: a
 beam search (its beams are not choices), and any stream of a proxy without a cluster
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.cluster_secret import KV_PARAMS_TTL_S, ClusterSecret
+from kvflow.services.proxy.resend import RETRYABLE_STATUSES
 
 _ID_FIELDS = ("token_ids", "prompt_token_ids")  # what return_token_ids adds to a chunk
 
@@ -74,6 +79,8 @@ class StreamRecord:
     created: int | None = None
     token_ids: dict[int, list[int]] = field(default_factory=dict)  # by choice index
     finished: set[int] = field(default_factory=set)  # finish_reason went out
+    # The decode instance's own 5xx error event (its engine died): the stream failed.
+    failed: str | None = None
     _pending: bytes = b""
 
     @property
@@ -83,16 +90,24 @@ class StreamRecord:
 
     def relay(self, raw: bytes) -> bytes:
         """The client's bytes for a chunk of the decode stream."""
+        if self.failed is not None:
+            return b""  # (the stream is being dropped)
         self._pending += raw
         *events, self._pending = self._pending.split(b"\n\n")
-        return b"".join(self._event(e) + b"\n\n" for e in events)
+        out = []
+        for event in events:
+            relayed = self._event(event)
+            if self.failed is not None:
+                break  # the decode instance's failure: resumed, never the client's
+            out.append(relayed + b"\n\n")
+        return b"".join(out)
 
     def broke(self) -> list[dict[str, Any]] | None:
         """The stream broke: its unfinished event never reaches the client. Returns the
         choices to resume (each one the client has a chunk of: its index, tokens and
         whether it finished); None while the client has no chunk at all (the request is
         then sent again as it is: its new stream is the client's first)."""
-        self._pending = b""
+        self._pending, self.failed = b"", None
         if not self.token_ids:
             return None
         return [
@@ -105,7 +120,10 @@ class StreamRecord:
             return event
         chunk = json.loads(event[len(b"data: ") :])
         if not isinstance(chunk, dict) or "choices" not in chunk:
-            return event  # an error event: the client's as it is
+            error = chunk.get("error") if isinstance(chunk, dict) else None
+            if isinstance(error, dict) and error.get("code") in RETRYABLE_STATUSES:
+                self.failed = str(error.get("message"))  # its engine died, say
+            return event  # else the client's own error (a 4xx), as it is
         if self.id is None:
             self.id, self.created = chunk.get("id"), chunk.get("created")
         else:  # a resumed stream's chunk: the client's stream is the first one

@@ -255,3 +255,36 @@ def test_with_two_choices_only_the_unfinished_one_goes_on() -> None:
             texts[choice["index"]] += choice["text"]
     assert texts == {0: "Aa", 1: "B"}
     assert "kvflow:proxy_stream_resumes_total 1" in metrics
+
+
+def _error(code: int) -> bytes:
+    return _event({"error": {"message": "the engine died", "type": "x", "code": code}})
+
+
+def test_the_decode_instances_own_5xx_error_event_is_resumed_not_relayed() -> None:
+    def decode(request: dict[str, Any], n: int) -> httpx.Response:
+        if n == 1:  # its engine died: the decode frontend ends the stream with an error
+            chunks = [_text("a", " Hi", [5]) + _error(503) + b"data: [DONE]\n\n"]
+            return httpx.Response(200, stream=_Stream(chunks, breaks=False))
+        assert request["kv_resume"]["choices"][0]["token_ids"] == [5]
+        chunks = [_text("b", " you", [6], "length"), b"data: [DONE]\n\n"]
+        return httpx.Response(200, stream=_Stream(chunks, breaks=False))
+
+    text, sent, metrics = _serve(decode, {"prompt": "x", "stream": True})
+    events = _events(text)
+    assert len(sent) == 2 and not any("error" in e for e in events[:-1]), events
+    assert [e["choices"][0]["text"] for e in events[:-1]] == [" Hi", " you"]  # type: ignore[index]
+    assert 'kvflow:proxy_decode_resends_total{reason="status"} 1' in metrics
+    assert "kvflow:proxy_stream_resumes_total 1" in metrics
+
+
+def test_a_4xx_error_event_is_the_clients() -> None:
+    def decode(request: dict[str, Any], n: int) -> httpx.Response:
+        chunks = [_text("a", " Hi", [5]) + _error(400) + b"data: [DONE]\n\n"]
+        return httpx.Response(200, stream=_Stream(chunks, breaks=False))
+
+    text, sent, metrics = _serve(decode, {"prompt": "x", "stream": True})
+    events = _events(text)
+    assert len(sent) == 1 and events[-1] == "[DONE]"
+    assert events[-2] == {"error": {"message": "the engine died", "type": "x", "code": 400}}
+    assert "kvflow:proxy_stream_resumes_total 0" in metrics
