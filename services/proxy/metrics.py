@@ -47,7 +47,7 @@ def render_metrics(counters: ProxyCounters) -> str:
     counter(
         "proxy_broken_streams_total",
         "Streams ended by an error event: the decode instance failed after the first chunk "
-        "and the stream could not be resumed (resends spent, n > 1, no cluster secret).",
+        "and the stream could not be resumed (resends spent, a beam search, no cluster secret).",
         {"": counters.broken_streams},
     )
     return "\n".join(lines) + "\n"

@@ -12,7 +12,7 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from serve_harness import (
     KVFLOW,
     MODEL_NAME,
     Server,
+    child_pid,
     free_port,
     metric_values,
     sse_events,
@@ -182,12 +183,14 @@ def test_a_stream_broken_mid_way_is_resumed_as_one_stream(
     assert "kvflow:proxy_broken_streams_total 0" in metrics
 
 
-def test_a_decode_instance_killed_mid_stream_costs_the_client_nothing(
+def test_decode_instances_killed_mid_stream_cost_the_client_nothing(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """The real thing: `kvflow proxy` before one prefill and two decode instances; the
-    decode instance holding a stream has its whole process group SIGKILLed after the
-    client read some of it. The stream goes on from the other decode instance."""
+    """The real thing: `kvflow proxy` before one prefill and three decode instances. The
+    one holding a stream loses its worker for good (`--max-worker-restarts 0`: its
+    frontend ends the stream with an error event); in a second stream the one holding it
+    has its whole process group SIGKILLed (the connection drops). Each stream goes on
+    from another decode instance, with the text of an uninterrupted run."""
     storage = {"storage_path": str(tmp_path / "kv")}
 
     def kv(role: str) -> list[str]:
@@ -198,8 +201,8 @@ def test_a_decode_instance_killed_mid_stream_costs_the_client_nothing(
     servers = [start_server(tiny_model_dir, tmp_path, *ENGINE, *kv("kv_producer"))]
     proxy = None
     try:
-        servers += [start_server(tiny_model_dir, tmp_path, *ENGINE, *kv("kv_consumer"))
-                    for _ in range(2)]  # fmt: skip
+        servers += [start_server(tiny_model_dir, tmp_path, *ENGINE, *kv("kv_consumer"),
+                                 "--max-worker-restarts", "0") for _ in range(3)]  # fmt: skip
         url = f"http://127.0.0.1:{free_port()}"
         command = [str(KVFLOW), "proxy", "--port", url.rsplit(":", 1)[1]]
         command += ["--prefill", servers[0].base_url, "--resend-max", "1"]
@@ -212,11 +215,16 @@ def test_a_decode_instance_killed_mid_stream_costs_the_client_nothing(
                 "ignore_eos": True}  # fmt: skip
         whole = httpx.post(url + "/v1/completions", json=body, timeout=120.0)
         assert whole.status_code == 200, whole.text
-        events = _read_killing(url, {**body, "stream": True}, servers[1:])
-        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
-        assert _texts(events) == {0: whole.json()["choices"][0]["text"]}
-        metrics = httpx.get(url + "/metrics").text
-        assert "kvflow:proxy_stream_resumes_total 1" in metrics, metrics
+        live = servers[1:]
+        for resumes, kill in enumerate((_kill_worker, _kill_instance), start=1):
+            # Stats older than the stream would name the wrong instance: wait them out.
+            assert wait_for(lambda: not any(_runs(d) for d in live), 10.0)
+            events, killed = _read_killing(url, {**body, "stream": True}, live, kill)
+            live.remove(killed)
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+            assert _texts(events) == {0: whole.json()["choices"][0]["text"]}
+            metrics = httpx.get(url + "/metrics").text
+            assert f"kvflow:proxy_stream_resumes_total {resumes}" in metrics, metrics
     finally:
         if proxy is not None:
             proxy.terminate()
@@ -229,16 +237,30 @@ def test_a_decode_instance_killed_mid_stream_costs_the_client_nothing(
 LONG = 480  # tokens: the kill lands while the decode instance still generates
 
 
-def _read_killing(url: str, body: dict[str, Any], decodes: list[Server]) -> list[Any]:
-    """The stream's events; after the tenth, the decode instance running it is killed."""
+def _kill_worker(decode: Server) -> None:
+    worker = child_pid(decode.pid, "kvflow-worker0")
+    assert worker is not None
+    os.kill(worker, signal.SIGKILL)  # the restart budget is 0: the engine is dead for good
+
+
+def _kill_instance(decode: Server) -> None:
+    os.killpg(decode.pid, signal.SIGKILL)  # HTTP, engine and worker at once
+
+
+def _read_killing(
+    url: str, body: dict[str, Any], decodes: list[Server], kill: Callable[[Server], None]
+) -> tuple[list[Any], Server]:
+    """The stream's events; after the tenth, the decode instance running it is killed
+    (and returned)."""
     events: list[Any] = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120.0) as response:
         assert response.status_code == 200
         for event in sse_events(response):
             events.append(event)
             if len(events) == 10:
-                os.killpg(_running(decodes).pid, signal.SIGKILL)  # HTTP, engine and worker
-    return events
+                victim = _running(decodes)
+                kill(victim)
+    return events, victim
 
 
 def _running(decodes: list[Server]) -> Server:
@@ -246,12 +268,18 @@ def _running(decodes: list[Server]) -> Server:
     running: list[Server] = []
 
     def found() -> bool:
-        name = "kvflow:num_requests_running"
-        running[:] = [d for d in decodes if metric_values(d.base_url).get(name)]
+        running[:] = [d for d in decodes if _runs(d)]
         return len(running) == 1
 
     assert wait_for(found, 10.0), "no decode instance runs the stream"
     return running[0]
+
+
+def _runs(decode: Server) -> bool:
+    try:
+        return bool(metric_values(decode.base_url).get("kvflow:num_requests_running"))
+    except httpx.HTTPError:  # its HTTP process is going (its engine was killed)
+        return False
 
 
 def _up(url: str) -> bool:
