@@ -188,11 +188,12 @@ async def _send(
 
 
 async def relay_stream(job: Job, held: Held) -> AsyncIterator[bytes]:
-    """A held stream to the client. If the decode instance dies after the first chunk,
-    the stream goes on from another decode instance (or the same one, restarted) with
-    each choice's tokens so far (resume.py), within the request's resend budget; the
-    client sees one stream. Past the budget, or for a stream that cannot be resumed (a
-    beam search, no cluster secret), it ends with an OpenAI error event and [DONE]."""
+    """A held stream to the client. If the decode instance dies after the first chunk
+    (the connection drops, or its own 5xx error event ends the stream), the stream goes
+    on from another decode instance (or the same one, restarted) with each choice's
+    tokens so far (resume.py), within the request's resend budget; the client sees one
+    stream. Past the budget, or for a stream that cannot be resumed (a beam search, no
+    cluster secret), it ends with an OpenAI error event and [DONE]."""
     record = job.record
     try:
         while True:
