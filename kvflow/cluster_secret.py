@@ -4,7 +4,8 @@ that guards the links between them, derived from it.
     secret file ── HKDF-SHA256(label) ──┬─ "curve-server"   32 bytes: the CURVE server's secret key
                                         ├─ "curve-client"   32 bytes: the CURVE client's secret key
                                         ├─ "kv-block-keys"  HMAC key: salts the KV transfer keys
-                                        └─ "kv-params"      HMAC key: the proxy's signature
+                                        ├─ "kv-params"      HMAC key: the proxy's signature
+                                        └─ "kv-resume"      HMAC key: the proxy's resumed streams
 
 The derivation is deterministic, so every role derives the same keys from the same file
 and no key ever travels: peers need only the file (`--cluster-secret-file PATH` or
@@ -21,6 +22,7 @@ import hashlib
 import hmac
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +99,50 @@ class ClusterSecret:
         if (time.time() if now is None else now) > expires_at:
             return "kv_transfer_params: the signature has expired"
         return None
+
+    def sign_resume(
+        self, request_id: str, expires_at: float, choices: Sequence[ResumedTokens]
+    ) -> str:
+        """The proxy's signature over a broken stream's choices: each one's index, whether
+        it finished, and its output token ids (a resume request)."""
+        return hmac.new(
+            self.derive("kv-resume"),
+            _resume_message(request_id, expires_at, choices),
+            hashlib.sha256,
+        ).hexdigest()
+
+    def check_resume(
+        self,
+        request_id: str | None,
+        expires_at: float | None,
+        choices: Sequence[ResumedTokens],
+        signature: str | None,
+        now: float | None = None,
+    ) -> str | None:
+        """Why these resumed choices are not the proxy's, or None if they are."""
+        if not signature or not request_id or expires_at is None:
+            return "kv_resume is accepted only as the proxy signed it"
+        expected = self.sign_resume(request_id, expires_at, choices)
+        if not hmac.compare_digest(expected, signature):
+            return "kv_resume: the signature does not match"
+        if (time.time() if now is None else now) > expires_at:
+            return "kv_resume: the signature has expired"
+        return None
+
+
+# A resumed choice as signed: (choice index, finished, output token ids).
+ResumedTokens = tuple[int, bool, Sequence[int]]
+
+
+def _resume_message(request_id: str, expires_at: float, choices: Sequence[ResumedTokens]) -> bytes:
+    if "\0" in request_id:
+        raise ValueError("kv_resume's request id may not contain NUL")
+    # "index:finished:id,id,...;..." - digits and separators only: unambiguous.
+    listed = ";".join(
+        f"{int(index)}:{int(finished)}:{','.join(str(int(t)) for t in ids)}"
+        for index, finished, ids in choices
+    )
+    return "\0".join(("kvflow-kv-resume-v1", request_id, f"{expires_at:.3f}", listed)).encode()
 
 
 def _kv_params_message(remote_address: str, request_id: str, expires_at: float) -> bytes:

@@ -32,6 +32,9 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc
     engine_index: int = -1
     pooled: bytes = b""  # the pooling runner's float32 vector (TokenDelta.pooled), passed on
     cumulative_logprob: float | None = None  # TokenDelta.cumulative_logprob, passed on
+    # A resumed request's first delta (AddRequest.output_token_ids): the text its output so
+    # far stood for, already streamed (a stream resumed from elsewhere absorbs it first).
+    resumed_text: str = ""
 
 
 class FrontendOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -58,10 +58,13 @@ class OfflineEngineClient:
         images: list[ImageInput] | None = None,
         lora_request: LoRARequest | None = None,
         mrope: MRopePositions | None = None,  # with images only, which lines do not take
+        resume: list[list[int] | None] | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as the steps make them; ends when every one finished."""
         if images:  # the offline engine takes PIL images (LLM.generate), not wire inputs
             raise InvalidRequestError("run-batch lines take no images", param="messages")
+        if resume is not None:  # (its gate has no cluster secret: it refuses kv_resume first)
+            raise InvalidRequestError("run-batch lines resume no stream", param="kv_resume")
         child_ids = child_request_ids(request_id, params.n)
         queue: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()
         unfinished = set(child_ids)

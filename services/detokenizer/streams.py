@@ -33,6 +33,7 @@ class _Stream:
     frontend_id: str
     detokenizer: IncrementalDetokenizer | None  # None: it could not be built (bad ids)
     num_output_tokens: int = 0
+    resumed_text: str = ""  # the text of AddRequest.output_token_ids, sent with the first delta
 
 
 @dataclass
@@ -55,13 +56,14 @@ class DetokenizerStreams:
             made = IncrementalDetokenizer(
                 self.tokenizer, message.prompt_token_ids, message.sampling_params
             )
-            if message.output_token_ids:  # re-routed: its text so far reached the client
-                made.update(message.output_token_ids)
+            resumed = ""
+            if message.output_token_ids:  # resumed: its text so far reached the client
+                resumed = made.update(message.output_token_ids).delta
             detokenizer: IncrementalDetokenizer | None = made
         except Exception:  # the scheduler rejects such a request and sends its error
             logger.exception("no detokenizer for request %s", message.req_id)
-            detokenizer = None
-        self.streams[message.req_id] = _Stream(message.frontend_id, detokenizer)
+            detokenizer, resumed = None, ""
+        self.streams[message.req_id] = _Stream(message.frontend_id, detokenizer, 0, resumed)
 
     def process(self, outputs: EngineOutputs) -> Routed:
         routed = Routed()
@@ -138,7 +140,9 @@ class DetokenizerStreams:
             error_param=delta.error_param,
             pooled=delta.pooled,
             cumulative_logprob=delta.cumulative_logprob,
+            resumed_text=stream.resumed_text,
         )
+        stream.resumed_text = ""
         if delta.logprobs:
             out.logprobs = delta.logprobs
             out.logprob_tokens = self._token_strings(delta.logprobs)

@@ -196,18 +196,23 @@ class EngineClient(EngineHealth, InFlightRequests):
         images: list[ImageInput] | None = None,
         lora_request: LoRARequest | None = None,
         mrope: MRopePositions | None = None,
+        resume: list[list[int] | None] | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Deltas of all n samples as they come (`delta.req_id` names the child; see
         `sample_index`). Ends when every sample finished; an engine failure arrives as a
         delta with finish_reason "error" and `error` set. Raises EngineDeadError before
         sending anything when no engine (or not the asked one) serves, and
         RequestTimeoutError when `deadline` passes (the unfinished samples are aborted).
-        Every sample goes to one engine: they share the prompt's KV blocks there."""
+        Every sample goes to one engine: they share the prompt's KV blocks there. `resume`
+        (kv_params.py): per sample, its output so far to go on from, None if finished."""
         assert "#" not in request_id, "'#' separates a request id from its sample index"
+        resume = [[]] * params.n if resume is None else resume
         self.check_rank(data_parallel_rank)
         spans = [(i.offset, i.length, i.hash) for i in images or ()]
         engine = self._route(prompt_token_ids, cache_salt, data_parallel_rank, lora_request, spans)
-        child_ids = child_request_ids(request_id, params.n)
+        child_ids = [
+            c for c, r in zip(child_request_ids(request_id, params.n), resume) if r is not None
+        ]
         queue: asyncio.Queue[RequestOutputDelta] = asyncio.Queue()
         unfinished = set(child_ids)
         arrival = time.time() if arrival_time is None else arrival_time
@@ -219,17 +224,11 @@ class EngineClient(EngineHealth, InFlightRequests):
             loop = asyncio.get_running_loop()
             timer = loop.call_at(deadline.at, queue.put_nowait, _DEADLINE_PASSED)
         try:
-            for index, child_id in enumerate(child_ids):
-                request = AddRequest(
-                    req_id=child_id,
-                    prompt_token_ids=prompt_token_ids,
-                    sampling_params=child_sampling_params(params, index),
-                    arrival_time=arrival,
-                    priority=priority, cache_salt=cache_salt, frontend_id=self.frontend_id,
-                    images=images or [], lora_request=lora_request, mrope=mrope,
-                )  # fmt: skip
-                self._sent[child_id] = SentRequest(request, pinned=data_parallel_rank is not None)
-                self.engines[engine].input.send(request)
+            request = AddRequest(
+                request_id, prompt_token_ids, params, arrival, priority, cache_salt,
+                self.frontend_id, images=images or [], lora_request=lora_request, mrope=mrope,
+            )  # fmt: skip
+            self._send_samples(engine, request, resume, data_parallel_rank is not None)
             while unfinished:
                 delta = await queue.get()
                 if delta is _DEADLINE_PASSED:
@@ -242,6 +241,23 @@ class EngineClient(EngineHealth, InFlightRequests):
             if timer is not None:
                 timer.cancel()
             self.release(child_ids, unfinished)
+
+    def _send_samples(
+        self, engine: int, request: AddRequest, resume: list[list[int] | None], pinned: bool
+    ) -> None:
+        """Each sample of `request` as its own request (its own seed), with its output so
+        far (none that finished), remembered for a resend."""
+        params = request.sampling_params
+        for index, child_id in enumerate(child_request_ids(request.req_id, params.n)):
+            tokens = resume[index]
+            if tokens is None:
+                continue
+            child = msgspec.structs.replace(
+                request, req_id=child_id, sampling_params=child_sampling_params(params, index),
+                output_token_ids=list(tokens),
+            )  # fmt: skip
+            self._sent[child_id] = SentRequest(child, pinned, list(tokens))
+            self.engines[engine].input.send(child)
 
     def _route(
         self, token_ids: list[int], cache_salt: str | None, rank: int | None,

@@ -29,6 +29,7 @@ from kvflow.sampling_params import (
     StructuredOutputsParams,
 )
 from kvflow.services.frontend.json_limits import check_json_limits
+from kvflow.services.frontend.kv_params import KVResume
 from kvflow.services.frontend.structured_fields import GuidedFields, resolve_structured_outputs
 from kvflow.services.frontend.tool_calling import ToolChoice, ToolSpec, tool_guide
 
@@ -106,6 +107,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
     kv_transfer_params: KVTransferParams | None = None  # P/D: where the prompt's KV comes from
+    kv_resume: KVResume | None = None  # P/D: a broken stream's tokens so far (kv_params.py)
 
     @property
     def include_usage(self) -> bool:

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
 from kvflow.services.frontend.chat_images import chat_images, prepare_chat_prompt
+from kvflow.services.frontend.choice_counts import ChoiceCounts
 from kvflow.services.frontend.ignored_fields import ignored_fields, mark_ignored
 from kvflow.services.frontend.protocol import ChatCompletionRequest, decode_request
 from kvflow.services.frontend.reasoning import (
@@ -43,7 +44,6 @@ from kvflow.services.frontend.responses import (
 )
 from kvflow.services.frontend.runner_routes import check_generating
 from kvflow.services.frontend.serving_common import (
-    ChoiceCounts,
     ServedRequest,
     ServingContext,
     clamp_logprob,
@@ -94,6 +94,10 @@ class _Choice(ChoiceCounts):
 
     def apply(self, ctx: ServingContext, delta: RequestOutputDelta) -> ChatChunkChoice:
         """Fold in one delta; returns this delta's part of the choice (a stream chunk)."""
+        resumed = self.take_resumed_text(delta)
+        if resumed:  # the old stream's text: through the parsers, not to the client again
+            self.text.append(resumed)
+            self._delta_message(RequestOutputDelta(delta.req_id, resumed, []))
         part: list[ChatTokenLogprob] = []
         if self.want_logprobs:
             for i, entry in enumerate(delta.logprobs):
@@ -212,6 +216,7 @@ class _Chat(ServedRequest):
             data_parallel_rank=request.data_parallel_rank,
             arrival_time=time.time(),
             deadlines=deadlines,
+            resume=request.kv_resume,
         )
         self.include_usage = request.include_usage
         self.return_ids = bool(request.return_token_ids)
@@ -219,6 +224,7 @@ class _Chat(ServedRequest):
         self.choices = [
             _Choice(i, bool(request.logprobs), tools, reasoning) for i in range(params.n)
         ]
+        self.resume_choices(self.choices)
 
     async def full(self) -> Response:
         async with aclosing(self.deltas()) as deltas:
@@ -237,7 +243,8 @@ class _Chat(ServedRequest):
         return json_response(response)
 
     async def stream(self) -> AsyncGenerator[bytes, None]:
-        for choice in self.choices:
+        resumed = self.resumed or {}  # these choices' role chunks went out already
+        for choice in [c for c in self.choices if c.index not in resumed]:
             first = DeltaMessage(role=_ASSISTANT, content=self.echo)
             yield sse_event(self._chunk([ChatChunkChoice(index=choice.index, delta=first)]))
         async with aclosing(self.deltas()) as deltas:

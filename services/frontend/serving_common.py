@@ -7,6 +7,7 @@ Choice indices follow OpenAI: prompt p's sample i is choice `p * n + i`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -40,14 +41,16 @@ from kvflow.sampling_params import (
     validate_sampling_params,
     with_bad_words_token_ids,
 )
+from kvflow.services.frontend.choice_counts import ChoiceCounts
 from kvflow.services.frontend.config import FrontendConfig
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST
 from kvflow.services.frontend.in_flight import sample_index
-from kvflow.services.frontend.kv_params import KVParamsGate
+from kvflow.services.frontend.kv_params import KVParamsGate, KVResume, ResumedChoice
 from kvflow.services.frontend.lora_registry import LoRARegistry
 from kvflow.services.frontend.metrics import FrontendMetrics
 from kvflow.services.frontend.request_deadline import Deadline, RequestDeadlines
 from kvflow.services.frontend.responses import UsageInfo
+from kvflow.services.frontend.resumed_stream import resumed_choices, samples_of
 from kvflow.services.frontend.serving_engine import ServingEngine
 from kvflow.services.frontend.sse import SSEResponse, unless_disconnected, until_disconnect
 from kvflow.services.frontend.stream_merge import merge_streams
@@ -193,6 +196,7 @@ class ServingContext:
         data_parallel_rank: int | None = None,
         deadline: Deadline | None = None,
         lora_request: LoRARequest | None = None,
+        resume: dict[int, ResumedChoice] | None = None,  # choice -> a resumed one's
     ) -> AsyncGenerator[tuple[int, RequestOutputDelta], None]:
         """(choice index, delta) for every sample of every prompt, as they come.
 
@@ -214,6 +218,7 @@ class ServingContext:
                 images=p.images,
                 lora_request=lora_request,
                 mrope=p.mrope,
+                resume=samples_of(resume, i, n),
             )
             for i, p in enumerate(prompts)
         ]
@@ -242,6 +247,11 @@ class ServingContext:
                     tracker.abandon(now)
 
 
+def _without_prompt_logprobs(prompt: PreparedPrompt) -> PreparedPrompt:
+    params = msgspec.structs.replace(prompt.params, prompt_logprobs=None)
+    return dataclasses.replace(prompt, params=params)
+
+
 _JSON = msgspec.json.Encoder()
 
 
@@ -251,20 +261,6 @@ def json_response(payload: msgspec.Struct, status: int = 200) -> Response:
 
 def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
-
-
-class ChoiceCounts:
-    """Token counts of one choice, for usage."""
-
-    def __init__(self) -> None:
-        self.num_tokens = 0
-        self.num_cached_tokens = 0
-        self.token_ids: list[int] = []  # for return_token_ids
-
-    def count(self, delta: RequestOutputDelta) -> None:
-        self.num_tokens += len(delta.token_ids)
-        self.token_ids += delta.token_ids
-        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 
 
 class ServedRequest(ABC):
@@ -288,9 +284,15 @@ class ServedRequest(ABC):
         deadlines: RequestDeadlines,
         data_parallel_rank: int | None = None,
         model: str | None = None,
+        resume: KVResume | None = None,
     ) -> None:
         ctx.check_queue_room(len(prompts), prompts[0].params.n, data_parallel_rank)
         ctx.kv_params.check(prompts[0].params.kv_transfer_params)
+        # A stream the proxy resumes (kv_params.py): choice index -> what its client has.
+        resumed = ctx.kv_params.check_resume(resume)
+        self.resumed = resumed_choices(resumed, len(prompts), prompts[0].params)
+        if self.resumed is not None:  # prompt logprobs went out with the first stream
+            prompts = [_without_prompt_logprobs(p) for p in prompts]
         self.ctx = ctx
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(arrival_time)
@@ -307,6 +309,8 @@ class ServedRequest(ABC):
         self._first: tuple[int, RequestOutputDelta] | None = None
 
     async def respond(self, raw: Request, stream: bool) -> Response:
+        if self.resumed is not None and not stream:
+            raise InvalidRequestError("kv_resume resumes a stream only", param="kv_resume")
         if not stream:
             return await until_disconnect(raw, self.full())
         if await unless_disconnected(raw.receive, self._open()) is None:
@@ -333,6 +337,7 @@ class ServedRequest(ABC):
             data_parallel_rank=self.data_parallel_rank,
             deadline=self.deadlines.whole,
             lora_request=self.lora_request,
+            resume=self.resumed,
         )
         first: Awaitable[tuple[int, RequestOutputDelta]] = anext(self._deltas)
         limit = self.deadlines.first_chunk
@@ -360,6 +365,11 @@ class ServedRequest(ABC):
                 yield self._first
             async for item in rest:
                 yield item
+
+    def resume_choices(self, choices: Sequence[ChoiceCounts]) -> None:
+        """Each resumed choice takes what its client has (usage counts it)."""
+        for index, resumed in (self.resumed or {}).items():
+            choices[index].resume(resumed.token_ids, resumed.finished)
 
     def ids_if(self, wanted: bool, ids: list[int]) -> list[int] | msgspec.UnsetType:
         """`ids` for return_token_ids, else absent from the response."""

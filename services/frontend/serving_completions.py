@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from kvflow.proto.frontend import RequestOutputDelta
 from kvflow.proto.step import TokenLogprobs
+from kvflow.services.frontend.choice_counts import ChoiceCounts
 from kvflow.services.frontend.ignored_fields import ignored_fields, mark_ignored
 from kvflow.services.frontend.protocol import CompletionRequest, decode_request
 from kvflow.services.frontend.request_deadline import RequestDeadlines, request_deadlines
@@ -31,7 +32,6 @@ from kvflow.services.frontend.responses import (
 )
 from kvflow.services.frontend.runner_routes import check_generating
 from kvflow.services.frontend.serving_common import (
-    ChoiceCounts,
     PreparedPrompt,
     ServedRequest,
     ServingContext,
@@ -60,6 +60,9 @@ class _Choice(ChoiceCounts):
 
     def apply(self, ctx: ServingContext, delta: RequestOutputDelta) -> CompletionChoice:
         """Fold in one delta; returns this delta's part of the choice (a stream chunk)."""
+        resumed = self.take_resumed_text(delta)
+        if resumed is not None:
+            self._absorb(ctx, resumed)
         text = delta.text
         part = CompletionLogprobs() if self.want_logprobs else None
         if not self.started:
@@ -83,6 +86,15 @@ class _Choice(ChoiceCounts):
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
         )
+
+    def _absorb(self, ctx: ServingContext, text: str) -> None:
+        """A resumed stream's text so far (its tokens are counted): the client has it,
+        echo included; logprobs' text offsets go on after it."""
+        self.started = True
+        self.text.append((self.echo or "") + text)
+        if self.want_logprobs:
+            shown = (self.prompt.token_ids if self.echo is not None else []) + self.token_ids
+            self.offset += sum(map(len, convert_ids_to_token_strings(ctx.tokenizer, shown)))
 
     def _add_prompt(
         self, ctx: ServingContext, part: CompletionLogprobs, delta: RequestOutputDelta
@@ -166,6 +178,7 @@ class _Completion(ServedRequest):
             data_parallel_rank=request.data_parallel_rank,
             arrival_time=time.time(),
             deadlines=deadlines,
+            resume=request.kv_resume,
         )
         self.include_usage = request.include_usage
         self.return_ids = bool(request.return_token_ids)
@@ -180,6 +193,7 @@ class _Completion(ServedRequest):
             for p, prompt in enumerate(prompts)
             for i in range(params.n)
         ]
+        self.resume_choices(self.choices)
 
     async def full(self) -> Response:
         async with aclosing(self.deltas()) as deltas:

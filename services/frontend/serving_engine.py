@@ -44,4 +44,5 @@ class ServingEngine(Protocol):
         images: list[ImageInput] | None = None,
         lora_request: LoRARequest | None = None,
         mrope: MRopePositions | None = None,
+        resume: list[list[int] | None] | None = None,
     ) -> AsyncGenerator[RequestOutputDelta, None]: ...

@@ -24,6 +24,7 @@ from starlette.responses import Response, StreamingResponse
 
 from kvflow.errors import InvalidRequestError
 from kvflow.proto.frontend import RequestOutputDelta
+from kvflow.services.frontend.choice_counts import ChoiceCounts
 from kvflow.services.frontend.errors import CLIENT_CLOSED_REQUEST, APIError, error_info
 from kvflow.services.frontend.ignored_fields import ignored_fields, mark_ignored
 from kvflow.services.frontend.protocol import decode_request
@@ -60,7 +61,6 @@ from kvflow.services.frontend.responses_protocol import (
 )
 from kvflow.services.frontend.runner_routes import check_generating
 from kvflow.services.frontend.serving_common import (
-    ChoiceCounts,
     ServedRequest,
     ServingContext,
     json_response,

@@ -10,7 +10,8 @@ goes to decode: with shared storage the decode instance loads only blocks that e
 and computes the rest; with zmq its pull fails after --kv-load-timeout and its
 --kv-load-failure-policy decides (recompute: the answer, later; fail: an error). A
 decode instance that fails a request before the client has any of its answer (refused,
-dropped, a 5xx) has it prefilled and sent again (decode_send.py, resend.py). Usage and
+dropped, a 5xx) has it prefilled and sent again (decode_send.py, resend.py); one that
+dies in the middle of a stream has the stream resumed elsewhere (resume.py). Usage and
 timings are the decode instance's, which counts the whole prompt as its own (as one
 server would).
 """
@@ -33,7 +34,9 @@ from kvflow.errors import ConfigError
 from kvflow.services.proxy.decode_send import (
     Exchange,
     Held,
+    Job,
     ProxyCounters,
+    new_job,
     relay_stream,
     send_with_resend,
 )
@@ -65,8 +68,8 @@ def build_app(
     async def forward(request: Request) -> Response:
         body: dict[str, Any] = await request.json()
         counters.requests += 1
-        held = await send_with_resend(exchange, request.url.path, body, _auth(request))
-        return _client_response(held, counters)
+        job = new_job(exchange, request.url.path, body, _auth(request))
+        return _client_response(job, await send_with_resend(job))
 
     async def models(request: Request) -> Response:
         return await _first_listing(client, pools, _auth(request))
@@ -79,6 +82,7 @@ def build_app(
                 "requests": counters.requests,
                 "prefill_failures": counters.prefill_failures,
                 "decode_resends": counters.resends,
+                "stream_resumes": counters.stream_resumes,
             }
         )
 
@@ -101,13 +105,13 @@ def build_app(
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-def _client_response(held: Held, counters: ProxyCounters) -> Response:
+def _client_response(job: Job, held: Held) -> Response:
     """The decode side's answer as the client's: whole, or a stream relayed as it comes."""
     headers = {k: v for k, v in held.response.headers.items() if k not in _HOP_HEADERS}
     if held.rest is None:
         return Response(held.first, held.response.status_code, headers)
     return StreamingResponse(
-        relay_stream(held, counters),
+        relay_stream(job, held),
         status_code=held.response.status_code,
         headers=headers,
         background=BackgroundTask(held.response.aclose),

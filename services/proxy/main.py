@@ -40,7 +40,8 @@ def add_proxy_parser(subparsers: Any) -> None:
         "--resend-max",
         type=int,
         default=3,
-        help="times a request is resent after a decode instance dropped it or answered a 5xx",
+        help="times a request is resent (or its stream resumed) after a decode instance "
+        "dropped it or answered a 5xx",
     )
     proxy.add_argument(
         "--resend-wait",

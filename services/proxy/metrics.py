@@ -39,8 +39,15 @@ def render_metrics(counters: ProxyCounters) -> str:
         {"": counters.gave_up},
     )
     counter(
+        "proxy_stream_resumes_total",
+        "Streams resumed on a decode instance from their tokens so far: the one relaying "
+        "them failed after the first chunk.",
+        {"": counters.stream_resumes},
+    )
+    counter(
         "proxy_broken_streams_total",
-        "Streams ended by an error event: the decode instance failed after the first chunk.",
+        "Streams ended by an error event: the decode instance failed after the first chunk "
+        "and the stream could not be resumed (resends spent, a beam search, no cluster secret).",
         {"": counters.broken_streams},
     )
     return "\n".join(lines) + "\n"

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvflow.cluster_secret import KV_PARAMS_TTL_S, ClusterSecret
 from kvflow.routing import Router, RoutingConfig
+from kvflow.services.proxy.resume import signed_resume
 
 # Fields that shape the output, not the prompt: the prefill request drops them.
 _OUTPUT_FIELDS = (
@@ -40,6 +41,8 @@ _OUTPUT_FIELDS = (
     "tools",
     "tool_choice",
     "timeout",
+    "return_token_ids",
+    "kv_resume",
 )
 
 
@@ -88,12 +91,20 @@ class InstancePools:
 
 
 def decode_request(
-    body: dict[str, Any], kv_address: str, secret: ClusterSecret | None, now: float
+    body: dict[str, Any],
+    kv_address: str,
+    secret: ClusterSecret | None,
+    now: float,
+    resume: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The decode instance's request: the client's, naming where its prompt KV is, signed
     (a decode instance honours only a remote address the proxy signed). Whatever
-    kv_transfer_params the client sent are dropped: they are the proxy's to give."""
-    body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    kv_transfer_params or kv_resume the client sent are dropped: they are the proxy's to
+    give. `resume`: a broken stream's choices so far (resume.py), signed too."""
+    body = {k: v for k, v in body.items() if k not in ("kv_transfer_params", "kv_resume")}
+    if resume is not None:
+        assert secret is not None, "only a proxy with the cluster secret resumes streams"
+        body["kv_resume"] = signed_resume(secret, resume, now)
     if not kv_address:
         return body
     assert secret is not None, "checked at start: a zmq proxy needs the cluster secret"

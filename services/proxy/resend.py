@@ -3,7 +3,9 @@ run again, and after how long?
 
 A request is resent only while the client has received nothing of its answer: the
 proxy holds back a non-streamed answer until it has it whole, and a stream's status
-line until its first chunk. What failed decides the bound:
+line until its first chunk. A stream that drops after that is resumed (resume.py)
+under the same bounds, each resume counting as a `dropped` resend. What failed
+decides the bound:
 
 - `unreachable`: the connection was refused or never opened (the instance is down or
   restarting). Nothing reached it. Once every decode instance has refused, a prefill

@@ -128,3 +128,20 @@ def test_fail_all_and_drop_frontend(tokenizer: PreTrainedTokenizerFast) -> None:
     assert list(streams.streams) == ["b"]
     assert streams.fail_all() == {"fe2"}
     assert streams.streams == {}
+
+
+def test_a_resumed_request_sends_its_text_so_far_once(tokenizer: PreTrainedTokenizerFast) -> None:
+    """AddRequest.output_token_ids (a request moved or resumed): their text, as streamed
+    (a possible stop-string start held back), comes with the first delta only."""
+    streams = DetokenizerStreams(tokenizer)
+    resumed = add("a", "fe", stop=["cd"])
+    resumed.output_token_ids = ids(tokenizer, "abc")
+    streams.add(resumed)
+    first = streams.process(EngineOutputs([TokenDelta("a", ids(tokenizer, "x"))], 0.0))
+    (delta,) = first.by_frontend["fe"]
+    assert (delta.resumed_text, delta.text) == ("ab", "cx")  # "c" was held back, as before
+    second = streams.process(EngineOutputs([TokenDelta("a", ids(tokenizer, "y"))], 0.0))
+    assert second.by_frontend["fe"][0].resumed_text == ""
+    streams.add(add("b", "fe"))  # a new request has none
+    plain = streams.process(EngineOutputs([TokenDelta("b", ids(tokenizer, "z"))], 0.0))
+    assert plain.by_frontend["fe"][0].resumed_text == ""
