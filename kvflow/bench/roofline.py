@@ -4,13 +4,16 @@ The engine counts step time and estimated FLOPs / bytes per phase (kvflow/metric
 this turns them into achieved FLOP/s and bytes/s and their % of the device's peaks
 (kvflow/metrics/device_peaks.py), separately for prefill-heavy and decode-heavy steps. Step time
 is the model runner's `execute` (forward + sampling), timed in this process. A cached
-CPU calibration that a phase just beat (taken on a busy machine) is redone first.
+CPU calibration that a phase just beat (taken on a busy machine) is redone first. On
+the CPU, a read pass over the model's own weights, just after the run, gives the decode
+steps the read roof of the very pages they stream (weight_read.py).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvflow.bench.weight_read import model_read_roof
 from kvflow.metrics.device_peaks import recalibrate_if_exceeded, resolve_peaks
 from kvflow.metrics.roofline import roofline_report
 
@@ -30,12 +33,18 @@ def roofline_section(engine: LLMEngine) -> dict[str, Any]:
     if rates:  # a stale calibration below what was just achieved is redone
         best_flops, best_bandwidth = max(r[0] for r in rates), max(r[1] for r in rates)
         peaks = recalibrate_if_exceeded(device, dtype, peaks, best_flops, best_bandwidth)
-    return {
+    section = {
         "peak_flops": peaks.flops,
         "peak_bandwidth": peaks.bandwidth,
         "peaks_source": peaks.source,
         "phases": roofline_report(totals, peaks.flops, peaks.bandwidth),
     }
+    weight_read = model_read_roof(engine)  # the weights' own pages, read just now
+    decode = section["phases"].get("decode")
+    if weight_read is not None and decode is not None and weight_read["read_gb_per_s"] > 0:
+        share = 100 * decode["gb_per_s"] / weight_read["read_gb_per_s"]
+        section["weight_read"] = {**weight_read, "pct_decode_of_read": round(share, 1)}
+    return section
 
 
 def roofline_lines(section: dict[str, Any]) -> list[str]:
@@ -50,6 +59,13 @@ def roofline_lines(section: dict[str, Any]) -> list[str]:
             f" / {_pct(row['pct_bandwidth_roofline'])} of bandwidth roofline"
             f" ({row['gflop_per_s']} GFLOP/s, {row['gb_per_s']} GB/s,"
             f" {row['steps']} steps in {row['seconds']:.2f} s)"
+        )
+    if "weight_read" in section:
+        read = section["weight_read"]
+        lines.append(
+            f"  a read pass over the model's {read['weight_bytes'] / 1e9:.2f} GB of weights, "
+            f"same pages, just after: {read['read_gb_per_s']} GB/s; decode-heavy steps reach "
+            f"{read['pct_decode_of_read']}% of it"
         )
     return lines
 

@@ -40,6 +40,10 @@ def test_throughput_compared_with_transformers(tiny_model_dir: Path) -> None:
     assert {phase: row["steps"] for phase, row in phases.items()} == {"prefill": 1, "decode": 7}
     for row in phases.values():
         assert row["seconds"] > 0 and row["gflop_per_s"] > 0 and row["gb_per_s"] > 0
+    read = report["roofline"]["weight_read"]  # the weights' own read pass, just after
+    assert read["weight_bytes"] > 0 and read["read_gb_per_s"] > 0
+    share = 100 * phases["decode"]["gb_per_s"] / read["read_gb_per_s"]
+    assert read["pct_decode_of_read"] == pytest.approx(share, rel=0.05, abs=0.1)
 
 
 FAKE_VLLM = """
