@@ -33,14 +33,15 @@ def roofline_section(engine: LLMEngine) -> dict[str, Any]:
     if rates:  # a stale calibration below what was just achieved is redone
         best_flops, best_bandwidth = max(r[0] for r in rates), max(r[1] for r in rates)
         peaks = recalibrate_if_exceeded(device, dtype, peaks, best_flops, best_bandwidth)
-    section = {
+    phases = roofline_report(totals, peaks.flops, peaks.bandwidth)
+    section: dict[str, Any] = {
         "peak_flops": peaks.flops,
         "peak_bandwidth": peaks.bandwidth,
         "peaks_source": peaks.source,
-        "phases": roofline_report(totals, peaks.flops, peaks.bandwidth),
+        "phases": phases,
     }
     weight_read = model_read_roof(engine)  # the weights' own pages, read just now
-    decode = section["phases"].get("decode")
+    decode = phases.get("decode")
     if weight_read is not None and decode is not None and weight_read["read_gb_per_s"] > 0:
         share = 100 * decode["gb_per_s"] / weight_read["read_gb_per_s"]
         section["weight_read"] = {**weight_read, "pct_decode_of_read": round(share, 1)}
