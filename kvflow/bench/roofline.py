@@ -41,9 +41,9 @@ def roofline_section(engine: LLMEngine) -> dict[str, Any]:
         "phases": phases,
     }
     weight_read = model_read_roof(engine)  # the weights' own pages, read just now
-    decode = phases.get("decode")
-    if weight_read is not None and decode is not None and weight_read["read_gb_per_s"] > 0:
-        share = 100 * decode["gb_per_s"] / weight_read["read_gb_per_s"]
+    decode_gbs = phases.get("decode", {}).get("gb_per_s")
+    if weight_read is not None and decode_gbs is not None and weight_read["read_gb_per_s"] > 0:
+        share = 100 * decode_gbs / weight_read["read_gb_per_s"]
         section["weight_read"] = {**weight_read, "pct_decode_of_read": round(share, 1)}
     return section
 
