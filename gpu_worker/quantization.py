@@ -9,8 +9,8 @@ kernels/cpu/int8_linear.py multiplies with int8 activations, at every batch size
 
 Both change the model's function (int8 activations, and for q8_0 the weights): the
 accuracy check against the float model is in docs/quantization.md. CPU only; the float
-weights stay in place for the embedding lookup (tied to the LM head) and are otherwise
-unread.
+weights stay in place only for the embedding lookup (tied to the LM head): q8_0 layers'
+own are freed after loading (weight_packing.py).
 """
 
 from __future__ import annotations

@@ -316,7 +316,11 @@ void row_block(const Weights& w, const Acts& a, int64_t i0, int64_t i1, float* y
 
 // Threads own groups of R output features. Tiles of MT rows share each weight load MT
 // ways; a block of 128 rows keeps its activations (128 x K bytes) in L2 while the
-// weights stream past, once per block.
+// weights stream past, once per block. A single row (decode, one stream) reads the
+// weights from DRAM: there R = 1 keeps a thread's reads one sequential stream (codes
+// rows one after the other), where R = 4 interleaved four rows' codes and scales (eight
+// short streams): 28-29 GB/s of codes against 20-21 GB/s on the 1B shape's LM head
+// (docs/benchmarks.md, "The 8-bit route at one row").
 void compute(const Weights& w, const Acts& a, float* y, int64_t M, int64_t N) {
     constexpr int64_t kRowBlock = 128;
     for (int64_t i0 = 0; i0 < M; i0 += kRowBlock) {
@@ -324,7 +328,7 @@ void compute(const Weights& w, const Acts& a, float* y, int64_t M, int64_t N) {
         if (rows >= 4) row_block<4, 2>(w, a, i0, i1, y, N);
         else if (rows == 3) row_block<3, 2>(w, a, i0, i1, y, N);
         else if (rows == 2) row_block<2, 4>(w, a, i0, i1, y, N);
-        else row_block<1, 4>(w, a, i0, i1, y, N);
+        else row_block<1, 1>(w, a, i0, i1, y, N);  // one row: see below
     }
 }
 #else
