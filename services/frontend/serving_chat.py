@@ -91,6 +91,9 @@ class _Choice(ChoiceCounts):
         self.tools = tools
         self.tool_stream = ToolCallStream(tools) if tools.mode != "none" else None
         self.num_streamed_calls = 0
+        # serving_common.py's chunk-per-token rule; a parser's chunks carry only what
+        # it lets out.
+        self.chunk_per_token = self.tool_stream is None and self.reasoning_stream is None
 
     def apply(self, ctx: ServingContext, delta: RequestOutputDelta) -> ChatChunkChoice:
         """Fold in one delta; returns this delta's part of the choice (a stream chunk)."""
@@ -259,6 +262,7 @@ class _Chat(ServedRequest):
                     or part.logprobs
                     or part.token_ids
                     or part.finish_reason is not None
+                    or (delta.token_ids and self.choices[index].chunk_per_token)
                 ):
                     yield sse_event(self._chunk([part]))
         if self.include_usage:

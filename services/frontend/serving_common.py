@@ -2,6 +2,12 @@
 prompts of one HTTP request on the engine as one stream of (choice index, delta).
 
 Choice indices follow OpenAI: prompt p's sample i is choice `p * n + i`.
+
+Streaming rule (the chunk-per-token rule), as vLLM streams: every delta that brings
+tokens is a chunk, its text empty while the detokenizer holds back an incomplete
+character or a possible stop string. A client thus sees each token arrive when it does
+(and a benchmark's inter-token latency is per token, not per visible character). With
+a tool-call or reasoning parser, a chat chunk carries only what the parser lets out.
 """
 
 from __future__ import annotations

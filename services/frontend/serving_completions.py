@@ -220,6 +220,7 @@ class _Completion(ServedRequest):
                 has_logprobs = choice.logprobs is not None and bool(choice.logprobs.tokens)
                 if (
                     choice.text
+                    or delta.token_ids  # serving_common.py's chunk-per-token rule
                     or has_logprobs
                     or choice.token_ids
                     or choice.finish_reason is not None
