@@ -93,8 +93,11 @@ class ClusterSecret:
         """Why these kv_transfer_params are not the proxy's, or None if they are."""
         if not signature or request_id is None or expires_at is None:
             return "kv_transfer_params.remote_address is accepted only as the proxy signed it"
-        expected = self.sign_kv_params(remote_address, request_id, expires_at)
-        if not hmac.compare_digest(expected, signature):
+        try:
+            expected = self.sign_kv_params(remote_address, request_id, expires_at)
+        except ValueError as exc:  # a field no proxy would send (NUL)
+            return f"kv_transfer_params: {exc}"
+        if not _same_signature(expected, signature):
             return "kv_transfer_params: the signature does not match"
         if (time.time() if now is None else now) > expires_at:
             return "kv_transfer_params: the signature has expired"
@@ -122,12 +125,21 @@ class ClusterSecret:
         """Why these resumed choices are not the proxy's, or None if they are."""
         if not signature or not request_id or expires_at is None:
             return "kv_resume is accepted only as the proxy signed it"
-        expected = self.sign_resume(request_id, expires_at, choices)
-        if not hmac.compare_digest(expected, signature):
+        try:
+            expected = self.sign_resume(request_id, expires_at, choices)
+        except ValueError as exc:  # a field no proxy would send (NUL)
+            return f"kv_resume: {exc}"
+        if not _same_signature(expected, signature):
             return "kv_resume: the signature does not match"
         if (time.time() if now is None else now) > expires_at:
             return "kv_resume: the signature has expired"
         return None
+
+
+def _same_signature(expected: str, given: str) -> bool:
+    """A constant-time comparison of a client's signature (any characters: compared as
+    bytes, since hmac.compare_digest takes only ASCII strings) with the expected one."""
+    return hmac.compare_digest(expected.encode(), given.encode("utf-8", "surrogatepass"))
 
 
 # A resumed choice as signed: (choice index, finished, output token ids).

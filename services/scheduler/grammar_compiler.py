@@ -107,6 +107,7 @@ class GrammarCompiler:
         start = time.perf_counter()
         grammar = build_grammar(params)
         compiled = self._get_compiler().compile_grammar(grammar)
+        _check_some_token_starts(compiled)
         self.stats.compile_seconds.append(time.perf_counter() - start)
         return compiled
 
@@ -126,6 +127,20 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _check_some_token_starts(compiled: xgrammar.CompiledGrammar) -> None:
+    """ValueError (the request's 400) when no token of the vocabulary may come first: the
+    grammar matches text (checked at the frontend), but only text this tokenizer cannot
+    write, e.g. a character none of its tokens or byte tokens spell. Sampling would
+    otherwise pick from an empty mask and fail the request mid-way."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    if not bool(bitmask.any()):
+        raise ValueError("no token of this model's vocabulary can begin text that it accepts")
 
 
 def grammar_compiler(limits: EngineLimits, tokenizer: TokenizerSource) -> GrammarCompiler:

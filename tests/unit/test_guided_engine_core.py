@@ -203,6 +203,21 @@ def test_compile_timeout_fails_only_that_request(tokenizer: Any) -> None:
     assert compiler.stats.timeouts == 1 and not core.has_unfinished_requests()
 
 
+def test_a_grammar_no_token_can_begin_fails_that_request_with_its_param(tokenizer: Any) -> None:
+    # The choice matches text, but none this tokenizer's tokens can start (a schemathesis
+    # find: sampling from the empty mask used to fail it mid-way, a 500).
+    core = make_core(tokenizer, 1, 64, compiler_for(tokenizer))
+    add(core, "unwritable", StructuredOutputsParams(choice=["\U000ad4d1\u00fb`$\x13"]))
+    add(core, "fine", StructuredOutputsParams(choice=["yes", "no"]))
+    deadline = time.monotonic() + 60
+    deltas: list[Any] = []
+    while not deltas and time.monotonic() < deadline:
+        deltas = core.poll_grammars(now=0.0)
+    (delta,) = [d for d in deltas if d.req_id == "unwritable"]
+    assert delta.finish_reason == "error" and delta.error_param == "structured_outputs"
+    assert "no token of this model's vocabulary can begin" in (delta.error or "")
+
+
 def test_abort_while_compiling(tokenizer: Any) -> None:
     core = make_core(tokenizer, 1, 64, compiler_for(tokenizer))
     add(core, "guided", StructuredOutputsParams(regex=REGEX))

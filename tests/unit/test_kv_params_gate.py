@@ -51,8 +51,10 @@ def test_the_proxys_params_pass_once() -> None:
             msgspec.structs.replace(_signed(), remote_address="tcp://evil:1"),
             "does not match",
         ),
+        (msgspec.structs.replace(_signed(), signature="\u00a3\udcd1"), "does not match"),
+        (msgspec.structs.replace(_signed(), request_id="a\0b"), "NUL"),
     ],
-    ids=["unsigned", "another-key", "address-changed"],
+    ids=["unsigned", "another-key", "address-changed", "non-ascii-signature", "nul-id"],
 )
 def test_anything_else_is_a_400(params: KVTransferParams, match: str) -> None:
     refused = Refusals()
@@ -115,6 +117,8 @@ def test_the_proxys_resume_passes_once_with_its_tokens() -> None:
         (_with(_resume([5, 7]), finished=True), "does not match"),
         (_with(_resume([5, 7]), index=2), "does not match"),
         (msgspec.structs.replace(_resume([5, 7]), expires_at=NOW + 9_999), "does not match"),
+        (msgspec.structs.replace(_resume([5, 7]), signature="%\u00e18"), "does not match"),
+        (msgspec.structs.replace(_resume([5, 7]), request_id="a\0b"), "NUL"),
     ],
     ids=[
         "unsigned",
@@ -124,6 +128,8 @@ def test_the_proxys_resume_passes_once_with_its_tokens() -> None:
         "finished-changed",
         "index-changed",
         "expiry-changed",
+        "non-ascii-signature",
+        "nul-id",
     ],
 )
 def test_a_forged_or_tampered_resume_is_a_400(resume: KVResume, match: str) -> None:
