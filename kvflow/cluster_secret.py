@@ -22,7 +22,7 @@ import hashlib
 import hmac
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,15 +93,11 @@ class ClusterSecret:
         """Why these kv_transfer_params are not the proxy's, or None if they are."""
         if not signature or request_id is None or expires_at is None:
             return "kv_transfer_params.remote_address is accepted only as the proxy signed it"
-        try:
-            expected = self.sign_kv_params(remote_address, request_id, expires_at)
-        except ValueError as exc:  # a field no proxy would send (NUL)
-            return f"kv_transfer_params: {exc}"
-        if not _same_signature(expected, signature):
-            return "kv_transfer_params: the signature does not match"
-        if (time.time() if now is None else now) > expires_at:
-            return "kv_transfer_params: the signature has expired"
-        return None
+        return _verify(
+            "kv_transfer_params",
+            lambda: self.sign_kv_params(remote_address, request_id, expires_at),
+            signature, expires_at, now,
+        )  # fmt: skip
 
     def sign_resume(
         self, request_id: str, expires_at: float, choices: Sequence[ResumedTokens]
@@ -125,21 +121,29 @@ class ClusterSecret:
         """Why these resumed choices are not the proxy's, or None if they are."""
         if not signature or not request_id or expires_at is None:
             return "kv_resume is accepted only as the proxy signed it"
-        try:
-            expected = self.sign_resume(request_id, expires_at, choices)
-        except ValueError as exc:  # a field no proxy would send (NUL)
-            return f"kv_resume: {exc}"
-        if not _same_signature(expected, signature):
-            return "kv_resume: the signature does not match"
-        if (time.time() if now is None else now) > expires_at:
-            return "kv_resume: the signature has expired"
-        return None
+        return _verify(
+            "kv_resume",
+            lambda: self.sign_resume(request_id, expires_at, choices),
+            signature, expires_at, now,
+        )  # fmt: skip
 
 
-def _same_signature(expected: str, given: str) -> bool:
-    """A constant-time comparison of a client's signature (any characters: compared as
-    bytes, since hmac.compare_digest takes only ASCII strings) with the expected one."""
-    return hmac.compare_digest(expected.encode(), given.encode("utf-8", "surrogatepass"))
+def _verify(
+    field: str, sign: Callable[[], str], signature: str, expires_at: float, now: float | None
+) -> str | None:
+    """Why a client's copy of a proxy-signed field is not the proxy's, or None. The
+    signature is compared in constant time as bytes: a client's may hold any characters,
+    and hmac.compare_digest takes only ASCII strings."""
+    try:
+        expected = sign()
+    except ValueError as exc:  # a field no proxy would send (NUL)
+        return f"{field}: {exc}"
+    given = signature.encode("utf-8", "surrogatepass")
+    if not hmac.compare_digest(expected.encode(), given):
+        return f"{field}: the signature does not match"
+    if (time.time() if now is None else now) > expires_at:
+        return f"{field}: the signature has expired"
+    return None
 
 
 # A resumed choice as signed: (choice index, finished, output token ids).

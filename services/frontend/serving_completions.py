@@ -222,7 +222,6 @@ class _Completion(ServedRequest):
                     choice.text
                     or delta.token_ids  # serving_common.py's chunk-per-token rule
                     or has_logprobs
-                    or choice.token_ids
                     or choice.finish_reason is not None
                 ):
                     yield sse_event(self._chunk([choice]))
