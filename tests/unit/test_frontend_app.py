@@ -426,6 +426,20 @@ def test_completion_streaming_with_usage(h: Harness) -> None:
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
+def test_a_token_whose_text_is_held_back_is_still_a_chunk(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A delta with a token but no text yet (an incomplete character, a possible stop
+    # string): a chunk of empty text, one per token, as vLLM streams (no parser).
+    monkeypatch.setattr(sys.modules[__name__], "PIECES", [" hello", "", " world"])
+    completion = stream(h, "/v1/completions", {"prompt": "abc", "stream": True})[:-1]
+    assert [c["choices"][0]["text"] for c in completion] == ["[3/0]", " hello", "", " world"]
+    chat = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    chunks = stream(h, "/v1/chat/completions", chat)[1:-1]  # after the role chunk
+    contents = [c["choices"][0]["delta"].get("content") or "" for c in chunks]
+    assert contents[1:] == [" hello", "", " world"]  # (the first: the prompt length)
+
+
 def test_completion_streaming_without_usage(h: Harness) -> None:
     events = stream(h, "/v1/completions", {"prompt": "abc", "stream": True})
     assert events[-1] == "[DONE]"
