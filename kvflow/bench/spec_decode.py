@@ -245,6 +245,12 @@ def _truncated_draft(args: argparse.Namespace) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     apply_shape_args(args)
+    drafts_by_model = args.methods == "draft_model" and not args.measure_cost
+    if (args.forced_acceptance or args.draft_shape) and not drafts_by_model:
+        raise SystemExit(
+            "--forced-acceptance and --draft-shape need --methods draft_model alone (a draft "
+            "model's drafts; not with --measure-cost)"
+        )
     if args.measure_cost:
         args.methods = args.methods.split(",")[0]
     results = _run_all([_load(name, spec, args) for name, spec in _configs(args)], args)

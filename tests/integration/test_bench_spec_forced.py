@@ -31,3 +31,11 @@ def test_a_shape_draft_needs_random_target_weights(tiny_model_dir: Path) -> None
     command += ["--methods", "draft_model", "--draft-shape", "smollm2-135m"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0 and "--shape or --config" in done.stderr
+
+
+def test_forced_acceptance_needs_a_draft_model_alone(tiny_model_dir: Path) -> None:
+    # An n-gram draft is not the target's choice: zeroed norms would not force it.
+    command = [str(KVFLOW), "bench", "spec-decode", "--config", str(tiny_model_dir)]
+    command += ["--methods", "ngram", "--forced-acceptance"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "--methods draft_model alone" in done.stderr
