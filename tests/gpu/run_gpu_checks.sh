@@ -68,8 +68,11 @@ run_step() {
 }
 
 if ! "$PY" -c "$IMPORTS" 2> /dev/null && [ -d "$WHEELS" ]; then
-    echo "== install: kvflow and its dependencies from $WHEELS (no index)"
-    "$PY" -m pip install --no-index --find-links "$WHEELS" -e . pytest \
+    # --no-deps: the image's own torch, triton and transformers stay as they are (a
+    # resolver run would try to replace them, and there is no index to take them from).
+    echo "== install: the wheels in $WHEELS, then kvflow (no index, no dependency resolution)"
+    { "$PY" -m pip install --no-index --no-deps "$WHEELS"/*.whl &&
+      "$PY" -m pip install --no-index --no-deps --find-links "$WHEELS" -e . ; } \
         > "$RAW/install.out" 2> "$RAW/install.log"
     echo $? > "$RAW/install.rc"
 fi
