@@ -85,14 +85,29 @@ class _Tiling:
     block_m: int  # rows of a program's tile = block_q tokens x group heads (padded)
     block_q: int
     tile_n: int  # keys per inner-loop step
+    # Triton's launch options; None: Triton's defaults (tests/gpu/decode_attention_sweep.py
+    # times the alternatives on a GPU).
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def launch_options(self) -> dict[str, int]:
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        return {name: value for name, value in options.items() if value is not None}
 
 
-def _tiling(num_heads: int, num_kv_heads: int, max_query_len: int, tile_n: int) -> _Tiling:
+def _tiling(
+    num_heads: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    tile_n: int,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> _Tiling:
     """16 rows at least (tl.dot's minimum), up to 64 for prefill-sized tiles."""
     group = num_heads // num_kv_heads
     block_m = max(next_pow2(group), min(64, max(16, next_pow2(max_query_len * group))))
     assert tile_n >= 16 and tile_n == next_pow2(tile_n), tile_n
-    return _Tiling(group, block_m, block_m // group, tile_n)
+    return _Tiling(group, block_m, block_m // group, tile_n, num_warps, num_stages)
 
 
 def _check_inputs(
@@ -180,6 +195,7 @@ def _launch(
         USE_WINDOW=sliding_window is not None, FRESH_KV=use_fresh,
         KV_CODEC=codec_id(kv_cache.dtype),
         DOT_DTYPE=operand, DOT_PRECISION=dot_precision(operand), HAS_SINKS=sinks is not None,
+        **tiling.launch_options(),
     )  # fmt: skip
 
 
@@ -197,12 +213,16 @@ def unified_paged_attention(
     tile_n: int = 32,
     fresh_kv: FreshKV | None = None,  # this step's (key, value) [num_tokens, kv_heads, head_dim]
     sinks: torch.Tensor | None = None,  # [num_heads]
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention for a mixed batch in one launch; each program owns a query tile."""
     _check_inputs(query, kv_cache, query_start_loc, seq_lens, block_tables, fresh_kv, sinks)
     out = torch.zeros(query.shape, dtype=query.dtype, device=query.device) if out is None else out
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
-    tiling = _tiling(query.shape[1], kv_cache.shape[3], max_query_len, tile_n)
+    tiling = _tiling(
+        query.shape[1], kv_cache.shape[3], max_query_len, tile_n, num_warps, num_stages
+    )
     _launch(out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale,
             sliding_window, tiling, num_splits=1, scratch=None, fresh_kv=fresh_kv,
             sinks=sinks)  # fmt: skip
@@ -225,6 +245,8 @@ def split_kv_paged_attention(
     tile_n: int = 32,
     fresh_kv: FreshKV | None = None,  # this step's (key, value) [num_tokens, kv_heads, head_dim]
     sinks: torch.Tensor | None = None,  # [num_heads]
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Flash-decoding: stage 1 spreads each tile's keys over `num_splits` programs writing
     fp32 partials to `scratch`; stage 2 merges them. Pass a preallocated `scratch` and a
@@ -239,7 +261,7 @@ def split_kv_paged_attention(
     assert scratch.sum_exp.stride() == scratch.max_logit.stride()
     out = torch.zeros(query.shape, dtype=query.dtype, device=query.device) if out is None else out
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
-    tiling = _tiling(num_heads, kv_cache.shape[3], max_query_len, tile_n)
+    tiling = _tiling(num_heads, kv_cache.shape[3], max_query_len, tile_n, num_warps, num_stages)
     _launch(out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale,
             sliding_window, tiling, num_splits=num_splits, scratch=scratch,
             fresh_kv=fresh_kv, sinks=sinks)  # fmt: skip

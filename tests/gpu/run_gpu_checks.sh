@@ -36,7 +36,9 @@ WHEELS=tests/gpu/wheels
 IMPORTS="import kvflow, pytest, torch"
 
 STEPS="parity kernels_cuda bench_kernels host_time throughput_graphs throughput_eager
-kernels_compiled"
+step_profile attention_sweep kernels_compiled"
+# KVFLOW_GPU_CHECKS_ONLY="step ..." runs only those steps (a second run after a fix).
+ONLY=${KVFLOW_GPU_CHECKS_ONLY:-}
 
 skip_all() {  # reason
     for name in $STEPS; do echo "$1" > "$RAW/$name.skip"; done
@@ -52,6 +54,10 @@ finish() {  # exit status when no step failed
 run_step() {
     local name=$1 limit=$2 left t0
     shift 2
+    if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then
+        echo "not selected (KVFLOW_GPU_CHECKS_ONLY)" > "$RAW/$name.skip"
+        return
+    fi
     left=$((BUDGET - (SECONDS - START)))
     if [ "$left" -lt 20 ]; then
         echo "time budget: ${BUDGET} s spent before this step" > "$RAW/$name.skip"
@@ -75,6 +81,7 @@ if ! "$PY" -c "$IMPORTS" 2> /dev/null && [ -d "$WHEELS" ]; then
       "$PY" -m pip install --no-index --no-deps --find-links "$WHEELS" -e . ; } \
         > "$RAW/install.out" 2> "$RAW/install.log"
     echo $? > "$RAW/install.rc"
+    echo "   done at $((SECONDS - START)) s"
 fi
 if ! "$PY" -c "$IMPORTS" 2> "$RAW/import.log"; then
     echo "kvflow, pytest or torch does not import with $PY (see $RAW/import.log; wheels: $WHEELS)"
@@ -123,8 +130,14 @@ run_step bench_kernels 60 "${KVFLOW[@]}" bench kernels --json
 run_step host_time 60 "${KVFLOW[@]}" bench host-time --batch-sizes 1 64 --json "${MODEL[@]}"
 run_step throughput_graphs 75 "${KVFLOW[@]}" "${THROUGHPUT[@]}" "${MODEL[@]}"
 run_step throughput_eager 75 "${KVFLOW[@]}" "${THROUGHPUT[@]}" "${MODEL[@]}" --enforce-eager
-# The Triton kernels against their references, compiled (on CPUs they run interpreted).
-run_step kernels_compiled 150 "${PYTEST[@]}" -m "not slow" --junitxml="$RAW/kernels_compiled.xml" \
+run_step step_profile 60 "$PY" tests/gpu/decode_step_profile.py "${MODEL[@]}"
+run_step attention_sweep 100 "$PY" tests/gpu/decode_attention_sweep.py
+# The Triton kernels against their references, compiled (on CPUs they run interpreted),
+# over 8 pytest-xdist workers where it is installed: compiling dominates.
+XDIST=()
+"$PY" -c "import xdist" 2> /dev/null && XDIST=(-n 8)
+run_step kernels_compiled 150 "${PYTEST[@]}" "${XDIST[@]}" -m "not slow" \
+    --junitxml="$RAW/kernels_compiled.xml" \
     tests/kernels/test_paged_attention.py tests/kernels/test_store_kv.py \
     tests/kernels/test_triton_backend.py tests/kernels/test_engine_triton.py \
     tests/kernels/test_rotary.py tests/kernels/test_rms_norm.py \

@@ -16,7 +16,7 @@ from collect_gpu_checks import RESULT_FILE, collect, main
 SCRIPT = Path(__file__).with_name("run_gpu_checks.sh")
 STEPS = {
     "parity", "kernels_cuda", "bench_kernels", "host_time", "throughput_graphs",
-    "throughput_eager", "kernels_compiled",
+    "throughput_eager", "step_profile", "attention_sweep", "kernels_compiled",
 }  # fmt: skip
 
 
@@ -100,3 +100,39 @@ def test_collector_main_writes_one_json(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["collect_gpu_checks.py", str(tmp_path)]) == 0
     assert json.loads((tmp_path / RESULT_FILE).read_text())["ok"] is False
     assert "FAILED: parity, throughput_eager" in capsys.readouterr().out
+
+
+def _last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_attention_sweep_smoke_checks_every_configuration_against_sdpa() -> None:
+    """The sweep's configurations agree with SDPA (interpreted here; timed on a GPU)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("decode_attention_sweep.py")), "--smoke"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (shape,) = _last_json(done.stdout)["shapes"].values()
+    assert shape["configs"] == 3 and shape["failed"] == []
+    assert shape["default"]["max_abs_err"] < 1e-4
+
+
+def test_step_profile_reports_ops_and_host_functions(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+    from serve_harness import build_tiny_llama
+
+    build_tiny_llama(tmp_path / "model")
+    script = SCRIPT.with_name("decode_step_profile.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "--model", str(tmp_path / "model"), "--batch-sizes", "1",
+         "3", "--steps", "2", "--warmup-steps", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = _last_json(done.stdout)
+    assert set(report) == {"1", "3"}
+    for batch in report.values():
+        assert batch["step_ms"] > 0 and batch["kernels"] and batch["host"]
+        assert all(row["own_us_per_step"] >= 0 for row in batch["host"])
