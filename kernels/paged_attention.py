@@ -47,6 +47,11 @@ _NO_WINDOW = 1 << 30
 _MAX_SPLIT_QUERY_LEN = 1
 _MAX_SPLITS = 16
 _MIN_KEYS_PER_SPLIT = 256
+# Keys per inner-loop step. Decode-only batches stream the most cache per query row: on
+# an H100, 64 keys beat 32 by 2% (b64 x 2k, 8 KV heads of 128) to 25% (3 KV heads of 64)
+# in tests/gpu/decode_attention_sweep.py; 128 was slower in both (docs/benchmarks.md).
+_DECODE_TILE_N = 64
+_TILE_N = 32
 
 
 @dataclass(frozen=True)
@@ -324,14 +329,21 @@ def paged_attention(
             num_sms(query.device),
         )  # fmt: skip
     common = (query, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window)
+    tile_n = choose_tile_n(max_query_len)
     if num_splits == 1:
         return unified_paged_attention(
-            *common, max_query_len=max_query_len, out=out, fresh_kv=fresh_kv, sinks=sinks
-        )
+            *common, max_query_len=max_query_len, out=out, tile_n=tile_n, fresh_kv=fresh_kv,
+            sinks=sinks,
+        )  # fmt: skip
     return split_kv_paged_attention(
         *common, max_query_len=max_query_len, num_splits=num_splits, scratch=scratch, out=out,
-        fresh_kv=fresh_kv, sinks=sinks,
+        tile_n=tile_n, fresh_kv=fresh_kv, sinks=sinks,
     )  # fmt: skip
+
+
+def choose_tile_n(max_query_len: int) -> int:
+    """Keys per inner-loop step: wider for decode-only batches."""
+    return _DECODE_TILE_N if max_query_len <= 1 else _TILE_N
 
 
 def _as_float(rows: torch.Tensor) -> torch.Tensor:

@@ -57,14 +57,15 @@ def test_reference_matches_the_identity(make_batch) -> None:
     got = paged_attention_ref(*_inputs(batch), 0.2, 6, sinks=sinks)
     plain = paged_attention_ref(*_inputs(batch), 0.2, 6)
     # Per token and head: logsumexp of its visible scores, recomputed densely.
-    lse = torch.empty(batch.query.shape[:2])
+    dev = batch.query.device
+    lse = torch.empty(batch.query.shape[:2], device=dev)
     starts = batch.query_start_loc.tolist()
     for r, seq_len in enumerate(batch.seq_lens.tolist()):
-        pos = torch.arange(seq_len)
+        pos = torch.arange(seq_len, device=dev)
         blocks = batch.block_tables[r, pos // 16].long()
         k = batch.kv_cache[0, blocks, pos % 16].repeat_interleave(2, dim=1)  # [L, H, D]
         q = batch.query[starts[r] : starts[r + 1]]
-        q_pos = seq_len - q.shape[0] + torch.arange(q.shape[0])
+        q_pos = seq_len - q.shape[0] + torch.arange(q.shape[0], device=dev)
         delta = q_pos[:, None] - pos[None, :]
         scores = torch.einsum("qhd,khd->qhk", q, k) * 0.2
         scores = scores.masked_fill(~((delta >= 0) & (delta < 6))[:, None, :], -torch.inf)

@@ -13,6 +13,7 @@ from kvflow.kernels import paged_attention as paged_attention_module
 from kvflow.kernels.paged_attention import (
     SplitKVScratch,
     choose_num_splits,
+    choose_tile_n,
     paged_attention,
     paged_attention_ref,
     split_kv_paged_attention,
@@ -50,6 +51,7 @@ def _inputs(batch):
         (8, 1, 128, 32, BF16, 32),  # GQA 8 on one KV head (MQA), head dim 128
         (4, 1, 40, 16, F32, 16),  # MQA, head dim 40 (padded to 64)
         (6, 2, 48, 24, BF16, 32),  # group of 3 (not a power of two), block size 24
+        (9, 3, 64, 16, BF16, 64),  # SmolLM2's heads, the decode tile
     ],
 )
 def test_unified_mixed_batch(
@@ -156,6 +158,10 @@ def test_dispatch_chooses_unified_on_cpu_and_matches(make_batch, assert_close, d
 )
 def test_choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len, expected):
     assert choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len, 132) == expected
+
+
+def test_decode_batches_take_the_wide_tile() -> None:
+    assert [choose_tile_n(q) for q in (1, 2, 512)] == [64, 32, 32]
 
 
 @pytest.mark.parametrize("codec", list(kv_codec.CODEC_DTYPES))
