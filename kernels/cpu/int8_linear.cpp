@@ -4,8 +4,10 @@
 // has it, else on portable scalar code that computes the same integers. Any number of rows.
 //
 // Weight of block b, code u: w = u * d_b + m_b (Q4_1 as stored; Q4_0: m = -8d; Q8_0
-// from signed q: u = q + 128, m = -128d). 8-bit codes always have m = -128d, which the
-// VNNI path uses instead of reading the offsets (1/9 fewer bytes).
+// from signed q: u = q + 128, m = -128d). d and m are IEEE half floats, as GGUF stores
+// them: a decode step reads every byte of the weights, and float32 scales made an 8-bit
+// block 36 bytes instead of 34. 8-bit codes always have m = -128d, which the VNNI path
+// uses instead of reading the offsets.
 // Activation of block b: e_b = max|x| / 127, t = x / e_b, xq = round(t) in [-127, 127]
 // and a second digit for what that leaves, xr = round(256 (t - xq)) clamped to +-127,
 // so x ~= e_b (xq + xr / 256) to ~16 bits (one int8 digit alone loses 1-3% per layer
@@ -40,9 +42,9 @@ namespace {
 constexpr int64_t kBlock = 32, kHalf = 16;
 
 struct Weights {
-    const uint8_t* codes;  // [N, row_bytes]
-    const float* scales;   // d [N, blocks]
-    const float* offsets;  // m [N, blocks]
+    const uint8_t* codes;    // [N, row_bytes]
+    const uint16_t* scales;  // d [N, blocks], half floats
+    const uint16_t* offsets; // m [N, blocks], half floats
     int bits;              // 4 or 8
     int64_t blocks, row_bytes;
 };
@@ -58,6 +60,25 @@ struct Acts {  // quantized x, one row every `blocks` blocks
 };
 
 int64_t code_bytes_per_block(int bits) { return bits == 4 ? 16 : 32; }
+
+// IEEE half -> float, exactly (subnormals, infinities and NaN included), in portable code.
+float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+    const uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {  // zero or subnormal: mantissa * 2^-24, exact in float
+        const float value = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+        std::memcpy(&bits, &value, sizeof bits);
+        bits |= sign;
+    }
+    float out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+}
 
 // First element of block b's half h (0, 1) within its unit, for the unit layout.
 int64_t half_offset(int64_t b, int h, int64_t blocks) {
@@ -141,9 +162,9 @@ inline int32_t block_dot(const Weights& w, int64_t n, const int8_t* xq, const in
 // sum_b m_b s_b (4-bit codes; 8-bit ones have it in their signed dot).
 inline float offset_part(const Weights& w, int64_t n, const float* sums) {
     if (w.bits == 8) return 0.0f;
-    const float* m = w.offsets + n * w.blocks;
+    const uint16_t* m = w.offsets + n * w.blocks;
     float acc = 0.0f;
-    for (int64_t b = 0; b < w.blocks; ++b) acc += m[b] * sums[b];
+    for (int64_t b = 0; b < w.blocks; ++b) acc += half_to_float(m[b]) * sums[b];
     return acc;
 }
 
@@ -154,7 +175,7 @@ float portable_blocks(const Weights& w, int64_t n, const Acts& a, int64_t i, int
     float acc = 0.0f;
     for (int64_t b = from; b < w.blocks; ++b) {
         const float dot = static_cast<float>(block_dot(w, n, xq, xr, b));
-        acc += dot * (w.scales[n * w.blocks + b] * e4[4 * b]);
+        acc += dot * (half_to_float(w.scales[n * w.blocks + b]) * e4[4 * b]);
     }
     return acc;
 }
@@ -165,9 +186,11 @@ inline void codes4(const Weights& w, int64_t n, int64_t b, __m512i& lo, __m512i&
     const uint8_t* p = w.codes + n * w.row_bytes + b * code_bytes_per_block(w.bits);
     // Rows are short (a few hundred bytes): the hardware prefetcher does not ramp up
     // within one, so fetch the same unit of the row 8 rows on (the next tiles' rows).
+    // Into L2, not L1: on the 1B shape's layers that read 86-88% of a plain read pass at
+    // one row and 62-70% at four, against 57-80% and 56% into L1 (docs/benchmarks.md).
     const char* ahead = reinterpret_cast<const char*>(p + 8 * w.row_bytes);
-    _mm_prefetch(ahead, _MM_HINT_T0);
-    if (w.bits == 8) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    _mm_prefetch(ahead, _MM_HINT_T1);
+    if (w.bits == 8) _mm_prefetch(ahead + 64, _MM_HINT_T1);
     if (w.bits == 8) {
         lo = _mm512_loadu_si512(p);
         hi = _mm512_loadu_si512(p + 64);
@@ -203,15 +226,19 @@ inline __m256i dot2(__m256i lo, __m256i hi, const int8_t* xq, const int8_t* xr) 
     return _mm256_add_epi32(_mm256_slli_epi32(first, 8), second);
 }
 
-// d and m of blocks b, b + 1, ... spread over the lanes of their blocks' dot products.
-inline __m512 spread4(const float* p) {
+// d and m of blocks b, b + 1, ... (half floats) spread over the lanes of their blocks'
+// dot products.
+inline __m512 spread4(const uint16_t* p) {
     const __m512i index = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(_mm_loadu_ps(p)));
+    const __m128 four = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(four));
 }
 
-inline __m512 spread2(const float* p) {  // two blocks, upper 8 lanes zero
+inline __m512 spread2(const uint16_t* p) {  // two blocks, upper 8 lanes zero
     const __m512i index = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof pair);
+    const __m128 two = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
     return _mm512_maskz_permutexvar_ps(0x00FF, index, _mm512_castps128_ps512(two));
 }
 
@@ -291,7 +318,8 @@ void tile(const Weights& w, const Acts& a, int64_t i0, int64_t n0, float* y, int
             if (from < w.blocks)
                 tail = portable_blocks(w, n, a, row, from) +
                        (w.bits == 8 ? 0.0f
-                                    : w.offsets[n * w.blocks + from] * a.sums[row * a.blocks + from]);
+                                    : half_to_float(w.offsets[n * w.blocks + from]) *
+                                          a.sums[row * a.blocks + from]);
             y[row * N + n] = _mm512_reduce_add_ps(acc[i][r]) + tail;
         }
 }
@@ -354,10 +382,10 @@ int kvflow_int8_linear_isa() {
 }
 
 // x float32 [rows, in_features] (row stride x_row_stride, unit column stride); codes,
-// scales, offsets as in the header comment; bias float32 [out_features] or null; y
+// scales, offsets (half floats) as in the header comment; bias float32 [out_features] or null; y
 // float32 [rows, out_features] contiguous. Returns 0, or nonzero for bad arguments.
-int kvflow_int8_linear(int bits, const float* x, const uint8_t* codes, const float* scales,
-                       const float* offsets, const float* bias, float* y, int64_t rows,
+int kvflow_int8_linear(int bits, const float* x, const uint8_t* codes, const uint16_t* scales,
+                       const uint16_t* offsets, const float* bias, float* y, int64_t rows,
                        int64_t in_features, int64_t out_features, int64_t x_row_stride) {
     if ((bits != 4 && bits != 8) || in_features <= 0 || in_features % kBlock || rows < 0)
         return 1;

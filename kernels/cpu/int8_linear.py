@@ -67,8 +67,8 @@ class QuantWeights:
 
     bits: int  # 4 (two codes a byte, GGUF's Q4 order) or 8 (unit layout)
     codes: torch.Tensor  # uint8 [N, K / 2] or [N, K]
-    scales: torch.Tensor  # d, float32 [N, K / 32]
-    offsets: torch.Tensor  # m, float32 [N, K / 32]
+    scales: torch.Tensor  # d, float16 [N, K / 32] (GGUF's own precision)
+    offsets: torch.Tensor  # m, float16 [N, K / 32]
     in_features: int
     origin: str = "float"  # "float" (made by from_float), else the GGUF block format
     # codes, scales, offsets data_ptr(), looked up once (a decode step makes ~120 calls)
@@ -77,6 +77,8 @@ class QuantWeights:
     def __post_init__(self) -> None:
         parts = (self.codes, self.scales, self.offsets)
         object.__setattr__(self, "addresses", tuple(t.data_ptr() for t in parts))
+        if self.scales.dtype != torch.float16 or self.offsets.dtype != torch.float16:
+            raise ValueError("scales and offsets are half floats")
         # The kernel reads no offsets for 8-bit codes: they are -128 d by definition.
         if self.bits == 8 and not torch.equal(self.offsets, -128 * self.scales):
             raise ValueError("8-bit codes need offsets == -128 * scales")
@@ -95,21 +97,22 @@ class QuantWeights:
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> QuantWeights:
-        """Q8_0 of a float weight [N, K], K % 32 == 0: q = round(w / d), d = max|w| / 127
-        per block, stored as u = q + 128 with m = -128 d."""
+        """Q8_0 of a float weight [N, K], K % 32 == 0: d = max|w| / 127 per block, stored
+        as a half float, q = round(w / d) with that stored d, u = q + 128, m = -128 d."""
         n, k = weight.shape
         if k % BLOCK:
             raise ValueError(f"Q8_0 needs in_features % {BLOCK} == 0, got {k}")
         w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
-        d = w.abs().amax(dim=-1) / 127
-        q = torch.where(d[..., None] > 0, w / d[..., None].clamp_min(1e-30), 0).round()
+        d = (w.abs().amax(dim=-1) / 127).clamp(max=torch.finfo(torch.float16).max).half()
+        d32 = d.float()[..., None]
+        q = torch.where(d32 > 0, w / d32.clamp_min(1e-30), 0).round().clamp(-127, 127)
         codes = (q.reshape(n, k) + 128).to(torch.uint8)[:, unit_order(k // BLOCK)]
         return cls(8, huge_pages.copy(codes), d.contiguous(), (-128 * d).contiguous(), k)
 
     @classmethod
     def from_blocks(cls, blocks: BlockWeights) -> QuantWeights:
         """The same weights as GGUF blocks (block_linear.py's layout), bit for bit."""
-        d, k = blocks.scales, blocks.in_features
+        d, k = blocks.scales.half(), blocks.in_features  # GGUF stores them as halves
         if blocks.format == "Q8_0":
             codes = (blocks.codes.to(torch.int16) + 128).to(torch.uint8)
             ordered = huge_pages.copy(codes[:, unit_order(k // BLOCK)])
@@ -117,7 +120,7 @@ class QuantWeights:
         if blocks.format == "Q4_0":
             return cls(4, blocks.codes, d, -8 * d, k, "Q4_0")
         assert blocks.mins is not None, "Q4_1 blocks carry their offsets"
-        return cls(4, blocks.codes, d, blocks.mins, k, "Q4_1")
+        return cls(4, blocks.codes, d, blocks.mins.half(), k, "Q4_1")
 
     def natural_codes(self) -> torch.Tensor:
         """The codes u as uint8 [N, K / 32, 32], weight order."""
@@ -132,7 +135,7 @@ class QuantWeights:
     def dequantize(self) -> torch.Tensor:
         """The float32 weights [N, K] the codes encode."""
         u = self.natural_codes().float()
-        w = u * self.scales[..., None] + self.offsets[..., None]
+        w = u * self.scales.float()[..., None] + self.offsets.float()[..., None]
         return w.reshape(self.out_features, self.in_features)
 
 

@@ -68,9 +68,13 @@ def test_q8_0_from_float_matches_spec(march: str, in_features: int, rows: int) -
     weight = torch.randn(37, in_features, generator=gen)  # 37: not a multiple of a tile
     weight[1, :32] = 0.0
     weights = QuantWeights.from_float(weight)
-    # Q8_0 rounds each weight to within half a step of its block (max|w| / 127).
-    step = weight.reshape(37, -1, 32).abs().amax(-1).repeat_interleave(32, 1) / 127
-    assert ((weights.dequantize() - weight).abs() <= step / 2 + 1e-7).all()
+    # Q8_0 rounds each weight to within half a step of its block: the stored half-float
+    # scale, max|w| / 127 to 11 bits.
+    assert weights.scales.dtype == torch.float16
+    step = weight.reshape(37, -1, 32).abs().amax(-1) / 127
+    assert ((weights.scales.float() - step).abs() <= step * 2**-11).all()
+    stored = weights.scales.float().repeat_interleave(32, 1)
+    assert ((weights.dequantize() - weight).abs() <= stored / 2 + 1e-7).all()
     wide = torch.randn(rows, in_features + 16, generator=gen)
     x = wide[:, 8 : 8 + in_features]  # a row stride larger than in_features
     bias = torch.randn(37, generator=gen)
@@ -86,6 +90,22 @@ def test_gguf_blocks_match_spec(march: str, block_format: str, rows: int) -> Non
     assert torch.equal(weights.dequantize(), dequantize(blocks))  # the same weights
     x = torch.randn(rows, 224, generator=torch.Generator().manual_seed(rows))
     _assert_matches_spec(int8_linear(x, weights, None, march), reference(x, weights))
+
+
+@pytest.mark.parametrize("march", BUILDS)
+def test_half_float_scales_of_every_kind(march: str) -> None:
+    """Scales are halves: normal, subnormal (a block of max|w| < 127 * 2^-14), zero, and
+    the largest; each build reads them as the spec does, on the 4-row tile and the tails."""
+    weight = torch.randn(9, 224, generator=torch.Generator().manual_seed(5))
+    weight[1, :32] *= 1e-4  # d ~ 2e-6: a subnormal half
+    weight[2, 32:64] = 0.0
+    weight[3, 64:96] *= 1e8  # d clamps to the largest half (65504)
+    weights = QuantWeights.from_float(weight)
+    d = weights.scales.float()
+    assert 0 < d[1, 0] < 2**-14 and d[2, 1] == 0 and d[3, 2] == 65504
+    for rows in (1, 4, 6):
+        x = torch.randn(rows, 224, generator=torch.Generator().manual_seed(rows))
+        _assert_matches_spec(int8_linear(x, weights, None, march), reference(x, weights))
 
 
 def test_close_to_float_linear_on_the_same_weights() -> None:
