@@ -11,9 +11,9 @@ A Llama-family decoder step over T scheduled tokens (R of them need logits) cost
     attended_i = q_i·c_i - q_i·(q_i-1)/2 (causal: the query at position p sees p+1 keys;
                  request i computes q_i tokens and ends the step with c_i in its KV)
 
-    bytes = b·(L·P + (2L+1)·H)           layer weights and norms, read once per step
+    bytes = w·L·P + b·(2L+1)·H           layer weights and norms, read once per step
           + b·T·H                        embedding rows gathered
-          + b·V·H  (if R > 0)            LM head weights
+          + w·V·H  (if R > 0)            LM head weights
           + b·2·L·nkv·d·Σ_i (c_i + q_i)  KV: each request's context read once, new KV written
           + b·T·L·(7H + 4·nh·d + 2·nkv·d + 3I)  activations: every matmul reads its input
                                          and writes its output once; attention reads q and
@@ -22,7 +22,8 @@ A Llama-family decoder step over T scheduled tokens (R of them need logits) cost
           + b·R·(H + V)                  LM head input and logits
 
 (H hidden, L layers, nh/nkv query/KV heads, d head dim, I intermediate, V vocab, b bytes
-per element of the dtype in use). Sliding windows, flash re-reads of KV per query tile
+per element of the dtype in use, w bytes per matmul weight: b, or 34/32 under
+`--quantization q8_0`: 32 one-byte codes and a half-float scale per block of 32). Sliding windows, flash re-reads of KV per query tile
 and sampling are ignored: these are estimates for a roofline, not a profiler.
 
 A step is *prefill-heavy* when most of its scheduled tokens sit at prompt positions,
@@ -44,6 +45,9 @@ from kvflow.proto.step import StepPlan
 logger = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per matmul weight of a `--quantization` method that fixes them (q8_0's blocks).
+# "gguf" keeps each tensor's own block format, so no one figure holds: b is used.
+QUANTIZED_WEIGHT_BYTES = {"q8_0": 34 / 32}
 PHASES = ("prefill", "decode")
 
 
@@ -57,9 +61,16 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     dtype_bytes: int
+    weight_bytes: float | None = None  # per matmul weight; None: dtype_bytes
+
+    @property
+    def matmul_weight_bytes(self) -> float:
+        return self.dtype_bytes if self.weight_bytes is None else self.weight_bytes
 
     @classmethod
-    def from_config_dict(cls, config: Mapping[str, Any], dtype: str) -> ModelShape:
+    def from_config_dict(
+        cls, config: Mapping[str, Any], dtype: str, quantization: str = "none"
+    ) -> ModelShape:
         """From an HF config.json's fields (multimodal configs: their `text_config`)."""
         config = config.get("text_config") or config
         hidden = int(config["hidden_size"])
@@ -73,18 +84,22 @@ class ModelShape:
             intermediate_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
             dtype_bytes=DTYPE_BYTES[dtype],
+            weight_bytes=QUANTIZED_WEIGHT_BYTES.get(quantization),
         )
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path, dtype: str) -> ModelShape:
+    def from_model_dir(cls, model_dir: Path, dtype: str, quantization: str = "none") -> ModelShape:
         """Reads config.json with `json` alone: the scheduler never imports torch."""
-        return cls.from_config_dict(json.loads((model_dir / "config.json").read_text()), dtype)
+        config = json.loads((model_dir / "config.json").read_text())
+        return cls.from_config_dict(config, dtype, quantization)
 
     @classmethod
-    def try_from_model_dir(cls, model_dir: Path, dtype: str) -> ModelShape | None:
+    def try_from_model_dir(
+        cls, model_dir: Path, dtype: str, quantization: str = "none"
+    ) -> ModelShape | None:
         """None (and a warning) for a config without the usual decoder fields."""
         try:
-            return cls.from_model_dir(model_dir, dtype)
+            return cls.from_model_dir(model_dir, dtype, quantization)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             logger.warning("no roofline estimates for %s: %r", model_dir, exc)
             return None
@@ -172,12 +187,13 @@ def estimate_step_cost(shape: ModelShape, batch: StepBatch) -> StepCost:
     attended = sum([q * c - q * (q - 1) // 2 for q, c in zip(batch.query_lens, batch.context_lens)])
     flops = 2 * tokens * layers * shape.layer_weights
     flops += 4 * layers * q_width * attended + 2 * logits * hidden * vocab
-    weights = layers * shape.layer_weights + (2 * layers + 1) * hidden + tokens * hidden
-    weights += vocab * hidden if logits else 0
+    matmul = layers * shape.layer_weights + (vocab * hidden if logits else 0)
+    small = (2 * layers + 1) * hidden + tokens * hidden  # norms, embedding rows
     per_token = 7 * hidden + 4 * q_width + 2 * kv_width + 3 * shape.intermediate_size
     activations = tokens * layers * per_token + logits * (hidden + vocab)
     kv = shape.kv_bytes_per_token * (sum(batch.context_lens) + tokens)
-    return StepCost(float(flops), float((weights + activations) * shape.dtype_bytes + kv))
+    weight_bytes = matmul * shape.matmul_weight_bytes
+    return StepCost(float(flops), weight_bytes + (small + activations) * shape.dtype_bytes + kv)
 
 
 class RooflineMeter:

@@ -97,7 +97,9 @@ class LLMEngine:
         self.trace: StepTrace | None = None  # start_trace()
         # Step time and estimated work per phase, for `kvflow bench`'s roofline report.
         self.roofline = RooflineMeter(
-            ModelShape.try_from_model_dir(self.model_dir, config.model.dtype)
+            ModelShape.try_from_model_dir(
+                self.model_dir, config.model.dtype, config.model.quantization
+            )
         )
         logger.info(
             "engine ready: %d KV blocks of %d tokens", shape.num_blocks, config.cache.block_size

@@ -176,7 +176,7 @@ def _serve(
 
 
 def _instruments(config: EngineConfig, model_dir: Path, options: SchedulerOptions) -> Instruments:
-    shape = ModelShape.try_from_model_dir(model_dir, config.model.dtype)
+    shape = ModelShape.try_from_model_dir(model_dir, config.model.dtype, config.model.quantization)
     trace = StepTrace(options.trace_file) if options.trace_file else None
     return Instruments(RooflineMeter(shape), trace, dict(options.startup_phases))
 

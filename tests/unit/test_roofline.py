@@ -77,6 +77,19 @@ def test_decode_of_two_requests() -> None:
     assert cost.bytes == (80_576 + 4_936) * 4 + 14 * 512
 
 
+def test_q8_0_counts_its_blocks_for_matmul_weights() -> None:
+    """34 bytes per 32 weights (codes and a half-float scale) for the layers' matmuls and
+    the LM head; norms, embedding rows, activations and KV keep the dtype's bytes."""
+    shape = ModelShape.from_config_dict(TINY, "float32", "q8_0")
+    assert shape.matmul_weight_bytes == 34 / 32
+    assert ModelShape.from_config_dict(TINY, "float32", "gguf").matmul_weight_bytes == 4
+    batch = StepBatch.from_scheduled([Req(5, 9, 9), Req(2, 3, 3)], [1, 1])
+    cost = estimate_step_cost(shape, batch)
+    matmul = 2 * 36_864 + 6_400  # two layers' weights, the LM head
+    assert cost.bytes == matmul * 34 / 32 + (320 + 2 * 64 + 4_936) * 4 + 14 * 512
+    assert cost.flops == estimate_step_cost(SHAPE, batch).flops
+
+
 def test_chunks_resumes_and_empty_steps() -> None:
     # A middle prefill chunk samples nothing; a resumed request recomputes its outputs.
     chunk = StepBatch.from_scheduled([Req(10, 8, 10), Req(5, 8, 8)], [4, 8])
