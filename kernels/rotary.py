@@ -8,6 +8,12 @@ rotation pair i is, per layout::
     interleaved (GPT-J):     (x[2i], x[2i + 1])
 
     (a, b) -> (a cos_i - b sin_i,  b cos_i + a sin_i)      computed in fp32
+
+With `round_products` each product is rounded to the activation dtype before the sum is
+(and the sum again): what Hugging Face's `q * cos + rotate_half(q) * sin` does in bf16 or
+fp16, and the model's torch and CPU paths with it, bit for bit. `rotary_embedding_tables`
+takes per-token tables (the model's `Rope`, row t for token t) instead of a position-indexed
+cache.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ def _rotate_heads(
     HALF: tl.constexpr,
     IS_NEOX: tl.constexpr,
     HEADS_P: tl.constexpr,
+    ROUND_PRODUCTS: tl.constexpr,
 ):
     offs_h = tl.arange(0, HEADS_P)
     mask = (offs_h[:, None] < num_heads) & mask_r[None, :]  # [HEADS_P, HALF_P]
@@ -51,8 +58,16 @@ def _rotate_heads(
     a = tl.load(ptr_a, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(ptr_b, mask=mask, other=0.0).to(tl.float32)
     dtype = base_ptr.dtype.element_ty
-    new_a = round_to(a * cos[None, :] - b * sin[None, :], dtype)  # [HEADS_P, HALF_P]
-    new_b = round_to(b * cos[None, :] + a * sin[None, :], dtype)
+    if ROUND_PRODUCTS:  # each product rounded first: no fused multiply-add can form
+        new_a = round_to(
+            round_to(a * cos[None, :], dtype) - round_to(b * sin[None, :], dtype), dtype
+        )
+        new_b = round_to(
+            round_to(b * cos[None, :], dtype) + round_to(a * sin[None, :], dtype), dtype
+        )
+    else:
+        new_a = round_to(a * cos[None, :] - b * sin[None, :], dtype)  # [HEADS_P, HALF_P]
+        new_b = round_to(b * cos[None, :] + a * sin[None, :], dtype)
     tl.store(ptr_a, new_a.to(dtype), mask=mask)
     tl.store(ptr_b, new_b.to(dtype), mask=mask)
 
@@ -61,8 +76,9 @@ def _rotate_heads(
 def _rotary_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim], rotated in place
     k_ptr,  # [num_tokens, num_k_heads, head_dim], rotated in place
-    cos_sin_ptr,  # [max_position, rot_dim]: cos | sin
-    positions_ptr,  # [num_tokens] int64
+    cos_ptr,  # [max_position, rot_dim / 2] rows of stride stride_cs
+    sin_ptr,  # [max_position, rot_dim / 2] rows of stride stride_cs
+    positions_ptr,  # [num_tokens] int64; unread without BY_POSITION (row t: token t)
     stride_qt,
     stride_qh,
     stride_kt,
@@ -75,19 +91,26 @@ def _rotary_kernel(
     IS_NEOX: tl.constexpr,
     Q_HEADS_P: tl.constexpr,
     K_HEADS_P: tl.constexpr,
+    BY_POSITION: tl.constexpr,
+    ROUND_PRODUCTS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token)
+    if BY_POSITION:
+        pos = tl.load(positions_ptr + token)
+    else:
+        pos = token
     offs_r = tl.arange(0, HALF_P)
     mask_r = offs_r < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_r, mask=mask_r, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_r, mask=mask_r, other=0.0)
+    cos = tl.load(cos_ptr + pos * stride_cs + offs_r, mask=mask_r, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cs + offs_r, mask=mask_r, other=0.0)
     cos = cos.to(tl.float32)
     sin = sin.to(tl.float32)
     _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, cos, sin, offs_r, mask_r,
-                  HALF=HALF, IS_NEOX=IS_NEOX, HEADS_P=Q_HEADS_P)  # fmt: skip
+                  HALF=HALF, IS_NEOX=IS_NEOX, HEADS_P=Q_HEADS_P,
+                  ROUND_PRODUCTS=ROUND_PRODUCTS)  # fmt: skip
     _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_k_heads, cos, sin, offs_r, mask_r,
-                  HALF=HALF, IS_NEOX=IS_NEOX, HEADS_P=K_HEADS_P)  # fmt: skip
+                  HALF=HALF, IS_NEOX=IS_NEOX, HEADS_P=K_HEADS_P,
+                  ROUND_PRODUCTS=ROUND_PRODUCTS)  # fmt: skip
 
 
 def rotary_embedding(
@@ -98,23 +121,52 @@ def rotary_embedding(
     is_neox: bool = True,
 ) -> None:
     """Rotate the first rot_dim dims of every head of query and key by its position."""
+    assert positions.shape == (query.shape[0],) and positions.dtype == torch.int64
+    assert cos_sin_cache.shape[1] % 2 == 0, cos_sin_cache.shape
+    half = cos_sin_cache.shape[1] // 2
+    _launch(query, key, cos_sin_cache[:, :half], cos_sin_cache[:, half:], positions,
+            is_neox=is_neox, round_products=False)  # fmt: skip
+
+
+def rotary_embedding_tables(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], modified in place
+    key: torch.Tensor,  # [num_tokens, num_k_heads, head_dim], modified in place
+    cos: torch.Tensor,  # [num_tokens, rot_dim / 2]: token t's row t
+    sin: torch.Tensor,  # [num_tokens, rot_dim / 2]
+    round_products: bool = True,
+) -> None:
+    """Neox rotation of the first rot_dim dims of each head by per-token tables."""
+    assert cos.shape == sin.shape and cos.shape[0] == query.shape[0], (cos.shape, sin.shape)
+    _launch(query, key, cos, sin, None, is_neox=True, round_products=round_products)
+
+
+def _launch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,  # [rows, rot_dim / 2]
+    sin: torch.Tensor,  # [rows, rot_dim / 2], cos's row stride
+    positions: torch.Tensor | None,  # [num_tokens] int64: cos/sin row of each token
+    is_neox: bool,
+    round_products: bool,
+) -> None:
     num_tokens, num_q_heads, head_dim = query.shape
-    rot_dim = cos_sin_cache.shape[1]
+    rot_dim = 2 * cos.shape[1]
     assert key.shape[0] == num_tokens and key.shape[2] == head_dim, (key.shape, query.shape)
-    assert rot_dim % 2 == 0 and rot_dim <= head_dim, (rot_dim, head_dim)
+    assert rot_dim <= head_dim and sin.stride(0) == cos.stride(0), (rot_dim, head_dim)
     assert query.dtype == key.dtype and query.dtype in FLOAT_DTYPES, (query.dtype, key.dtype)
-    assert positions.shape == (num_tokens,) and positions.dtype == torch.int64
-    for name, t in (("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)):
+    for name, t in (("query", query), ("key", key), ("cos", cos), ("sin", sin)):
         assert_last_dim_contiguous(name, t)
-    check_device(_rotary_kernel, positions, query, key, cos_sin_cache)
+    tables = (cos, sin) if positions is None else (cos, sin, positions)
+    check_device(_rotary_kernel, query, key, *tables)
     if num_tokens == 0:
         return
     _rotary_kernel[(num_tokens,)](
-        query, key, cos_sin_cache, positions,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_sin_cache.stride(0),
+        query, key, cos, sin, cos if positions is None else positions,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos.stride(0),
         num_q_heads, key.shape[1],
         HALF=rot_dim // 2, HALF_P=next_pow2(rot_dim // 2), IS_NEOX=is_neox,
         Q_HEADS_P=next_pow2(num_q_heads), K_HEADS_P=next_pow2(key.shape[1]),
+        BY_POSITION=positions is not None, ROUND_PRODUCTS=round_products,
     )  # fmt: skip
 
 

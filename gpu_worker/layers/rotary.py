@@ -7,7 +7,11 @@ A head vector x of size D is split in halves (x1 = x[:D/2], x2 = x[D/2:]) and ea
 
 cos/sin are computed once per forward pass for the step's positions (`RotaryEmbedding`)
 and shared by every layer. On CPUs `apply_rotary_qk` rotates query and key in place in
-one native call (kernels/cpu/elementwise.cpp); the torch ops here are its reference.
+one native call (kernels/cpu/elementwise.cpp), on CUDA in one Triton launch
+(kernels/rotary.py) for bf16 and fp16; the torch ops here are their reference, bit for
+bit (each product rounded to the dtype, as Hugging Face's), and the path everywhere else.
+The torch ops took 8-10 kernels a layer: 0.35 ms of a 2.6 ms SmolLM2 decode step on an
+H100 (docs/benchmarks.md, "GPU").
 With a partial rotary factor (Phi-4-mini) only the first `rotary_dim` dims of each head
 rotate and the rest pass through. The frequency schedules live in rope_scaling.py; the
 length-dependent ones (dynamic, longrope) take each token's request length from the
@@ -127,7 +131,28 @@ def apply_rotary_qk(
     if elementwise.rotary_applies(q, k, rope.cos) and rope.sin.is_contiguous():
         elementwise.rotary_qk(q, k, rope.cos, rope.sin)
         return q, k
+    if _triton_applies(q, k, rope):
+        from kvflow.kernels.rotary import rotary_embedding_tables  # Triton: never on CPU
+
+        rotary_embedding_tables(q, k, rope.cos.squeeze(1), rope.sin.squeeze(1))
+        return q, k
     return apply_rotary(q, rope), apply_rotary(k, rope)
+
+
+def _triton_applies(q: torch.Tensor, k: torch.Tensor, rope: Rope) -> bool:
+    """CUDA, 16-bit (in fp32 the kernel's sums could fuse into an FMA where torch rounds
+    the product), heads with contiguous dims, per-token tables of one row a token."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.dtype == k.dtype == rope.cos.dtype == rope.sin.dtype
+        and q.dim() == 3
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and rope.cos.shape[0] == q.shape[0]
+        and rope.cos.stride(-1) == 1
+        and rope.sin.stride(0) == rope.cos.stride(0)
+    )
 
 
 def _apply_partial(x: torch.Tensor, rope: Rope, rotary_dim: int) -> torch.Tensor:

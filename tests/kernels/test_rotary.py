@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.kernels.rotary import rope_cos_sin_cache, rotary_embedding, rotary_embedding_ref
+from kvflow.kernels.rotary import (
+    rope_cos_sin_cache,
+    rotary_embedding,
+    rotary_embedding_ref,
+    rotary_embedding_tables,
+)
 
 
 @pytest.mark.parametrize("is_neox", [True, False])
@@ -43,3 +48,27 @@ def test_reference_neox_matches_hf_rotate_half(device):
     q, k = x.clone(), x[:, :1].clone()
     rotary_embedding_ref(positions, q, k, cache, is_neox=True)
     torch.testing.assert_close(q, hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, 64), (48, 32)])
+def test_per_token_tables_equal_the_models_torch_ops_bit_for_bit(
+    device, dtype, head_dim, rotary_dim
+):
+    """The CUDA path of `apply_rotary_qk` (rounding each product, as the model's torch ops
+    and Hugging Face do) against those torch ops, on q/k views of a fused projection."""
+    from kvflow.gpu_worker.layers.rotary import RotaryEmbedding, apply_rotary
+
+    emb = RotaryEmbedding(head_dim, {"partial_rotary_factor": rotary_dim / head_dim}, 4096)
+    positions = torch.tensor([0, 3, 3, 2047, 900, 17], device=device)
+    rope = emb.to(device)(positions, dtype)
+    gen = torch.Generator().manual_seed(2)
+    fused = (4 * torch.randn(6, 4 + 2 + 2, head_dim, generator=gen)).to(dtype).to(device)
+    query, key, value = fused[:, :4], fused[:, 4:6], fused[:, 6:].clone()
+    expected = []
+    for x in (query, key):
+        rotated = apply_rotary(x[..., :rotary_dim], rope)
+        expected.append(torch.cat((rotated, x[..., rotary_dim:]), dim=-1))
+    rotary_embedding_tables(query, key, rope.cos.squeeze(1), rope.sin.squeeze(1))
+    assert torch.equal(query, expected[0]) and torch.equal(key, expected[1])
+    assert torch.equal(fused[:, 6:], value)
