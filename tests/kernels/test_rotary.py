@@ -69,6 +69,10 @@ def test_per_token_tables_equal_the_models_torch_ops_bit_for_bit(
     for x in (query, key):
         rotated = apply_rotary(x[..., :rotary_dim], rope)
         expected.append(torch.cat((rotated, x[..., rotary_dim:]), dim=-1))
+    once = fused.clone()  # rounded once (the position-cache mode): not the model's bits
     rotary_embedding_tables(query, key, rope.cos.squeeze(1), rope.sin.squeeze(1))
     assert torch.equal(query, expected[0]) and torch.equal(key, expected[1])
     assert torch.equal(fused[:, 6:], value)
+    tables = (rope.cos.squeeze(1), rope.sin.squeeze(1))
+    rotary_embedding_tables(once[:, :4], once[:, 4:6], *tables, round_products=False)
+    assert not torch.equal(once[:, :4], expected[0])
