@@ -9,6 +9,11 @@ host has free fails mid-serving (the OOM killer) instead of at start. `reserve`:
 2. asks for transparent huge pages (kernels/cpu/huge_pages.py: fewer faults now, fewer
    TLB misses in attention later; the kernel may decline);
 3. populates every page (`MADV_POPULATE_WRITE`, Linux >= 5.14; else a write of zeros).
+
+`return_freed_heap` hands memory that was freed back to the OS. Packing the weights frees
+each plain weight as its packed copy is made, but glibc keeps freed heap chunks mapped:
+at the Qwen2.5-3B shape that left 3.6 GiB resident that no tensor held (14.3 GiB for
+10.6 GiB of weights and KV cache), more than vLLM's whole server.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import errno
 import logging
 import mmap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,3 +89,17 @@ def _populate(address: int, nbytes: int) -> bool:
             "memory); lower --kv-cache-memory"
         )
     return False  # EINVAL: a kernel without MADV_POPULATE_WRITE
+
+
+def return_freed_heap() -> None:
+    """glibc's malloc_trim(0): unmap free heap memory. No-op without glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return None

@@ -75,6 +75,9 @@ def build_runner(
     took = runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)
     if took > 0:  # a phase that did not run (CPU, --enforce-eager) is absent
         phases.add("cuda_graph_capture", took)
+    from kvflow.gpu_worker.host_memory import return_freed_heap
+
+    return_freed_heap()  # what loading and profiling freed (gpu_worker/host_memory.py)
     return BuiltRunner(runner, max_model_len, peaks)
 
 

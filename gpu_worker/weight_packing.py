@@ -11,7 +11,9 @@ kernel that will serve it:
   F.linear, 1.25-1.7x faster per decode step in bfloat16 than F.linear).
 
 The layer's plain weight is then freed, so the model's memory does not double; kept is
-only an LM head's weight tied to the embedding (the embedding's lookup reads it).
+only an LM head's weight tied to the embedding (the embedding's lookup reads it). The
+freed memory goes back to the OS as packing goes (every `_TRIM_BYTES`), or the process
+would hold both copies at the end (gpu_worker/host_memory.py).
 
 A layer whose `--quantization` weights always take the int8 kernel (q8_0) gets nothing
 packed, and its float weight is freed too: no route reads it (kernels/cpu/linear.py),
@@ -32,6 +34,7 @@ import logging
 import torch
 from torch import nn
 
+from kvflow.gpu_worker.host_memory import return_freed_heap
 from kvflow.gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvflow.gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kvflow.gpu_worker.layers.moe import FusedExperts
@@ -46,6 +49,16 @@ PACK_WEIGHTS = True
 NATIVE_BF16 = True
 FUSED_SILU = True
 _LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+_TRIM_BYTES = 512 << 20
+
+
+def _free_unless_embedded(weight: torch.Tensor, embedded: set[int]) -> int:
+    """Free a plain weight nothing reads any more; returns the bytes freed."""
+    if id(weight) in embedded:
+        return 0
+    nbytes = weight.numel() * weight.element_size()
+    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    return nbytes
 
 
 def _always_int8(layer: nn.Module) -> bool:
@@ -71,14 +84,13 @@ def pack_weights(model: nn.Module) -> int:
     embedded = {
         id(m.weight) for m in model.modules() if type(m) is VocabParallelEmbedding
     }  # tied LM heads share these
-    packed, native, nbytes = 0, 0, 0
+    packed, native, nbytes, untrimmed = 0, 0, 0, 0
     for layer in model.modules():
         if not isinstance(layer, _LAYERS):
             continue
         weight = layer.weight
         if _always_int8(layer):
-            if id(weight) not in embedded:
-                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+            untrimmed += _free_unless_embedded(weight, embedded)
             continue
         packed_weight = pack(weight.data, glu=getattr(layer, "glu", False))
         if packed_weight is None:
@@ -87,8 +99,11 @@ def pack_weights(model: nn.Module) -> int:
         packed += 1
         native += isinstance(packed_weight, bf16_gemm.PanelWeight)
         nbytes += weight.numel() * weight.element_size()
-        if id(weight) not in embedded:
-            weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        untrimmed += _free_unless_embedded(weight, embedded)
+        if untrimmed >= _TRIM_BYTES:
+            return_freed_heap()
+            untrimmed = 0
+    return_freed_heap()
     if packed:
         logger.info(
             "packed %d linear layers' weights (%.0f MB): %d for the native bf16 GEMM, the rest "

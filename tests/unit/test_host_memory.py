@@ -64,3 +64,48 @@ def test_the_cache_is_resident_after_allocation() -> None:
     assert resident_fraction(caches[0]) == 1.0
     assert resident_fraction(caches[-1]) == 1.0
     assert len(caches) == 4 and caches[0].shape[1] == num_blocks
+
+
+_TRIM_CHILD = """
+import ctypes, psutil, torch
+from kvflow.gpu_worker.host_memory import return_freed_heap
+libc = ctypes.CDLL("libc.so.6")
+assert libc.mallopt(-3, 32 << 20) == 1  # M_MMAP_THRESHOLD: every block from the heap
+assert libc.mallopt(-1, 1 << 30) == 1  # M_TRIM_THRESHOLD: free() never trims by itself
+rss = lambda: psutil.Process().memory_info().rss
+blocks = [torch.ones(1 << 19) for _ in range(128)]  # 128 x 2 MiB, written
+held = rss()
+del blocks
+freed = rss()
+return_freed_heap()
+print(held >> 20, freed >> 20, rss() >> 20)
+"""
+
+
+@pytest.mark.skipif(host_memory._malloc_trim() is None, reason="needs glibc's malloc_trim")
+def test_freed_heap_goes_back_to_the_os() -> None:
+    """Tensors freed on the heap stay resident (as packed weights' plain copies did)
+    until return_freed_heap; a child process, so that glibc's settings stay its own."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _TRIM_CHILD], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    held, freed, trimmed = (int(v) for v in done.stdout.split())
+    assert freed > held - 32  # freeing alone returned (almost) nothing
+    assert trimmed < held - 200  # 256 MiB were freed
+
+
+def test_packing_returns_the_plain_weights_as_it_goes(monkeypatch) -> None:
+    from kvflow.gpu_worker import weight_packing
+    from kvflow.gpu_worker.layers.linear import RowParallelLinear
+
+    calls = []
+    monkeypatch.setattr(weight_packing, "return_freed_heap", lambda: calls.append(1))
+    monkeypatch.setattr(weight_packing, "_TRIM_BYTES", 3 * 64 * 128 * 4)
+    model = torch.nn.Sequential(*[RowParallelLinear(128, 64, bias=False) for _ in range(7)])
+    assert weight_packing.pack_weights(model) == 7
+    assert len(calls) == 2 + 1  # after layers 3 and 6, and once at the end
+    assert all(layer.weight.numel() == 0 for layer in model)
