@@ -215,7 +215,7 @@ def unified_paged_attention(
     *,
     max_query_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    tile_n: int = 32,
+    tile_n: int = _TILE_N,
     fresh_kv: FreshKV | None = None,  # this step's (key, value) [num_tokens, kv_heads, head_dim]
     sinks: torch.Tensor | None = None,  # [num_heads]
     num_warps: int | None = None,
@@ -247,7 +247,7 @@ def split_kv_paged_attention(
     num_splits: int,
     scratch: SplitKVScratch | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    tile_n: int = 32,
+    tile_n: int = _TILE_N,
     fresh_kv: FreshKV | None = None,  # this step's (key, value) [num_tokens, kv_heads, head_dim]
     sinks: torch.Tensor | None = None,  # [num_heads]
     num_warps: int | None = None,

@@ -23,8 +23,9 @@ A Llama-family decoder step over T scheduled tokens (R of them need logits) cost
 
 (H hidden, L layers, nh/nkv query/KV heads, d head dim, I intermediate, V vocab, b bytes
 per element of the dtype in use, w bytes per matmul weight: b, or 34/32 under
-`--quantization q8_0`: 32 one-byte codes and a half-float scale per block of 32). Sliding windows, flash re-reads of KV per query tile
-and sampling are ignored: these are estimates for a roofline, not a profiler.
+`--quantization q8_0`: 32 one-byte codes and a half-float scale per block of 32).
+Sliding windows, flash re-reads of KV per query tile and sampling are ignored: these are
+estimates for a roofline, not a profiler.
 
 A step is *prefill-heavy* when most of its scheduled tokens sit at prompt positions,
 else *decode-heavy*; `RooflineMeter` keeps cumulative totals for each.

@@ -6,7 +6,8 @@ For each shape below (the `bench kernels` case, and SmolLM2's heads), stage 1 ti
 (tile_n, num_splits) pair with Triton's default warps and stages; stage 2 times the
 warps and stages of stage 1's best pair. Each configuration's output is checked against
 SDPA on the gathered K/V before it is timed. Prints one JSON line per configuration, then
-one summary line: per shape, the chooser's choice and the best configuration, with GB/s
+one summary line: per shape, the default choice (the chooser's splits, the decode tile)
+and the best configuration, with GB/s
 and the share of the device's peak (`bench kernels`' table). `--smoke` runs one tiny
 shape and two configurations (on CPUs, under TRITON_INTERPRET=1, as a test does).
 """
@@ -26,6 +27,7 @@ from kvflow.kernels.launch_utils import num_sms
 from kvflow.kernels.paged_attention import (
     SplitKVScratch,
     choose_num_splits,
+    choose_tile_n,
     split_kv_paged_attention,
     unified_paged_attention,
 )
@@ -120,7 +122,8 @@ def measure(case: Case, config: tuple[int, int, int | None, int | None], peak_gb
 def sweep(shape: Shape, device: torch.device, peak_gbs: float, smoke: bool) -> dict:
     case = Case(shape, device)
     chosen = choose_num_splits(shape.batch, shape.num_kv_heads, 1, shape.context, num_sms(device))
-    stage1 = [(32, 1), (16, 2)] if smoke else list(itertools.product((32, 64, 128), (1, 2, 4, 8)))
+    tile = choose_tile_n(1)  # what a decode batch gets by default
+    stage1 = [(tile, 1), (16, 2)] if smoke else list(itertools.product((32, 64, 128), (1, 2, 4, 8)))
     rows = []
     for tile_n, splits in stage1:
         rows.append(measure(case, (tile_n, splits, None, None), peak_gbs))
@@ -133,7 +136,7 @@ def sweep(shape: Shape, device: torch.device, peak_gbs: float, smoke: bool) -> d
             rows.append(measure(case, (best["tile_n"], best["splits"], warps, stages), peak_gbs))
             print(json.dumps(rows[-1]), flush=True)
     timed = [r for r in rows if "ms" in r and r["max_abs_err"] < 3e-2]
-    default = next((r for r in rows if r.get("tile_n") == 32 and r.get("splits") == chosen
+    default = next((r for r in rows if r.get("tile_n") == tile and r.get("splits") == chosen
                     and r.get("warps") is None), None)  # fmt: skip
     return {
         "chooser_splits": chosen,

@@ -6,6 +6,8 @@
 #   - kvflow bench kernels, bench host-time (host ms per decode step at batch 1 and 64),
 #     bench throughput (64 prompts x 256 -> 128 tokens) with CUDA graphs and with
 #     --enforce-eager,
+#   - two reports: where a decode step's time goes (decode_step_profile.py) and the
+#     decode-attention kernel's launch choices (decode_attention_sweep.py),
 #   - the Triton kernel tests compiled for the GPU (not interpreted), as time allows,
 # and write one JSON of figures, OUTDIR/gpu_checks.json (tests/gpu/collect_gpu_checks.py).
 #
