@@ -2,17 +2,22 @@
 decoding, in one run, on a committed copy-heavy dataset (data/spec_decode_copy.json:
 code edits and quote-then-extend prompts) or on random prompts (nothing to copy).
 
-Each configuration has its own engine, warmed up with one request; every prompt runs
-alone (batch 1, greedy) through each configuration in turn, the order rotating, so a
-shared machine's load changes hit every configuration alike (ratios in one run). Reported per configuration: output tok/s, the ratio
-to no speculation, the acceptance rate (accepted / drafted tokens) and the mean
-acceptance length (1 + accepted / drafts: tokens per verification step).
+Each configuration has its own engine, warmed up with one request and with one
+verification of every size (2 .. k + 1 rows), so that no decode graph is recorded
+while timing; every prompt runs alone (batch 1, greedy) through each configuration in
+turn, the order rotating, so a shared machine's load changes hit every configuration
+alike (ratios in one run). Reported per configuration: output tok/s end to end and in
+the decode phase (the tokens after each request's first, over the time after it:
+speculation speeds up decoding, not the prefill), each as a ratio to no speculation,
+the acceptance rate (accepted / drafted tokens) and the mean acceptance length (1 +
+accepted / drafts: tokens per verification step).
 
 `--measure-cost` times the other side of the trade: every step drafts k tokens that are
 (almost surely) rejected, so tok/s against no speculation gives c(k), the cost of a
-verification step relative to a plain decode step. Speculation pays when the expected
-tokens per step beat it: 1 + a * k > c(k) for acceptance rate a, i.e. a > (c(k) - 1) / k,
-the break-even rate the `min_acceptance_rate` off-switch is set from (docs/benchmarks.md).
+verification step relative to a plain decode step (in the decode phases). Speculation
+pays when the expected tokens per step beat it: 1 + a * k > c(k) for acceptance rate a,
+i.e. a > (c(k) - 1) / k, the break-even rate the `min_acceptance_rate` off-switch is set
+from (docs/benchmarks.md).
 
 A draft model's cost includes its k forwards per step, and its drafts cannot be forced
 to fail, so `--measure-cost --methods draft_model` keeps its own drafts (on the random
@@ -40,6 +45,7 @@ alone.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from collections.abc import Sequence
@@ -51,6 +57,7 @@ from typing import Any
 from kvflow.bench.shapes import SHAPES, add_shape_args, apply_shape_args
 
 DATASET = "spec_decode_copy.json"
+_REQUEST_IDS = itertools.count()
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -87,34 +94,54 @@ class SpecResult:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    requests: int = 0
+    first_token_s: float = 0.0  # summed over the requests: their prefill
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.elapsed_s
 
-    def summary(self, baseline: float) -> dict[str, Any]:
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """The tokens after each request's first over the time after it: the decode
+        phase, which speculation speeds up, without the prefill, which it does not."""
+        return (self.output_tokens - self.requests) / (self.elapsed_s - self.first_token_s)
+
+    def summary(self, baseline: SpecResult) -> dict[str, Any]:
         drafted = max(self.draft_tokens, 1)
-        speedup = self.tokens_per_s / baseline
+        speedup = self.tokens_per_s / baseline.tokens_per_s
+        decode_speedup = self.decode_tokens_per_s / baseline.decode_tokens_per_s
         mean_length = 1 + self.accepted_tokens / max(self.drafts, 1)
         summary = {
             **asdict(self),
             "output_tokens_per_s": round(self.tokens_per_s, 2),
             "speedup": round(speedup, 3),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
+            "decode_speedup": round(decode_speedup, 3),
             "acceptance_rate": round(self.accepted_tokens / drafted, 3),
             "mean_acceptance_length": round(mean_length, 3),
         }
         if self.every_step_drafts and self.drafts:
-            cost = mean_length / speedup  # a verification step's time / a plain step's
+            # A verification step's time / a plain step's, from the decode phases alone
+            # (the prefill costs both the same).
+            cost = mean_length / decode_speedup
             summary["step_cost"] = round(cost, 3)
             summary["break_even"] = round((cost - 1) / self.k, 3)
         return summary
 
 
 class _AlwaysPropose:
-    """Drafts k copies of a token that is never the model's choice in practice."""
+    """Drafts k copies of a token that is never the model's choice in practice; with
+    `cycle`, 1, 2, ..., k of them in turn (every verification size once per k steps)."""
+
+    def __init__(self, cycle: bool = False) -> None:
+        self.cycle = cycle
+        self.calls = 0
 
     def propose(self, req_id: str, token_ids: Sequence[int], num_prompt: int, k: int) -> list[int]:
-        return [(token_ids[-1] + 7919) % 49152] * k
+        self.calls += 1
+        count = 1 + (self.calls - 1) % k if self.cycle else k
+        return [(token_ids[-1] + 7919) % 49152] * count
 
     def finish(self, req_id: str, token_ids: Sequence[int], num_prompt: int) -> None:
         pass
@@ -127,10 +154,14 @@ def _prompts(llm: Any, args: argparse.Namespace) -> list[Any]:
         text = resources.files("kvflow.bench").joinpath("data", DATASET).read_text()
         entries = json.loads(text)["prompts"]
         return [apply_chat_template(llm.tokenizer, e["messages"], True) for e in entries]
+    return _random_prompts(llm, args.num_random_prompts)
+
+
+def _random_prompts(llm: Any, count: int) -> list[Any]:
     from kvflow.bench.throughput import random_token_prompts
 
     special = list(llm.tokenizer.all_special_ids)
-    return random_token_prompts(args.num_random_prompts, 64, llm.engine.vocab_size, special, 0)
+    return random_token_prompts(count, 64, llm.engine.vocab_size, special, 0)
 
 
 @dataclass
@@ -155,11 +186,29 @@ def _load(name: str, spec: dict[str, Any] | None, args: argparse.Namespace) -> _
         speculator.proposer = _AlwaysPropose()
     if args.forced_acceptance and spec is not None:
         _zero_final_norms(llm)
+    k = 0 if spec is None else int(spec["num_speculative_tokens"])
     warm_up = _prompts(llm, args)[:1]
     llm.generate(warm_up, SamplingParams(max_tokens=8, temperature=0.0))
-    k = 0 if spec is None else int(spec["num_speculative_tokens"])
+    if speculator is not None and not worker_drafts and not args.measure_cost:
+        _warm_up_verification_sizes(llm, speculator, k)
     every_step = bool(args.measure_cost or args.forced_acceptance)
     return _Config(name, spec, llm, SpecResult(name, k, every_step, 0, 0.0))
+
+
+def _warm_up_verification_sizes(llm: Any, speculator: Any, k: int) -> None:
+    """Run one verification of every size (2 .. k + 1 rows) before the timed prompts:
+    a decode graph is recorded the first time its size runs (cpu_graphs.py), and the
+    real proposer's drafts would reach the sizes at random points of the timed run.
+    The proposer is swapped out meanwhile, so its caches see none of it."""
+    from kvflow.sampling_params import SamplingParams
+
+    proposer, speculator.proposer = speculator.proposer, _AlwaysPropose(cycle=True)
+    try:
+        prompt = _random_prompts(llm, 1)[0]
+        params = SamplingParams(max_tokens=2 * k + 2, temperature=0.0, ignore_eos=True)
+        llm.generate([prompt], params)
+    finally:
+        speculator.proposer = proposer
 
 
 def _zero_final_norms(llm: Any) -> None:
@@ -184,16 +233,33 @@ def _run_all(configs: list[_Config], args: argparse.Namespace) -> list[SpecResul
     for index, prompt in enumerate(prompts):
         for turn in range(len(configs)):
             config = configs[(index + turn) % len(configs)]
-            start = time.perf_counter()
-            tokens = len(config.llm.generate([prompt], params)[0].token_ids)
-            config.result.elapsed_s += time.perf_counter() - start
+            tokens, first_token_s, elapsed_s = _timed_request(config.llm, prompt, params)
+            config.result.elapsed_s += elapsed_s
             config.result.output_tokens += tokens
+            config.result.first_token_s += first_token_s
+            config.result.requests += 1
     for config, counts in zip(configs, before):
         after = _counters(config.llm)
         drafts, drafted, accepted = (a - b for a, b in zip(after, counts))
         config.result.drafts, config.result.draft_tokens = drafts, drafted
         config.result.accepted_tokens = accepted
     return [c.result for c in configs]
+
+
+def _timed_request(llm: Any, prompt: Any, params: Any) -> tuple[int, float, float]:
+    """One request alone: (output tokens, seconds to its first token, seconds in all).
+    Drives the engine as LLM.generate does, watching for the first token."""
+    request_id = f"spec-bench-{next(_REQUEST_IDS)}"
+    start = time.perf_counter()
+    first_token_s = 0.0
+    llm.engine.add_request(request_id, prompt, params)
+    output = None
+    while llm.engine.has_unfinished_requests():
+        for output in llm.engine.step():
+            if not first_token_s and output.token_ids:
+                first_token_s = time.perf_counter() - start
+    assert output is not None and output.finished
+    return len(output.token_ids), first_token_s, time.perf_counter() - start
 
 
 def _counters(llm: Any) -> tuple[int, int, int]:
@@ -254,18 +320,18 @@ def run(args: argparse.Namespace) -> int:
     if args.measure_cost:
         args.methods = args.methods.split(",")[0]
     results = _run_all([_load(name, spec, args) for name, spec in _configs(args)], args)
-    baseline = results[0].tokens_per_s
-    summaries = [r.summary(baseline) for r in results]
+    summaries = [r.summary(results[0]) for r in results]
     if args.json:
         print(json.dumps({"dataset": args.dataset, "results": summaries}))
         return 0
     print(f"dataset: {args.dataset}" + (" (every draft rejected)" if args.measure_cost else ""))
-    header = f"{'config':<12} {'tok/s':>8} {'x none':>7} {'accept':>7} {'mean len':>9}"
-    print(header + f" {'step cost':>10} {'break-even':>11}")
+    header = f"{'config':<12} {'tok/s':>8} {'x none':>7} {'decode tok/s':>13} {'x none':>7}"
+    print(header + f" {'accept':>7} {'mean len':>9} {'step cost':>10} {'break-even':>11}")
     for s in summaries:
         cost = f"{s['step_cost']:>10.3f} {s['break_even']:>11.3f}" if "step_cost" in s else ""
         print(
             f"{s['name']:<12} {s['output_tokens_per_s']:>8.2f} {s['speedup']:>7.3f} "
+            f"{s['decode_tokens_per_s']:>13.2f} {s['decode_speedup']:>7.3f} "
             f"{s['acceptance_rate']:>7.3f} {s['mean_acceptance_length']:>9.3f} {cost}"
         )
     return 0

@@ -64,3 +64,22 @@ def test_torch_backend_verifies_eagerly_with_the_same_tokens(
     tokens, llm = _generate(model_dir, spec, dtype="float32", attention_backend="torch")
     assert tokens == plain
     assert llm.engine.runner.decode_graphs is None
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_the_spec_bench_records_every_verification_size_before_timing(
+    tiny_model_dir: Callable[[str], Path], k: int
+) -> None:
+    # Otherwise the timed prompts pay a recording per draft length they happen to reach.
+    from kvflow.bench import spec_decode
+    from kvflow.cli.main import build_parser
+
+    argv = ["bench", "spec-decode", "--model", str(tiny_model_dir("llama")), "--dataset"]
+    args = build_parser().parse_args([*argv, "random", "--num-threads", "1"])
+    spec_decode.apply_shape_args(args)
+    config = spec_decode._load("ngram", {"method": "ngram", "num_speculative_tokens": k}, args)
+    graphs = config.llm.engine.runner.decode_graphs
+    assert isinstance(graphs, CpuDecodeGraphs)
+    assert sorted(n for n, _ in graphs.tapes) == list(range(1, k + 2))
+    speculator = config.llm.engine.scheduler.speculator
+    assert type(speculator.proposer).__name__ == "NgramProposer"  # the real one is back

@@ -32,12 +32,19 @@ def test_truncated_copy_keeps_the_first_layers(
         truncated_copy(src, tmp_path / "all", 2)
 
 
-def test_step_cost_is_tokens_per_step_over_speedup() -> None:
-    # 10 verification steps of k = 4 emitting 2 tokens each, at 1.5x the plain tok/s:
-    # a verification step cost 2 / 1.5 plain steps; break-even (c - 1) / k.
-    result = SpecResult("ngram", 4, True, 20, 1.0, 10, 40, 10)
-    summary = result.summary(baseline=20 / 1.5)
+def test_step_cost_is_tokens_per_step_over_the_decode_speedup() -> None:
+    # Two requests of 11 tokens each, 0.5 s of prefill in all (both configurations pay
+    # it alike). Plain decoding: 20 decode tokens in 2.0 s (10 tok/s). Speculation: 10
+    # verification steps of k = 4 emitting 2 tokens each, in 4/3 s (15 tok/s, 1.5x): a
+    # verification step cost 2 / 1.5 plain steps; break-even (c - 1) / k.
+    plain = SpecResult("none", 0, False, 22, 2.5, requests=2, first_token_s=0.5)
+    spec = SpecResult("ngram", 4, True, 22, 0.5 + 4 / 3, 10, 40, 10, 2, 0.5)
+    summary = spec.summary(baseline=plain)
+    assert summary["decode_tokens_per_s"] == pytest.approx(15.0, abs=1e-2)
+    assert summary["decode_speedup"] == pytest.approx(1.5, abs=1e-3)
+    # End to end the prefill dilutes the gain: 22 / 1.833 s against 22 / 2.5 s.
+    assert summary["speedup"] == pytest.approx(2.5 / (0.5 + 4 / 3), abs=1e-3)
     assert summary["mean_acceptance_length"] == 2.0
     assert summary["step_cost"] == pytest.approx(2 / 1.5, abs=1e-3)
     assert summary["break_even"] == pytest.approx((2 / 1.5 - 1) / 4, abs=1e-3)
-    assert "step_cost" not in SpecResult("ngram", 4, False, 20, 1.0, 10, 40, 10).summary(10.0)
+    assert "step_cost" not in SpecResult("ngram", 4, False, 22, 1.0, 10, 40, 10, 2).summary(plain)
