@@ -9,6 +9,7 @@ capture their graphs by the same rules.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +21,11 @@ from kvflow.metrics.startup_phases import StartupPhases
 from kvflow.model_limits import read_model_limits
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from kvflow.gpu_worker.model_runner import ModelRunner, RunnerConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,7 +83,24 @@ def build_runner(
     from kvflow.gpu_worker.host_memory import return_freed_heap
 
     return_freed_heap()  # what loading and profiling freed (gpu_worker/host_memory.py)
+    if peaks is not None and config.device.measure_weight_read and runner.device.type == "cpu":
+        with phases.measure("weight_read_pass"):
+            peaks = weight_read_peaks(peaks, runner.model)
     return BuiltRunner(runner, max_model_len, peaks)
+
+
+def weight_read_peaks(peaks: DevicePeaks, model: nn.Module) -> DevicePeaks:
+    """`peaks` with the bandwidth roof of a read pass over the model's own weights, in
+    this process, on the pages the decode steps will stream: a 2-vCPU guest reads its
+    DRAM at a speed set per process (kvflow/metrics/weight_read.py), so a calibration
+    taken elsewhere is no roof for this worker's steps."""
+    from kvflow.metrics.weight_read import read_pass_bytes_per_s, weight_tensors
+
+    nbytes, rate = read_pass_bytes_per_s(weight_tensors(model))
+    if not rate:
+        return peaks
+    logger.info("weights' read pass: %.2f GB at %.1f GB/s", nbytes / 1e9, rate / 1e9)
+    return DevicePeaks(peaks.flops, rate, f"{peaks.source} + weights' read pass")
 
 
 def _runner_config(

@@ -190,6 +190,12 @@ class DeviceConfig:
     peak_bandwidth: float | None = _opt(
         None, "the device's peak memory bytes/s for roofline %% (default: as --peak-flops)"
     )
+    measure_weight_read: bool = _opt(
+        False,
+        "CPU: at start-up, time a read pass over the loaded weights in the worker and "
+        "take it as the bandwidth roof (this process's own DRAM rate; replaces "
+        "--peak-bandwidth)",
+    )
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvflow.bench.weight_read import model_read_roof
+from kvflow.metrics.weight_read import model_read_roof
 from kvflow.metrics.device_peaks import recalibrate_if_exceeded, resolve_peaks
 from kvflow.metrics.roofline import roofline_report
 

@@ -107,3 +107,19 @@ def test_trace_file_after_sigterm(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert metrics["kvflow:device_peak_bytes_per_second"] > 0
     assert {f"phase:{p}" for p in WORKER_PHASES | {"model_resolve"}} <= set(metrics)
     assert metrics["phase:model_load"] > 0
+
+
+def test_measure_weight_read_sets_the_bandwidth_roof(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # The worker's own read pass over its weights replaces the --peak-bandwidth flag
+    # (1 byte/s here, far below any DRAM) and is a start-up phase of its own.
+    flags = ["--peak-flops", "1e12", "--peak-bandwidth", "1", "--measure-weight-read"]
+    server = start_server(tiny_model_dir, tmp_path, *flags)
+    try:
+        complete(server.base_url, PROMPTS[0])
+        metrics = settled_metrics(server.base_url, 1)
+    finally:
+        code, survivors = stop_server(server)
+    assert code == 0 and survivors == [], server.log_tail()
+    assert metrics["kvflow:device_peak_flops_per_second"] == 1e12
+    assert metrics["kvflow:device_peak_bytes_per_second"] > 1e8  # > 0.1 GB/s: a real pass
+    assert metrics["phase:weight_read_pass"] > 0

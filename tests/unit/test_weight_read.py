@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvflow.bench.weight_read import read_pass_bytes_per_s, weight_tensors
+from kvflow.metrics.weight_read import read_pass_bytes_per_s, weight_tensors
 
 
 @dataclass(frozen=True)
