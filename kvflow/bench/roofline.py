@@ -6,16 +6,16 @@ this turns them into achieved FLOP/s and bytes/s and their % of the device's pea
 is the model runner's `execute` (forward + sampling), timed in this process. A cached
 CPU calibration that a phase just beat (taken on a busy machine) is redone first. On
 the CPU, a read pass over the model's own weights, just after the run, gives the decode
-steps the read roof of the very pages they stream (weight_read.py).
+steps the read roof of the very pages they stream (kvflow/metrics/weight_read.py).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvflow.metrics.weight_read import model_read_roof
 from kvflow.metrics.device_peaks import recalibrate_if_exceeded, resolve_peaks
 from kvflow.metrics.roofline import roofline_report
+from kvflow.metrics.weight_read import model_read_roof
 
 if TYPE_CHECKING:
     from kvflow.offline.engine import LLMEngine
