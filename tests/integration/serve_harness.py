@@ -151,7 +151,8 @@ def group_members(pgid: int) -> list[int]:
 
 
 def child_pid(parent: int, comm: str) -> int | None:
-    """The child of `parent` whose /proc/<pid>/comm is `comm` (kvflow names its children)."""
+    """The live child of `parent` whose /proc/<pid>/comm is `comm` (kvflow names its
+    children); a killed child that its parent has not reaped yet (a zombie) is not one."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -160,8 +161,8 @@ def child_pid(parent: int, comm: str) -> int | None:
             name = Path(f"/proc/{entry}/comm").read_text().strip()
         except OSError:
             continue
-        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
-        if ppid == parent and name == comm:
+        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
+        if int(ppid) == parent and name == comm and state not in ("Z", "X"):
             return int(entry)
     return None
 
