@@ -35,6 +35,7 @@ from kvflow.bench import datasets, image_requests, request_client, serve_metrics
 from kvflow.bench.datasets import SampleRequest
 from kvflow.bench.request_client import RequestOutput
 from kvflow.bench.serve_report import RunSetup, format_summary, result_json, result_path
+from kvflow.bench.serve_roofline import format_timed_part, read_step_counters, timed_part
 from kvflow.bench.shapes import add_shape_args, shape_model_dir
 
 __all__ = ["BenchmarkRun", "add_args", "arrival_times", "run"]
@@ -46,6 +47,8 @@ class BenchmarkRun:
     outputs: list[RequestOutput]
     start_time: float  # perf_counter when the first arrival was due
     duration_s: float
+    # A kvflow server's own step counters over this run (serve_roofline.py), else None.
+    server_steps: dict[str, Any] | None = None
 
 
 def arrival_times(
@@ -192,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         _report(args, bench_run, run_setup, count_tokens, sweep)
 
     before = spec_decode_counts(base_url)
-    runs = asyncio.run(_run_rates(base_url + args.endpoint, payloads, requests, args, report))
+    runs = asyncio.run(_run_rates(base_url, payloads, requests, args, report))
     _report_acceptance(before, spec_decode_counts(base_url))
     if args.plot:
         _plot(runs, args.plot, count_tokens)
@@ -214,10 +217,15 @@ def _report(
     )
     names = args.percentile_metrics
     print(format_summary(metrics, setup, duration, names, bool(goodput)))
+    steps = bench_run.server_steps
+    if steps is not None:
+        print(format_timed_part(steps))
     if args.save_result:
         path = result_path(setup, args.result_dir, args.result_filename, sweep)
         path.parent.mkdir(parents=True, exist_ok=True)
         document = result_json(metrics, setup, outputs, duration, names, bool(goodput))
+        if steps is not None:
+            document["server_steps"] = steps
         path.write_text(json.dumps(document))
         print(f"Result saved to {path}")
 
@@ -267,21 +275,29 @@ def resolve_model(args: argparse.Namespace, base_url: str) -> tuple[str, str]:
 
 
 async def _run_rates(
-    url: str,
+    base_url: str,
     payloads: list[dict[str, Any]],
     requests: list[SampleRequest],
     args: argparse.Namespace,
     report: Callable[[BenchmarkRun], None],
 ) -> list[BenchmarkRun]:
-    """Check and warm up once, then one run per rate, each reported as it ends."""
+    """Check and warm up once, then one run per rate, each reported as it ends (with a
+    kvflow server's step counters over that run alone)."""
+    url = base_url + args.endpoint
     async with request_client.make_client(args.max_concurrency) as client:
         await check_and_warm_up(client, url, payloads[0], requests[0].prompt_len, args.num_warmups)
+        counters = await asyncio.to_thread(read_step_counters, base_url)
         runs = []
         for rate in args.request_rate:
             print(f"Traffic request rate: {rate}")
             print(f"Burstiness factor: {args.burstiness}")
             print(f"Maximum request concurrency: {args.max_concurrency}")
             runs.append(await benchmark(client, url, payloads, requests, rate, args))
+            if counters is not None:
+                after = await asyncio.to_thread(read_step_counters, base_url)
+                if after is not None:
+                    runs[-1].server_steps = timed_part(counters, after)
+                    counters = after
             report(runs[-1])
         return runs
 

@@ -69,8 +69,16 @@ def test_random_ignore_eos(server: Server, tiny_model_dir: Path, tmp_path: Path)
         "--num-prompts", "8", "--random-input-len", "24", "--random-output-len", "6",
         "--ignore-eos", "--percentile-metrics", ",".join(METRICS),
         "--metric-percentiles", "50,99", "--goodput", "e2el:600000", "ttft:600000",
+        "--num-warmups", "3",
     )  # fmt: skip
     doc = load(tmp_path / "random.json")
+    # The server's own steps over the timed part (the readings' difference: unit-tested
+    # in test_serve_roofline.py): 8 prompts of 24 tokens, 5 decoded tokens each.
+    steps = doc["server_steps"]
+    assert steps["peak_flops"] > 0 and steps["peak_bandwidth"] > 0
+    decode, prefill = steps["phases"]["decode"], steps["phases"]["prefill"]
+    assert 5 <= decode["steps"] <= 8 * 5 and 1 <= prefill["steps"] <= 8
+    assert decode["gb_per_s"] > 0 and decode["pct_bandwidth_roofline"] > 0
     for key in RESULT_KEYS:
         assert key in doc, key
     assert (doc["model_id"], doc["tokenizer_id"]) == (MODEL_NAME, str(tiny_model_dir))
