@@ -106,11 +106,15 @@ def test_roles_over_tcp(stack: Stack) -> None:
     assert reply["usage"]["completion_tokens"] == 5, reply
     # A peer without the cluster secret is refused by the scheduler and the detokenizer,
     # and the frontend's /metrics counts it under the role that refused it.
+    # Linger 0 on every socket: a socket closed with the default (wait forever) and a
+    # message its refused peer never takes blocks the context's term() for good.
     context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)
+    intruders = []
     for channel in ("scheduler_input", "detokenizer_input"):
-        intruder = context.socket(zmq.PUSH)
-        intruder.connect(stack.env[f"KVFLOW_ADDR_{channel.upper()}"])
-        intruder.send(b"\x00")
+        intruders.append(context.socket(zmq.PUSH))
+        intruders[-1].connect(stack.env[f"KVFLOW_ADDR_{channel.upper()}"])
+        intruders[-1].send(b"\x00")
     refused = {"scheduler": 0.0, "detokenizer": 0.0}
 
     def counted() -> bool:
@@ -118,7 +122,9 @@ def test_roles_over_tcp(stack: Stack) -> None:
         return refused["scheduler"] > 0 and refused["detokenizer"] > 0
 
     assert wait_for(counted, 10.0), refused
-    context.destroy(linger=0)
+    for intruder in intruders:
+        intruder.close(linger=0)
+    context.term()
     assert stack.complete(5).json()["usage"]["completion_tokens"] == 5  # still serving
     processes = stack.processes
     processes["scheduler"].send_signal(signal.SIGTERM)
