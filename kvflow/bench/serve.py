@@ -35,7 +35,7 @@ from kvflow.bench import datasets, image_requests, request_client, serve_metrics
 from kvflow.bench.datasets import SampleRequest
 from kvflow.bench.request_client import RequestOutput
 from kvflow.bench.serve_report import RunSetup, format_summary, result_json, result_path
-from kvflow.bench.serve_roofline import format_timed_part, read_step_counters, timed_part
+from kvflow.bench.serve_roofline import format_timed_part, read_step_counters, timed_part_since
 from kvflow.bench.shapes import add_shape_args, shape_model_dir
 
 __all__ = ["BenchmarkRun", "add_args", "arrival_times", "run"]
@@ -294,10 +294,8 @@ async def _run_rates(
             print(f"Maximum request concurrency: {args.max_concurrency}")
             runs.append(await benchmark(client, url, payloads, requests, rate, args))
             if counters is not None:
-                after = await asyncio.to_thread(read_step_counters, base_url)
-                if after is not None:
-                    runs[-1].server_steps = timed_part(counters, after)
-                    counters = after
+                steps, counters = await asyncio.to_thread(timed_part_since, counters, base_url)
+                runs[-1].server_steps = steps
             report(runs[-1])
         return runs
 

@@ -92,6 +92,15 @@ def timed_part(before: StepCounters, after: StepCounters) -> dict[str, Any]:
     }
 
 
+def timed_part_since(
+    before: StepCounters, base_url: str
+) -> tuple[dict[str, Any] | None, StepCounters]:
+    """(timed_part from `before` to a reading now, that reading); (None, before) when
+    the reading fails."""
+    after = read_step_counters(base_url)
+    return (None, before) if after is None else (timed_part(before, after), after)
+
+
 def format_timed_part(steps: dict[str, Any]) -> str:
     """The section `kvflow bench serve` prints under its summary."""
     width = 50
