@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvflow.config import EngineConfig
+from kvflow.errors import ConfigError
 from kvflow.kv_transfer_config import engine_kv_namespace
 from kvflow.metrics.device_peaks import DevicePeaks, resolve_peaks
 from kvflow.metrics.startup_phases import StartupPhases
@@ -83,7 +84,9 @@ def build_runner(
     from kvflow.gpu_worker.host_memory import return_freed_heap
 
     return_freed_heap()  # what loading and profiling freed (gpu_worker/host_memory.py)
-    if peaks is not None and config.device.measure_weight_read and runner.device.type == "cpu":
+    if peaks is not None and config.device.measure_weight_read:
+        if runner.device.type != "cpu":  # device=auto that resolved to a GPU
+            raise ConfigError("measure_weight_read times a CPU read pass: not on a GPU")
         with phases.measure("weight_read_pass"):
             peaks = weight_read_peaks(peaks, runner.model)
     return BuiltRunner(runner, max_model_len, peaks)

@@ -197,6 +197,10 @@ class DeviceConfig:
         "--peak-bandwidth)",
     )
 
+    def __post_init__(self) -> None:
+        if self.measure_weight_read and self.device == "cuda":
+            raise ConfigError("measure_weight_read times a CPU read pass: not with device=cuda")
+
 
 @dataclass(frozen=True)
 class SpeculativeOptions:

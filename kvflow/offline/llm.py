@@ -60,6 +60,11 @@ class LLM:
                 "max_waiting_requests and max_queue_delay shed a server's load; LLM.generate "
                 "runs every prompt it is given (set them on `kvflow serve`)"
             )
+        if config.device.measure_weight_read:
+            raise ConfigError(
+                "measure_weight_read sets a server's /metrics bandwidth roof; `kvflow bench "
+                "throughput` reports the weights' read pass offline (set it on `kvflow serve`)"
+            )
         keep_freed_memory()  # this process runs the model's steps
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -54,3 +54,14 @@ def test_the_timed_part_is_the_difference_of_two_readings() -> None:
 def test_a_server_without_kvflow_counters_has_no_section() -> None:
     vllm_page = 'vllm:num_requests_running{model_name="m"} 0.0\n'
     assert parse_step_counters(vllm_page) is None
+
+
+def test_measure_weight_read_is_refused_where_it_would_do_nothing() -> None:
+    from kvflow import LLM
+    from kvflow.config import DeviceConfig
+    from kvflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="device=cuda"):
+        DeviceConfig(device="cuda", measure_weight_read=True)
+    with pytest.raises(ConfigError, match="kvflow serve"):
+        LLM(measure_weight_read=True)  # the offline engine exports no roofs
