@@ -169,8 +169,9 @@ class EngineCore:
         self.grammars.collect()
         deltas = []
         for req_id, pending in list(self.waiting_for_grammar.items()):
-            error = self._grammar_error(pending, now)
-            if error is None and not pending.future.done():
+            done = pending.future.done()  # read once: the compile thread may finish meanwhile
+            error = self._grammar_error(pending, done, now)
+            if error is None and not done:
                 continue
             del self.waiting_for_grammar[req_id]
             request = pending.request
@@ -204,8 +205,8 @@ class EngineCore:
             jump_forward_tokens=self.scheduler.num_jump_forward_tokens,
         )
 
-    def _grammar_error(self, pending: PendingGrammar, now: float) -> str | None:
-        if pending.future.done():
+    def _grammar_error(self, pending: PendingGrammar, done: bool, now: float) -> str | None:
+        if done:
             exc = pending.future.exception()
             return None if exc is None else f"structured_outputs: {exc}"
         if now < pending.deadline:

@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,28 @@ def test_a_grammar_no_token_can_begin_fails_that_request_with_its_param(tokenize
     (delta,) = [d for d in deltas if d.req_id == "unwritable"]
     assert delta.finish_reason == "error" and delta.error_param == "structured_outputs"
     assert "no token of this model's vocabulary can begin" in (delta.error or "")
+
+
+class _FailsOnceLookedAt(Future):  # type: ignore[type-arg]
+    """A compile that fails just after the loop first asks whether it is done."""
+
+    def done(self) -> bool:
+        was_done = super().done()
+        if not was_done:
+            self.set_exception(ValueError("failed between two looks"))
+        return was_done
+
+
+def test_a_compile_failing_while_polled_fails_only_its_request(tokenizer: Any) -> None:
+    # The compile thread may finish between two reads of future.done(); reading it twice
+    # once raised the compile's error out of the loop (a CI find).
+    core = make_core(tokenizer, 1, 64, compiler_for(tokenizer))
+    add(core, "guided", StructuredOutputsParams(regex=REGEX))
+    core.waiting_for_grammar["guided"].future = _FailsOnceLookedAt()
+    assert core.poll_grammars(now=0.0) == []  # not done when looked at: it waits
+    (delta,) = core.poll_grammars(now=0.0)
+    assert delta.finish_reason == "error" and "failed between two looks" in (delta.error or "")
+    assert not core.has_unfinished_requests()
 
 
 def test_abort_while_compiling(tokenizer: Any) -> None:
