@@ -3,11 +3,13 @@
 Each linear layer and the LM head gets `packed_weight`, its weight laid out for the
 kernel that will serve it:
 
-* bfloat16 on a CPU with AVX512_BF16 (and an even input width): the native bf16 GEMM's
-  panels (kernels/cpu/bf16_gemm.py: ahead of oneDNN at every shape and batch size
-  measured, 1.1-1.25x per decode step at batch 64 on one thread, 2x at batch 8); an
-  MLP's gate|up layer in halves, so that the GEMM applies SiLU*up as it goes;
-* otherwise oneDNN's blocked layout (kernels/cpu/packed_linear.py: the same results as
+* bfloat16 on a CPU with AVX512_BF16 and no AMX (and an even input width): the native
+  bf16 GEMM's panels (kernels/cpu/bf16_gemm.py: ahead of oneDNN at every shape and batch
+  size measured there, 1.1-1.25x per decode step at batch 64 on one thread, 2x at batch
+  8); an MLP's gate|up layer in halves, so that the GEMM applies SiLU*up as it goes;
+* otherwise oneDNN's blocked layout. On a CPU with AMX this includes bfloat16: oneDNN's
+  AMX kernels lead the native GEMM 1.6x at 8 rows and 4.7x at 64 over the 1B shape's
+  layers (12x at 256), and trail it 1.25x at one row (docs/benchmarks.md, "bf16 on AMX") (kernels/cpu/packed_linear.py: the same results as
   F.linear, 1.25-1.7x faster per decode step in bfloat16 than F.linear).
 
 The layer's plain weight is then freed, so the model's memory does not double; kept is
@@ -44,9 +46,9 @@ from kvflow.kernels.cpu.linear import PackedWeight
 logger = logging.getLogger(__name__)
 
 # Module switches: benchmarks compare the packed route with the plain one in one
-# process, and the native bf16 GEMM with oneDNN.
+# process, and the native bf16 GEMM with oneDNN (None: by the CPU, `_native_bf16`).
 PACK_WEIGHTS = True
-NATIVE_BF16 = True
+NATIVE_BF16: bool | None = None
 FUSED_SILU = True
 _LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 _TRIM_BYTES = 512 << 20
@@ -70,8 +72,14 @@ def pack(weight: torch.Tensor, glu: bool = False) -> PackedWeight | None:
     """`weight` in the layout of the kernel that serves it best, or None (not packable).
     `glu`: a gate|up weight, packed (for the native bf16 GEMM) so that the GEMM can apply
     SiLU*up itself."""
-    panels = bf16_gemm.pack(weight, glu=glu and FUSED_SILU) if NATIVE_BF16 else None
+    panels = bf16_gemm.pack(weight, glu=glu and FUSED_SILU) if _native_bf16() else None
     return panels if panels is not None else packed_linear.pack(weight)
+
+
+def _native_bf16() -> bool:
+    """Whether bf16 layers go to the native GEMM (where it runs): not where oneDNN has
+    AMX, whose tiles outrun AVX512_BF16 from a few rows up."""
+    return NATIVE_BF16 if NATIVE_BF16 is not None else not packed_linear.amx_bf16()
 
 
 def pack_weights(model: nn.Module) -> int:

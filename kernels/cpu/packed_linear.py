@@ -20,8 +20,11 @@ layer's plain weight can be freed once packed (gpu_worker/weight_packing.py).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+
+from kvflow.kernels.cpu.native_build import cpu_flags
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -36,6 +39,16 @@ def available(dtype: torch.dtype) -> bool:
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return False
     return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
+
+
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 on AMX here: the CPU has AMX-BF16 and
+    ONEDNN_MAX_CPU_ISA (or its old name DNNL_MAX_CPU_ISA), where set, admits an AMX ISA."""
+    if not available(torch.bfloat16) or "amx_bf16" not in cpu_flags():
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL"
+    return cap.upper() == "ALL" or "AMX" in cap.upper()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:

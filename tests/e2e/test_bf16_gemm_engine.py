@@ -1,6 +1,6 @@
-"""The native bf16 GEMM in the offline engine: on a CPU with AVX512_BF16, bf16 models'
-linear layers (the LM head included) are packed for it and every call runs it, and
-greedy tokens are those of the oneDNN route it replaces."""
+"""The native bf16 GEMM in the offline engine: on a CPU with AVX512_BF16 and no AMX, bf16
+models' linear layers (the LM head included) are packed for it and every call runs it,
+and greedy tokens are those of the oneDNN route it replaces. With AMX, oneDNN keeps them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.gpu_worker import weight_packing
-from kvflow.kernels.cpu import bf16_gemm
+from kvflow.kernels.cpu import bf16_gemm, packed_linear
 
 pytestmark = [
     pytest.mark.native(bf16_gemm._library() is not None),
@@ -62,6 +62,7 @@ def test_fused_silu_and_mul_leaves_logprobs_bit_for_bit(
 ) -> None:
     path = str(tiny_model_dir("llama"))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    monkeypatch.setattr(weight_packing, "NATIVE_BF16", True)  # an AMX CPU defaults to oneDNN
     results = []
     for fused in (False, True):
         monkeypatch.setattr(weight_packing, "FUSED_SILU", fused)
@@ -71,3 +72,14 @@ def test_fused_silu_and_mul_leaves_logprobs_bit_for_bit(
         outputs = llm.generate(PROMPTS, params)
         results.append([(o.token_ids, o.logprobs) for o in outputs])
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_default_route_follows_amx(
+    tiny_model_dir: Any, amx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # AMX tiles outrun AVX512_BF16 from a few rows up: there oneDNN keeps the layers.
+    monkeypatch.setattr(packed_linear, "amx_bf16", lambda: amx)
+    llm = LLM(str(tiny_model_dir("llama")), dtype="bfloat16", num_threads=1, kv_cache_memory=0.1)
+    layer = llm.engine.runner.model.model.layers[0].mlp.gate_up_proj
+    assert isinstance(layer.packed_weight, bf16_gemm.PanelWeight) is not amx
