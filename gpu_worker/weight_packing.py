@@ -7,10 +7,11 @@ kernel that will serve it:
   bf16 GEMM's panels (kernels/cpu/bf16_gemm.py: ahead of oneDNN at every shape and batch
   size measured there, 1.1-1.25x per decode step at batch 64 on one thread, 2x at batch
   8); an MLP's gate|up layer in halves, so that the GEMM applies SiLU*up as it goes;
-* otherwise oneDNN's blocked layout. On a CPU with AMX this includes bfloat16: oneDNN's
-  AMX kernels lead the native GEMM 1.6x at 8 rows and 4.7x at 64 over the 1B shape's
-  layers (12x at 256), and trail it 1.25x at one row (docs/benchmarks.md, "bf16 on AMX") (kernels/cpu/packed_linear.py: the same results as
-  F.linear, 1.25-1.7x faster per decode step in bfloat16 than F.linear).
+* otherwise oneDNN's blocked layout (kernels/cpu/packed_linear.py: the same results as
+  F.linear, 1.25-1.7x faster per decode step in bfloat16 than F.linear). On a CPU with
+  AMX this includes bfloat16: oneDNN's AMX kernels lead the native GEMM 1.6x at 8 rows
+  and 4.7x at 64 over the 1B shape's layers (12x at 256), and trail it 1.25x at one row
+  (docs/benchmarks.md, "bf16 on an AMX Xeon").
 
 The layer's plain weight is then freed, so the model's memory does not double; kept is
 only an LM head's weight tied to the embedding (the embedding's lookup reads it). The
